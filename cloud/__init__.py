@@ -1,0 +1,1 @@
+"""cloud/: AWS, Azure and local instance providers for standbys. Not built yet: see the open issues."""

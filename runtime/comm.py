@@ -1,0 +1,140 @@
+"""The process group of the current generation, and the gradient exchange over it.
+
+One `Communicator` per process. It builds the group of a generation from a `PrefixStore` named after it,
+tears it down without leaving the process when a peer is lost, and all-reduces gradients held in flat
+buckets (the parameters' `.grad` are views into them, so backward writes where the exchange reads).
+Gloo on CPU; NCCL on GPU with non-blocking communicators that can be aborted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("trainmover.runtime")
+
+
+class CommFailure(RuntimeError):
+    """A collective or point-to-point operation failed: a peer is gone or the group was broken."""
+
+
+class Communicator:
+    """Owns this process's membership in one generation's process group."""
+
+    def __init__(self, backend: str, store: dist.Store, timeout_s: float, device: torch.device) -> None:
+        self.backend = backend
+        self.store = store
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        self.gen: int | None = None
+
+    def build(self, gen: int, rank: int, world_size: int) -> None:
+        self.teardown()
+        kwargs: dict[str, object] = {}
+        if self.backend == "nccl":
+            # Non-blocking communicators let abort() interrupt a collective stuck on a lost peer.
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.blocking = 0
+            kwargs["pg_options"] = options
+            kwargs["device_id"] = self.device
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"g{gen}", self.store),
+            rank=rank,
+            world_size=world_size,
+            timeout=self.timeout,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.gen = gen
+
+    def teardown(self) -> None:
+        """Leave the current group. Safe to call when a peer is gone or when there is no group.
+
+        Gloo closes its sockets only when the last reference to the group is gone, and peers that have not
+        seen the error yet stay blocked until then: so drop references first (gc), then destroy.
+        """
+        if self.gen is None or not dist.is_initialized():
+            self.gen = None
+            return
+        gc.collect()
+        if self.backend == "nccl":
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception as exc:  # an aborted communicator may complain; the group is gone either way
+                    log.debug("NCCL abort: %s", exc)
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:
+            log.debug("destroy_process_group after failure: %s", exc)
+        self.gen = None
+
+
+class GradientBuckets:
+    """Flat gradient buffers, one or more per (device, dtype), with every `.grad` a view into them."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = 64 << 20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.flats: list[torch.Tensor] = []
+        self.views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        for (device, dtype), members in groups.items():
+            bucket: list[torch.nn.Parameter] = []
+            size = 0
+            for param in members:
+                if bucket and (size + param.numel()) * param.element_size() > bucket_bytes:
+                    self._allocate(bucket, device, dtype)
+                    bucket, size = [], 0
+                bucket.append(param)
+                size += param.numel()
+            if bucket:
+                self._allocate(bucket, device, dtype)
+        self.attach()
+
+    def _allocate(self, bucket: list[torch.nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+        flat = torch.zeros(sum(p.numel() for p in bucket), device=device, dtype=dtype)
+        offset = 0
+        for p in bucket:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            self.views.append((p, view))
+            offset += p.numel()
+        self.flats.append(flat)
+
+    def attach(self) -> None:
+        """Make every `.grad` our view again (user code may have set it to None or replaced it)."""
+        for p, view in self.views:
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def zero(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+
+    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], None] | None = None) -> None:
+        """Sum every bucket over the group, then divide: the same bits on every rank, every time."""
+        self.attach()  # backward may have produced a fresh tensor if user code dropped our view
+        failure: str | None = None
+        try:
+            works = [dist.all_reduce(flat, async_op=True) for flat in self.flats]
+            if on_issued is not None:
+                on_issued()
+            for work in works:
+                work.wait()
+            del works
+        except RuntimeError as exc:  # Gloo/NCCL report a lost peer as a plain RuntimeError/DistBackendError
+            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if failure is not None:
+            # Raised outside the except block so that no traceback keeps the broken group's Work alive.
+            raise CommFailure(failure)
+        for flat in self.flats:
+            flat.div_(world_size)

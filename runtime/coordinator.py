@@ -1,0 +1,503 @@
+"""The coordinator: the authority on membership, running off the training processes.
+
+It hosts the job's store, watches every process (exit status and heartbeat), fences a hung one, declares
+members dead, promotes warm standbys into their logical ranks by publishing a new generation, orders
+replacement standbys, and turns the members' reports into `recovered` events. Processes come from a
+`ProcessPool` (local subprocesses here; cloud instances behind the same small interface later).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from runtime import store as keys
+from runtime.auth import verify
+from runtime.events import EventLog
+from runtime.faults import parse_plan
+from runtime.membership import Generation
+
+log = logging.getLogger("trainmover.coordinator")
+
+LOOP_S = 0.005
+HEALTH_EVERY_S = 0.05
+
+
+class ProcessHandle(Protocol):
+    """One training process as the coordinator sees it."""
+
+    name: str
+    role: str
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout_s: float) -> int | None: ...
+
+
+class ProcessPool(Protocol):
+    def spawn(self, name: str, role: str) -> ProcessHandle: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    """Detection and replacement knobs (the launcher fills them from its command line)."""
+
+    job_id: str
+    job_token: str
+    nproc: int
+    standby: int
+    hang_timeout_s: float = 2.0
+    """A process whose heartbeat is silent this long is declared hung, fenced (SIGKILL) and replaced."""
+    startup_timeout_s: float = 180.0
+    """Longest a process may take from start to its first heartbeat."""
+    standby_wait_s: float = 30.0
+    """With no standby ready, how long to wait for one (a replacement warming up) before stopping the job."""
+    replenish: bool = True
+    """Start a new standby whenever one is promoted or lost, keeping the pool at `standby`."""
+    exit_grace_s: float = 60.0
+    """After training completes, how long processes may take to exit before they are killed."""
+    faults: str = ""
+    start_when_standbys_ready: bool = False
+    """Hold the workers at generation 0 until every standby is warm, so that the first failure is covered."""
+
+
+@dataclass
+class Member:
+    handle: ProcessHandle
+    started_at: float
+    hello_ok: bool = False
+    ready: bool = False
+    hb_value: int = -1
+    hb_changed_at: float = 0.0
+    hb_changed_wall: float = 0.0
+    dead: bool = False
+    exit_code: int | None = None
+    assigned_gen: int | None = None
+
+
+@dataclass
+class Death:
+    rank: int
+    proc: str
+    pid: int
+    cause: str
+    failure_at: float
+    declared_at: float
+
+
+@dataclass
+class PendingRecovery:
+    gen: Generation
+    deaths: list[Death]
+    declared_at: float
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How a job ended."""
+
+    exit_code: int
+    message: str
+    events: list[dict[str, Any]]
+    digests: dict[str, str]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class JobFailed(Exception):
+    pass
+
+
+class Coordinator:
+    """Runs one job to its end; `run()` returns how it ended."""
+
+    def __init__(
+        self, settings: CoordinatorSettings, store: dist.TCPStore, pool: ProcessPool, events: EventLog
+    ) -> None:
+        self.s = settings
+        self.store = store
+        self.pool = pool
+        self.events = events
+        self.procs: dict[str, Member] = {}
+        self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
+        self.pending_deaths: dict[int, Death] = {}
+        self.waiting_since: float | None = None
+        self.recoveries: list[PendingRecovery] = []
+        self.failed_seen_at: float | None = None
+        self.completing_since: float | None = None
+        self.stop_sent = False
+        self.next_standby = 0
+        self.spawned_standbys = 0
+        self.fault_count = len(parse_plan(settings.faults))
+        self.started = False
+        self._fault_records: dict[int, dict[str, Any]] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        t0 = time.time()
+        keys.set_json(self.store, "job/config", {"nproc": self.s.nproc, "job_id": self.s.job_id})
+        self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby)
+        for name in self.gen.members:
+            self._spawn(name, "worker")
+        for _ in range(self.s.standby):
+            self._spawn_standby()
+        self.started = not self.s.start_when_standbys_ready
+        if self.started:
+            self._publish(self.gen)
+            self._emit_generation(self.gen)
+        next_health = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                self._poll_exits()
+                if now >= next_health and self.completing_since is None:
+                    next_health = now + HEALTH_EVERY_S
+                    self._poll_health(now)
+                result = self._progress(now)
+                if result is not None:
+                    return self._finish(result, t0)
+                time.sleep(LOOP_S)
+        except JobFailed as exc:
+            return self._finish(JobResult(1, str(exc), [], {}), t0)
+        except KeyboardInterrupt:
+            return self._finish(JobResult(130, "interrupted; every process was stopped", [], {}), t0)
+
+    def _finish(self, result: JobResult, t0: float) -> JobResult:
+        self._flush_recoveries(final=True)
+        digests = self._digests()
+        if result.exit_code == 0:
+            self.events.emit("job_finished", wall_s=time.time() - t0, generation=self.gen.gen, digests=digests,
+                             final_digest=digests.get(self.gen.members[0]))
+        else:
+            self.events.emit("job_failed", wall_s=time.time() - t0, reason=result.message, exit_code=result.exit_code)
+        self._shutdown()
+        return JobResult(result.exit_code, result.message, list(self.events.events), digests)
+
+    def _shutdown(self) -> None:
+        if not self.stop_sent:
+            self.store.set(keys.k_stop(), "1")
+            self.stop_sent = True
+        deadline = time.monotonic() + 10.0
+        members = set(self.gen.members)
+        for name, m in self.procs.items():
+            if name not in members:
+                m.handle.kill()  # an unpromoted standby holds nothing worth an orderly exit
+        for m in self.procs.values():
+            if m.handle.poll() is None:
+                m.handle.wait(max(0.0, deadline - time.monotonic()))
+            if m.handle.poll() is None:
+                m.handle.kill()
+                m.handle.wait(5.0)
+
+    # -- processes -----------------------------------------------------------------------------------
+    def _spawn(self, name: str, role: str) -> None:
+        handle = self.pool.spawn(name, role)
+        now = time.monotonic()
+        self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=time.time())
+
+    def _spawn_standby(self) -> str:
+        name = f"s{self.next_standby}"
+        self.next_standby += 1
+        self.spawned_standbys += 1
+        self._spawn(name, "standby")
+        return name
+
+    def _members(self) -> dict[str, int]:
+        return {proc: rank for rank, proc in enumerate(self.gen.members)}
+
+    def _poll_exits(self) -> None:
+        for name, m in self.procs.items():
+            if m.dead:
+                continue
+            code = m.handle.poll()
+            if code is not None:
+                self._declare_dead(name, describe_exit(code), code)
+
+    def _declare_dead(self, name: str, cause: str, code: int | None, failure_at: float | None = None) -> None:
+        m = self.procs[name]
+        m.dead = True
+        m.exit_code = code
+        rank = self._members().get(name)
+        if self.completing_since is not None:
+            return  # training is over; exits now are the script's own business, judged at the end
+        self._check_fatal(name)
+        if rank is None:
+            if not m.ready and code == 0:
+                return
+            self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause)
+            log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
+            if self.s.replenish and self.spawned_standbys < self.s.standby * 10 + 10:
+                self._spawn_standby()
+            return
+        now_wall = time.time()
+        fault = self._fault_for(name)
+        failure = failure_at or (fault["time"] if fault else now_wall)
+        death = Death(rank, name, m.handle.pid, cause, failure, now_wall)
+        self.pending_deaths[rank] = death
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        step = fault.get("step") if fault else None
+        self.events.emit("member_failed", generation=self.gen.gen, rank=rank, proc=name, pid=m.handle.pid,
+                         cause=cause, step=step, failure_at=failure, declared_at=now_wall,
+                         detect_s=now_wall - failure)
+        where = f" at step {step}" if step is not None else ""
+        log.warning("worker %s (rank %d, pid %d) %s%s", name, rank, m.handle.pid, cause, where)
+
+    def _fault_for(self, name: str) -> dict[str, Any] | None:
+        for i in range(self.fault_count):
+            if i not in self._fault_records and self.store.check([keys.k_fault(i)]):
+                self._fault_records[i] = json.loads(self.store.get(keys.k_fault(i)))
+        matches = [r for r in self._fault_records.values() if r["proc"] == name]
+        return matches[-1] if matches else None
+
+    def _poll_health(self, now: float) -> None:
+        for name, m in self.procs.items():
+            if m.dead:
+                continue
+            if not m.hello_ok and self.store.check([keys.k_hello(name)]):
+                hello = keys.get_json(self.store, keys.k_hello(name))
+                if hello.get("pid") == m.handle.pid and verify(
+                    self.s.job_token, str(hello.get("proof", "")), "hello", self.s.job_id, name, m.handle.pid
+                ):
+                    m.hello_ok = True
+                else:
+                    self._fence(name, "failed to prove it belongs to the job")
+                    continue
+            value = keys.get_int(self.store, keys.k_heartbeat(name))
+            if value != m.hb_value:
+                m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, time.time()
+            elif m.hb_value < 0 and now - m.started_at > self.s.startup_timeout_s:
+                self._fence(name, f"did not start within {self.s.startup_timeout_s:.0f} s")
+            elif m.hb_value >= 0 and now - m.hb_changed_at > self.s.hang_timeout_s:
+                self._fence(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)", m.hb_changed_wall)
+            if (
+                m.handle.role == "standby" and not m.ready and not m.dead and m.hello_ok
+                and self.store.check([keys.k_ready(name)])
+            ):
+                m.ready = True
+                warm = keys.get_json(self.store, keys.k_ready(name))
+                self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
+                                 ready_after_s=now - m.started_at)
+            if self.completing_since is None:
+                self._check_fatal(name)
+
+    def _check_fatal(self, name: str) -> None:
+        fatal = keys.get_json_or_none(self.store, keys.k_fatal(name))
+        if fatal is not None:
+            last = fatal["message"].strip().splitlines()[-1] if fatal["message"].strip() else "?"
+            raise JobFailed(
+                f"the training script failed in {name}: {last}\n"
+                "This is an error in the script itself, so a standby would fail the same way; the job was "
+                "stopped. Full traceback above."
+            )
+
+    def _fence(self, name: str, cause: str, failure_at: float | None = None) -> None:
+        """Make sure a process declared dead cannot come back and write into the job (kill, then reap)."""
+        m = self.procs[name]
+        m.handle.kill()
+        m.handle.wait(5.0)
+        self._declare_dead(name, cause, m.handle.poll(), failure_at)
+
+    # -- membership ----------------------------------------------------------------------------------
+    def _progress(self, now: float) -> JobResult | None:
+        if not self.started:
+            if sum(m.ready for m in self.procs.values()) >= self.s.standby:
+                self.started = True
+                self._publish(self.gen)
+                self._emit_generation(self.gen)
+            elif now - min(m.started_at for m in self.procs.values()) > self.s.startup_timeout_s:
+                raise JobFailed(f"the standbys were not warm within {self.s.startup_timeout_s:.0f} s; "
+                                "check that the script runs, or start without waiting for standbys")
+            return None
+        if self.completing_since is not None:
+            return self._progress_completion(now)
+        if self._all_done():
+            self.completing_since = now
+            self.pending_deaths.clear()
+            return None
+        self._handle_failed_reports(now)
+        if self.pending_deaths:
+            self._replace(now)
+        self._flush_recoveries()
+        return None
+
+    def _all_done(self) -> bool:
+        return all(self.store.check([keys.k_done(self.gen.gen, r)]) for r in range(self.gen.world_size))
+
+    def _progress_completion(self, now: float) -> JobResult | None:
+        members = [self.procs[p] for p in self.gen.members]
+        if not self.stop_sent and all(self.store.check([keys.k_digest(p)]) or self.procs[p].dead
+                                      for p in self.gen.members):
+            self.store.set(keys.k_stop(), "1")  # releases the standbys nobody needed
+            self.stop_sent = True
+        if all(m.dead or m.handle.poll() is not None for m in members):
+            codes = {p: self.procs[p].handle.poll() for p in self.gen.members}
+            bad = {p: c for p, c in codes.items() if c}
+            if bad:
+                return JobResult(1, "training completed but the script then failed in "
+                                 + ", ".join(f"{p} ({describe_exit(c or 0)})" for p, c in bad.items()), [], {})
+            return JobResult(0, f"training completed in generation {self.gen.gen}", [], {})
+        if now - self.completing_since > self.s.exit_grace_s:  # type: ignore[operator]
+            return JobResult(1, f"training completed but workers did not exit within {self.s.exit_grace_s:.0f} s",
+                             [], {})
+        return None
+
+    def _handle_failed_reports(self, now: float) -> None:
+        """A member saw a collective fail. Usually a death explains it; if none does, rebuild anyway."""
+        reports = [keys.get_json(self.store, keys.k_failed(self.gen.gen, p)) for p in self.gen.members
+                   if self.store.check([keys.k_failed(self.gen.gen, p)])]
+        if not reports:
+            self.failed_seen_at = None
+            return
+        for r in reports:
+            untrusted = r.get("untrusted_rank")
+            if untrusted is not None and not self.procs[self.gen.members[untrusted]].dead:
+                self._fence(self.gen.members[untrusted], "failed to prove it belongs to the job during a handoff")
+        if self.pending_deaths:
+            return
+        if self.failed_seen_at is None:
+            self.failed_seen_at = now
+        elif now - self.failed_seen_at > self.s.hang_timeout_s:
+            self.failed_seen_at = None
+            message = reports[0].get("message", "")
+            new = Generation(self.gen.gen + 1, self.gen.members, f"collective error without a lost member: {message}")
+            log.warning("collective error without a lost member (%s); rebuilding the groups", message)
+            self._publish(new)
+            self._emit_generation(new)
+
+    def _replace(self, now: float) -> None:
+        ready = [n for n, m in self.procs.items() if m.handle.role == "standby" and m.ready and m.hello_ok
+                 and not m.dead and m.assigned_gen is None]
+        deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
+        if len(ready) < len(deaths):
+            if self.s.replenish:
+                live = [n for n, m in self.procs.items() if m.handle.role == "standby" and not m.dead
+                        and m.assigned_gen is None]
+                for _ in range(len(deaths) - len(live)):
+                    self._spawn_standby()
+            assert self.waiting_since is not None
+            if now - self.waiting_since > self.s.standby_wait_s:
+                lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
+                raise JobFailed(
+                    f"lost {lost} and no standby became ready within {self.s.standby_wait_s:.0f} s; the job was "
+                    "stopped. Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS)."
+                )
+            return
+        assignment = {d.rank: ready[i] for i, d in enumerate(deaths)}
+        reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
+        new = self.gen.replace(assignment, reason)
+        declared_at = time.time()
+        for proc in assignment.values():
+            self.procs[proc].assigned_gen = new.gen
+        self._publish(new, assign=list(assignment.values()))
+        # Deaths whose generation was superseded before it trained a step are part of this recovery.
+        earlier = [r for r in self.recoveries if not r.reports]
+        for r in earlier:
+            self.recoveries.remove(r)
+        merged = [d for r in earlier for d in r.deaths] + deaths
+        self.recoveries.append(PendingRecovery(new, merged, declared_at))
+        self._emit_generation(new)
+        self.pending_deaths.clear()
+        self.waiting_since = None
+        if self.s.replenish:
+            for _ in assignment:
+                self.events.emit("standby_spawned", proc=self._spawn_standby(), reason="replace a promoted standby")
+
+    def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
+        keys.set_json(self.store, keys.k_gen(gen.gen), gen.to_json())
+        for proc in assign or []:
+            self.store.set(keys.k_assign(proc), str(gen.gen))
+        self.store.set(keys.k_current_gen(), str(gen.gen))
+        self.gen = gen
+
+    def _emit_generation(self, gen: Generation) -> None:
+        self.events.emit(
+            "generation", generation=gen.gen, reason=gen.reason, world_size=gen.world_size,
+            members=[{"rank": r, "proc": p, "pid": self.procs[p].handle.pid if p in self.procs else None}
+                     for r, p in enumerate(gen.members)],
+            replaced=[{"rank": r, "old": a, "new": b} for r, a, b in gen.replaced],
+        )
+
+    # -- reports -------------------------------------------------------------------------------------
+    def _flush_recoveries(self, final: bool = False) -> None:
+        for rec in list(self.recoveries):
+            g = rec.gen.gen
+            for r in range(rec.gen.world_size):
+                if r not in rec.reports and self.store.check([keys.k_report(g, r)]):
+                    rec.reports[r] = keys.get_json(self.store, keys.k_report(g, r))
+            complete = len(rec.reports) == rec.gen.world_size
+            superseded = self.gen.gen > g
+            if complete or final or (superseded and rec.reports):
+                self.recoveries.remove(rec)
+                if rec.reports:
+                    self._emit_recovered(rec)
+
+    def _emit_recovered(self, rec: PendingRecovery) -> None:
+        reports = list(rec.reports.values())
+        failure_at = min(d.failure_at for d in rec.deaths)
+        declared_at = max(d.declared_at for d in rec.deaths)
+        group_ready = max(r["group_ready_at"] for r in reports)
+        handoff_end = max(r["handoff_end_at"] for r in reports)
+        replay_done = max((r.get("replay_done_at") or handoff_end) for r in reports)
+        penalties = [
+            max(0.0, sum(r["post_steps_s"]) - len(r["post_steps_s"]) * r["steady_step_s"])
+            for r in reports if r.get("steady_step_s") and r.get("post_steps_s")
+        ]
+        components = {
+            "detect_s": rec.deaths[0].declared_at - failure_at,
+            "reconfigure_s": group_ready - declared_at,
+            "handoff_s": max(r["handoff_s"] for r in reports),
+            "replay_s": replay_done - handoff_end,
+            "warmup_penalty_s": statistics.mean(penalties) if penalties else 0.0,
+        }
+        recovery_s = replay_done - failure_at
+        replay_step = reports[0]["replay_step"]
+        self.events.emit(
+            "recovered", generation=rec.gen.gen, step=replay_step,
+            ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
+            causes=[d.cause for d in rec.deaths], recovery_s=recovery_s,
+            handoff_bytes=sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
+            sources=sorted(r["rank"] for r in reports if r["role"] == "source"), **components,
+        )
+        for d in rec.deaths:
+            new = rec.gen.members[d.rank]
+            log.warning("worker %s (pid %d) died at step %d (%s); standby %s took rank %d in %.2f s "
+                        "(detect %.3f, reconfigure %.3f, handoff %.3f, replay %.3f)", d.proc, d.pid, replay_step,
+                        d.cause, new, d.rank, recovery_s, components["detect_s"], components["reconfigure_s"],
+                        components["handoff_s"], components["replay_s"])
+
+    def _digests(self) -> dict[str, str]:
+        out = {}
+        for p in self.gen.members:
+            if self.store.check([keys.k_digest(p)]):
+                out[p] = self.store.get(keys.k_digest(p)).decode()
+        return out
+
+
+def configure_logging(quiet: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[trainmover] %(message)s"))
+    for name in ("trainmover.coordinator", "trainmover.launcher"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(logging.ERROR if quiet else logging.INFO)
+        lg.propagate = False

@@ -1,0 +1,136 @@
+"""Failure injection, inside the library, so that tests and demos read like scenarios.
+
+A plan is a `;`-separated list of faults, each `ACTION:key=value,...`, for example::
+
+    kill:rank=1,step=5,phase=exchange      # SIGKILL rank 1 while its step-5 gradients are in flight
+    stop:rank=2,step=9,phase=before_exchange  # SIGSTOP (a hang) rank 2 just before its step-9 exchange
+    kill:role=sender,phase=handoff_send,chunk=3  # the replica streaming state dies after 3 chunks
+
+Actions are real signals sent by the process to itself: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM),
+exit (os._exit(1)). Each fault fires once per job: the first process to claim it in the store fires it.
+Before it fires, the process records the wall-clock time, so benchmarks can measure detection from the
+moment of failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+
+from runtime.store import k_fault
+
+Phase = Literal[
+    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "standby_wait"
+]
+PHASES: tuple[str, ...] = (
+    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "standby_wait",
+)
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None}
+
+
+class FaultPlanError(ValueError):
+    """A fault plan that cannot be parsed; the message shows the expected form."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One failure to inject."""
+
+    action: str
+    phase: str
+    step: int | None = None
+    rank: int | None = None
+    proc: str | None = None
+    role: str | None = None  # "sender" / "receiver" during a handoff
+    chunk: int | None = None
+    gen: int | None = None
+
+
+def parse_plan(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        action, _, rest = item.partition(":")
+        if action not in ACTIONS:
+            raise FaultPlanError(
+                f"fault {item!r}: action must be one of {', '.join(ACTIONS)}, e.g. kill:rank=1,step=5,phase=exchange"
+            )
+        fields: dict[str, str] = {}
+        for pair in filter(None, rest.split(",")):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise FaultPlanError(f"fault {item!r}: expected key=value, got {pair!r}")
+            fields[key.strip()] = value.strip()
+        phase = fields.pop("phase", "before_exchange")
+        if phase not in PHASES:
+            raise FaultPlanError(f"fault {item!r}: phase must be one of {', '.join(PHASES)}")
+        try:
+            fault = Fault(
+                action=action,
+                phase=phase,
+                step=int(fields.pop("step")) if "step" in fields else None,
+                rank=int(fields.pop("rank")) if "rank" in fields else None,
+                proc=fields.pop("proc", None),
+                role=fields.pop("role", None),
+                chunk=int(fields.pop("chunk")) if "chunk" in fields else None,
+                gen=int(fields.pop("gen")) if "gen" in fields else None,
+            )
+        except ValueError as exc:
+            raise FaultPlanError(f"fault {item!r}: {exc}") from None
+        if fields:
+            raise FaultPlanError(f"fault {item!r}: unknown keys {sorted(fields)}")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Fires the planned faults that match the point a process has reached."""
+
+    def __init__(self, spec: str, store: dist.Store | None, proc: str) -> None:
+        self.faults = parse_plan(spec)
+        self.store = store
+        self.proc = proc
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def at(
+        self,
+        phase: str,
+        *,
+        step: int | None = None,
+        rank: int | None = None,
+        gen: int | None = None,
+        role: str | None = None,
+        chunk: int | None = None,
+    ) -> None:
+        if not self.faults:
+            return
+        for index, f in enumerate(self.faults):
+            if f.phase != phase:
+                continue
+            if any(
+                want is not None and want != have
+                for want, have in (
+                    (f.step, step), (f.rank, rank), (f.gen, gen), (f.role, role), (f.chunk, chunk), (f.proc, self.proc)
+                )
+            ):
+                continue
+            if self.store is not None and self.store.add(k_fault(index) + "/claims", 1) != 1:
+                continue  # fired already, by this process's predecessor in the same rank
+            self._fire(index, f, step, rank)
+
+    def _fire(self, index: int, fault: Fault, step: int | None, rank: int | None) -> None:
+        record = {"time": time.time(), "proc": self.proc, "pid": os.getpid(), "rank": rank, "step": step,
+                  "phase": fault.phase, "action": fault.action}
+        if self.store is not None:
+            self.store.set(k_fault(index), json.dumps(record))
+        sig = ACTIONS[fault.action]
+        if sig is None:
+            os._exit(1)
+        os.kill(os.getpid(), sig)

@@ -1,0 +1,134 @@
+"""A training process's link to its job: the store connection, the heartbeat, fatal-error reporting.
+
+`init()` is the first call of a training script under `trainmover run`. It connects to the coordinator's
+store, proves membership, starts the heartbeat the coordinator watches for hangs, and reports an uncaught
+exception as a fatal error of the script (a bug that a standby would only repeat), not as a lost machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from runtime import store as keys
+from runtime.auth import prove
+from runtime.config import LaunchError, ProcessConfig
+from runtime.faults import FaultInjector
+
+COORDINATOR_LOST_S = 15.0
+
+
+class Heartbeat(threading.Thread):
+    """Bumps this process's counter in the store every interval; watches the generation and stop flags.
+
+    It has its own store connection: the main thread may be blocked in the store or a collective.
+    A SIGSTOPped process stops beating, which is how the coordinator sees a hang.
+    """
+
+    def __init__(self, cfg: ProcessConfig) -> None:
+        super().__init__(name="trainmover-heartbeat", daemon=True)
+        self.cfg = cfg
+        self.latest_gen = -1
+        self.stopping = False
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        client = keys.connect(self.cfg.store_host, self.cfg.store_port)
+        try:
+            self._beat(client)
+        finally:
+            del client
+
+    def _beat(self, client: dist.TCPStore) -> None:
+        last_ok = time.monotonic()
+        while not self._halt.is_set():
+            try:
+                client.add(keys.k_heartbeat(self.cfg.proc), 1)
+                self.latest_gen = keys.get_int(client, keys.k_current_gen())
+                self.stopping = client.check([keys.k_stop()])
+                last_ok = time.monotonic()
+            except Exception:
+                if time.monotonic() - last_ok > COORDINATOR_LOST_S:
+                    # The coordinator is gone: nobody can recover this job any more; do not linger as an orphan.
+                    sys.stderr.write(f"[trainmover] {self.cfg.proc}: coordinator unreachable for "
+                                     f"{COORDINATOR_LOST_S:.0f} s; exiting\n")
+                    os._exit(3)
+            self._halt.wait(self.cfg.heartbeat_s)
+
+    def halt(self) -> None:
+        self._halt.set()
+
+
+class Job:
+    """This process's view of the job."""
+
+    def __init__(self, cfg: ProcessConfig) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.num_threads)
+        self.store: dist.TCPStore = keys.connect(cfg.store_host, cfg.store_port)
+        self.faults = FaultInjector(cfg.faults, self.store, cfg.proc)
+        keys.set_json(self.store, keys.k_hello(cfg.proc), {
+            "pid": os.getpid(),
+            "role": cfg.role,
+            "proof": prove(cfg.job_token, "hello", cfg.job_id, cfg.proc, os.getpid()),
+        })
+        self.heartbeat = Heartbeat(cfg)
+        self.heartbeat.start()
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._report_fatal
+        # Stop the heartbeat before the interpreter tears down: a store client destroyed mid-call from a
+        # daemon thread aborts the process ("terminate called without an active exception").
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.heartbeat.halt()
+        self.heartbeat.join(timeout=5.0)
+
+    @property
+    def proc(self) -> str:
+        return self.cfg.proc
+
+    @property
+    def is_standby(self) -> bool:
+        return self.cfg.role == "standby"
+
+    def num_workers(self) -> int:
+        return int(keys.get_json(self.store, "job/config")["nproc"])
+
+    def fatal(self, message: str) -> None:
+        """Tell the coordinator the script itself failed, so it stops the job instead of swapping in a standby."""
+        with contextlib.suppress(Exception):  # the coordinator may already be gone; nothing left to tell
+            self.store.set(keys.k_fatal(self.proc), json.dumps({"message": message[-4000:]}))
+
+    def _report_fatal(
+        self, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            self.fatal("".join(traceback.format_exception(kind, value, tb)))
+        self._previous_hook(kind, value, tb)
+
+
+_job: Job | None = None
+
+
+def init() -> Job:
+    """Join the job this process was launched into (idempotent)."""
+    global _job
+    if _job is None:
+        try:
+            cfg = ProcessConfig.from_env()
+        except LaunchError as exc:
+            sys.stderr.write(f"trainmover: {exc}\n")
+            raise SystemExit(2) from None
+        _job = Job(cfg)
+    return _job

@@ -1,0 +1,196 @@
+"""`trainmover run`: start the coordinator, N workers and K warm standbys on this machine, and supervise them.
+
+In the spirit of torchrun, but nothing healthy is ever restarted: a lost worker's logical rank goes to a
+standby, and the survivors carry on in-process. The coordinator runs in this launcher process, never in a
+training process, so losing any worker never loses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch.distributed as dist
+
+from runtime.auth import new_token
+from runtime.config import ProcessConfig
+from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
+from runtime.events import EventLog
+from runtime.faults import parse_plan
+
+log = logging.getLogger("trainmover.launcher")
+
+
+class ConfigError(ValueError):
+    """A launch setting a user got wrong; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Everything `trainmover run` takes."""
+
+    script: str
+    """The training script (run with this Python interpreter)."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to the script."""
+    nproc: int = 2
+    """Number of workers: logical data-parallel ranks 0..nproc-1."""
+    standby: int = 1
+    """Number of warm standby processes kept ready."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo (CPU) or nccl (one GPU per process: workers and standbys alike)."""
+    events_path: str | None = None
+    """Write membership and recovery events here as JSON lines."""
+    hang_timeout_s: float = 2.0
+    """Heartbeat silence after which a process is declared hung and fenced."""
+    heartbeat_s: float = 0.25
+    """Heartbeat interval of every process."""
+    standby_wait_s: float = 30.0
+    """With no standby ready, how long to wait for one before stopping the job."""
+    replenish: bool = True
+    """Start a replacement standby whenever one is promoted or lost."""
+    num_threads: int | None = None
+    """torch threads per process (equal everywhere, for bit-exact replays); default: cores / nproc."""
+    faults: str = ""
+    """Fault-injection plan (runtime.faults) for demos and tests."""
+    host: str = "127.0.0.1"
+    """Address the coordinator's store listens on."""
+    port: int = 0
+    """Port of the coordinator's store; 0 picks a free one."""
+    recovery_timeout_s: float = 120.0
+    """Longest a member waits for a new generation or for its peers to join one."""
+    chunk_bytes: int = 64 << 20
+    """Largest message of a state handoff."""
+    job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Name of the job, in events and proofs."""
+    quiet: bool = False
+    """Log only errors."""
+    wait_for_standbys: bool = False
+    """Start training only once every standby is warm (the first failure is then always covered)."""
+
+    def validate(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.standby < 0:
+            raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        if not Path(self.script).is_file():
+            raise ConfigError(f"training script {self.script!r} does not exist")
+        if self.hang_timeout_s <= self.heartbeat_s * 2:
+            raise ConfigError(
+                f"--hang-timeout ({self.hang_timeout_s} s) must exceed two heartbeats ({2 * self.heartbeat_s} s), "
+                "or healthy workers would be declared hung"
+            )
+        if self.standby_wait_s < 0:
+            raise ConfigError(f"--standby-wait must be 0 or more seconds, got {self.standby_wait_s}")
+        try:
+            parse_plan(self.faults)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.backend == "nccl":
+            import torch
+
+            needed = self.nproc + self.standby
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if have < needed:
+                raise ConfigError(
+                    f"--backend nccl gives each process its own GPU: {needed} processes need {needed} GPUs, "
+                    f"this machine has {have}. Use --backend gloo, or fewer workers/standbys."
+                )
+
+    def threads(self) -> int:
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
+
+
+class LocalProcess:
+    """A training process on this machine."""
+
+    def __init__(self, name: str, role: str, popen: subprocess.Popen[bytes]) -> None:
+        self.name = name
+        self.role = role
+        self.popen = popen
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited between poll() and the signal
+                self.popen.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class LocalProcessPool:
+    """Starts workers and standbys as subprocesses of this launcher, each with its own launch variables."""
+
+    def __init__(self, cfg: LaunchConfig, store_port: int, token: str) -> None:
+        self.cfg = cfg
+        self.store_port = store_port
+        self.token = token
+        self.gpu_next = 0
+
+    def spawn(self, name: str, role: str) -> LocalProcess:
+        cfg = self.cfg
+        pc = ProcessConfig(
+            store_host=cfg.host, store_port=self.store_port, job_id=cfg.job_id, job_token=self.token, proc=name,
+            role=role,  # type: ignore[arg-type]
+            backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
+            recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
+        )
+        env = {**os.environ, **pc.to_env(), "OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"}
+        if cfg.backend == "nccl":
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_next)
+            self.gpu_next += 1
+        # A new session: a Ctrl-C at the terminal reaches the launcher only, which stops the job in order.
+        popen = subprocess.Popen([sys.executable, cfg.script, *cfg.args], env=env, start_new_session=True)
+        log.info("started %s %s (pid %d)", role, name, popen.pid)
+        return LocalProcess(name, role, popen)
+
+
+def launch(cfg: LaunchConfig) -> JobResult:
+    """Run one job to its end on this machine."""
+    cfg.validate()
+    configure_logging(cfg.quiet)
+    import datetime
+
+    server = dist.TCPStore(cfg.host, cfg.port, None, True, timeout=datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    token = new_token()
+    events = EventLog(cfg.events_path)
+    pool = LocalProcessPool(cfg, server.port, token)
+    settings = CoordinatorSettings(
+        job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
+        hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
+        faults=cfg.faults, start_when_standbys_ready=cfg.wait_for_standbys,
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = Coordinator(settings, server, pool, events).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        events.close()
+    if result.exit_code == 0:
+        log.info("%s", result.message)
+    else:
+        log.error("%s", result.message)
+    return result
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

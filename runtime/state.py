@@ -1,0 +1,237 @@
+"""The training state a handoff moves, and nothing else.
+
+`TrainingState` owns the canonical, ordered view of one replica's state: the tensors (parameters, buffers,
+optimizer state) that are streamed in place, and the JSON-able rest (step, optimizer hyper-parameters, LR
+scheduler, RNG states, data position) that travels as one small metadata record. JSON, never pickle: a
+receiver never executes what a peer sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+META_VERSION = 1
+
+
+class StateMismatchError(RuntimeError):
+    """The receiver's model or optimizer does not have the shape of the sender's."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of the state, as both sides name it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateMismatchError(f"unknown tensor dtype {name!r} in handoff metadata")
+    return dtype
+
+
+def encode_json(value: Any) -> Any:
+    """Turn optimizer/scheduler values into JSON, keeping tuples and small tensors recognisable."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_json(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_json(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str | int) for k in value):
+            raise TypeError(f"cannot hand off a dict with keys {list(value)[:3]!r}")
+        return {"__dict__": [[k, encode_json(v)] for k, v in value.items()]}
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": _dtype_name(value.dtype)}
+    raise TypeError(
+        f"cannot hand off a value of type {type(value).__name__}; optimizer hyper-parameters and "
+        "LR-scheduler state must be numbers, strings, lists, tuples or dicts"
+    )
+
+
+def decode_json(value: Any, device: torch.device | None = None) -> Any:
+    if isinstance(value, list):
+        return [decode_json(v, device) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(decode_json(v, device) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {k: decode_json(v, device) for k, v in value["__dict__"]}
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=_dtype_from_name(value["dtype"]), device=device)
+    return value
+
+
+class TrainingState:
+    """A replica's model, optimizer and scheduler, seen as an ordered list of tensors plus metadata."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    # -- the tensors ---------------------------------------------------------------------------------
+    def _model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            data = t.data if isinstance(t, nn.Parameter) else t
+            ident = (data.data_ptr(), tuple(data.shape), data.dtype)
+            if ident in seen:  # tied weights appear under two names but are one tensor
+                continue
+            seen.add(ident)
+            yield f"model.{name}", data
+
+    def _params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                yield f"{gi}.{pi}", p
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The live tensors, in the order both sides stream them."""
+        out = list(self._model_tensors())
+        for prefix, p in self._params():
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    out.append((f"optim.{prefix}.{key}", value.data))
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors())
+
+    # -- the metadata --------------------------------------------------------------------------------
+    def meta(self, step: int, extra: Any = None) -> dict[str, Any]:
+        optim_values: dict[str, Any] = {}
+        for prefix, p in self._params():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    optim_values[f"{prefix}.{key}"] = encode_json(value)
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state().numpy().tobytes().hex()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+        return {
+            "version": META_VERSION,
+            "step": step,
+            "tensors": [[k, list(t.shape), _dtype_name(t.dtype)] for k, t in self.tensors()],
+            "optim_values": optim_values,
+            "param_groups": [
+                {k: encode_json(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "scheduler": None if self.scheduler is None else encode_json(self.scheduler.state_dict()),
+            "rng": rng,
+            "extra": extra,
+        }
+
+    def prepare_receive(self, meta: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """Shape this replica's optimizer state like the sender's and return the tensors to write into.
+
+        Model tensors must already match (same script, same arguments). Optimizer state may differ, e.g. a
+        standby that ran a shadow step holds Adam moments while the sender has taken no step yet: entries are
+        created or dropped to match, reusing the buffers the standby allocated where shapes agree.
+        """
+        if meta.get("version") != META_VERSION:
+            raise StateMismatchError(f"handoff metadata version {meta.get('version')!r}, expected {META_VERSION}")
+        wanted = [TensorEntry(k, tuple(s), d) for k, s, d in meta["tensors"]]
+        own_model = dict(self._model_tensors())
+        params = dict(self._params())
+        wanted_optim: dict[str, set[str]] = {prefix: set() for prefix in params}
+        for entry in wanted:
+            if entry.key.startswith("model."):
+                own = own_model.get(entry.key)
+                if own is None:
+                    raise StateMismatchError(
+                        f"the sender has {entry.key[6:]!r} but this replica's model does not; start standbys "
+                        "with the same script and arguments as the workers"
+                    )
+                if tuple(own.shape) != entry.shape or _dtype_name(own.dtype) != entry.dtype:
+                    raise StateMismatchError(
+                        f"{entry.key[6:]!r} is {tuple(own.shape)} {_dtype_name(own.dtype)} here but "
+                        f"{entry.shape} {entry.dtype} on the sender; start standbys with the same script and arguments"
+                    )
+            else:
+                _, gi, pi, key = entry.key.split(".", 3)
+                prefix = f"{gi}.{pi}"
+                if prefix not in params:
+                    raise StateMismatchError(f"the sender's optimizer has parameter {prefix} and this one does not")
+                wanted_optim[prefix].add(key)
+                p = params[prefix]
+                state = self.optimizer.state[p]
+                current = state.get(key)
+                dtype = _dtype_from_name(entry.dtype)
+                if (
+                    not isinstance(current, torch.Tensor)
+                    or tuple(current.shape) != entry.shape
+                    or current.dtype != dtype
+                ):
+                    state[key] = torch.empty(entry.shape, dtype=dtype, device=p.device)
+        missing = set(own_model) - {e.key for e in wanted}
+        if missing:
+            raise StateMismatchError(
+                f"this replica's model has {sorted(missing)[:3]} that the sender lacks; start standbys with the "
+                "same script and arguments as the workers"
+            )
+        for prefix, p in params.items():
+            state = self.optimizer.state.get(p)
+            if state is None:
+                continue
+            for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in wanted_optim[prefix]]:
+                del state[key]
+            if not state:
+                del self.optimizer.state[p]
+        receiving = self.tensors()
+        if [k for k, _ in receiving] != [e.key for e in wanted]:
+            raise StateMismatchError("handoff tensor order differs between sender and receiver")
+        return receiving
+
+    def apply_meta(self, meta: dict[str, Any]) -> None:
+        """Set everything that is not a streamed tensor: optimizer values, hyper-parameters, scheduler, RNG."""
+        params = dict(self._params())
+        for full_key, value in meta["optim_values"].items():
+            gi, pi, key = full_key.split(".", 2)
+            p = params[f"{gi}.{pi}"]
+            self.optimizer.state[p][key] = decode_json(value, p.device)
+        groups = meta["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise StateMismatchError("the sender's optimizer has a different number of parameter groups")
+        for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+            for k, v in values.items():
+                group[k] = decode_json(v)
+        if self.scheduler is not None and meta["scheduler"] is not None:
+            self.scheduler.load_state_dict(decode_json(meta["scheduler"]))
+        rng = meta["rng"]
+        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(rng["cpu"])), dtype=torch.uint8))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(
+                [torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in rng["cuda"]]
+            )
+
+    def digest(self) -> str:
+        """SHA-256 over every state tensor and optimizer value: equal digests mean bit-identical replicas."""
+        h = hashlib.sha256()
+        for key, t in self.tensors():
+            h.update(key.encode())
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        meta = self.meta(0)
+        h.update(json.dumps([meta["optim_values"], meta["param_groups"], meta["scheduler"]], sort_keys=True).encode())
+        return h.hexdigest()

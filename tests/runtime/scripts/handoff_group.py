@@ -1,0 +1,54 @@
+"""Runs one rank of a bare handoff between processes: `handoff_group.py RANK WORLD PORT TOKEN RECEIVERS CHUNK OUT`.
+
+Sources hold a trained state (3 steps); receivers hold a different one. Each rank writes a JSON result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.handoff import HandoffError, HandoffSession, MemberStatus, plan_handoff, run_handoff
+from runtime.state import TrainingState
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    token, receivers, chunk, out = sys.argv[4], {int(r) for r in sys.argv[5].split(",")}, int(sys.argv[6]), sys.argv[7]
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    torch.manual_seed(0 if rank not in receivers else 100 + rank)
+    model = nn.Sequential(nn.Linear(16, 300), nn.BatchNorm1d(300), nn.Linear(300, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    steps = 3 if rank not in receivers else 1
+    for _ in range(steps):
+        model(torch.randn(8, 16, generator=torch.Generator().manual_seed(5))).sum().backward()
+        opt.step()
+        sched.step()
+    state = TrainingState(model, opt, sched)
+    before = state.digest()
+    statuses = [MemberStatus(r, 0 if r in receivers else 3, r not in receivers) for r in range(world)]
+    plan = plan_handoff(statuses)
+    result: dict[str, object] = {"rank": rank, "before": before}
+    try:
+        session = HandoffSession(1, tuple(f"p{r}" for r in range(world)), "job",
+                                 token if rank in receivers else "the-secret", chunk)
+        stats, meta = run_handoff(plan, session, rank, state)
+        result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta["step"],
+                      lr=opt.param_groups[0]["lr"], sched_epoch=sched.last_epoch)
+    except (HandoffError, RuntimeError) as exc:
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    result["after"] = state.digest()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

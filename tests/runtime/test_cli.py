@@ -1,0 +1,98 @@
+"""The `trainmover` command as a user runs it: a real signal from outside, bad input, the import boundaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import TINY_JOB
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trainmover(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainmover", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def wait_for_event(path: Path, kind: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before the event"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                event = json.loads(line)
+                if event["event"] == kind:
+                    return event
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} event within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    steps = 2500
+    events = tmp_path / "events.jsonl"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
+         "--events", str(events), str(TINY_JOB), "--steps", str(steps)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        generation = wait_for_event(events, "generation", job, 60)
+        wait_for_event(events, "standby_ready", job, 90)
+        victim = generation["members"][1]["pid"]  # type: ignore[index]
+        os.kill(victim, signal.SIGKILL)
+        _, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, err
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    finished = next(e for e in records if e["event"] == "job_finished")
+    assert set(finished["digests"].values()) == {reference_digest(2, steps)}
+    assert set(finished["digests"]) == {"w0", "s0"}
+    assert f"worker w1 (pid {victim}) died at step" in err
+    assert "standby s0 took rank 1 in" in err
+
+
+def test_a_missing_script_is_one_clear_line_without_a_traceback() -> None:
+    result = trainmover("run", "--nproc", "2", "no_such_train.py")
+    assert result.returncode == 2
+    assert "training script 'no_such_train.py' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_bad_fault_plan_is_refused_before_anything_starts() -> None:
+    result = trainmover("run", "--faults", "kill:rank=1,phase=lunch", str(TINY_JOB))
+    assert result.returncode == 2 and "phase must be one of" in result.stderr
+
+
+def test_a_script_started_without_the_launcher_says_how_to_start_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
+    result = subprocess.run([sys.executable, str(TINY_JOB)], capture_output=True, text=True, timeout=60, env=env,
+                            cwd=ROOT)
+    assert result.returncode == 2
+    assert "trainmover run --nproc N --standby K SCRIPT" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> None:
+    code = (
+        "import sys, runtime, runtime.launcher, runtime.trainer, runtime.cli, trainmover.cli\n"
+        "forbidden = ['prefect', 'sklearn', 'boto3', 'azure', 'policy', 'cloud', 'flows']\n"
+        "print([m for m in forbidden if m in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

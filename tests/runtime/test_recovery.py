@@ -1,0 +1,98 @@
+"""Scenarios: real worker processes lose a peer to a real signal; a standby takes the rank; the final state
+equals, bit for bit, that of an uninterrupted run with the same seed and world size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.runtime.conftest import events_of, run_job
+
+pytestmark = pytest.mark.slow
+
+Reference = Callable[[int, int], str]
+
+
+def assert_recovered_exactly(result, reference: str, nproc: int) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == 0, result.message
+    assert len(result.digests) == nproc
+    assert set(result.digests.values()) == {reference}, "final state differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize(
+    ("rank", "phase"),
+    [(1, "before_exchange"), (1, "exchange"), (0, "exchange"), (1, "after_exchange"), (0, "optimizer")],
+)
+def test_worker_killed_at_each_point_of_a_step_is_replaced_bit_exactly(
+    reference_digest: Reference, rank: int, phase: str
+) -> None:
+    result = run_job(nproc=2, standby=1, steps=20, faults=f"kill:rank={rank},step=9,phase={phase}")
+
+    assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
+    failed = events_of(result, "member_failed")
+    assert [(e["rank"], e["proc"], e["cause"]) for e in failed] == [(rank, f"w{rank}", "killed by SIGKILL")]
+    (recovered,) = events_of(result, "recovered")
+    assert recovered["ranks"] == [{"rank": rank, "old": f"w{rank}", "new": "s0"}]
+    for key in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s", "recovery_s"):
+        assert recovered[key] >= 0.0
+    assert recovered["handoff_bytes"] > 0
+    assert "s0" in result.digests, "the standby must hold the lost rank at the end"
+
+
+def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Reference) -> None:
+    result = run_job(nproc=3, standby=2, steps=20,
+                     faults="kill:rank=1,step=8,phase=exchange;kill:role=sender,phase=handoff_send,chunk=2")
+
+    assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
+    dead = {e["proc"] for e in events_of(result, "member_failed")}
+    assert dead == {"w1", "w0"} or dead == {"w1", "w2"}, dead
+    assert len(events_of(result, "generation")) == 3
+
+
+def test_standby_killed_while_taking_over_the_next_standby_serves(reference_digest: Reference) -> None:
+    result = run_job(nproc=2, standby=2, steps=20,
+                     faults="kill:rank=1,step=8,phase=exchange;kill:role=receiver,phase=handoff_recv")
+
+    assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
+    assert [e["proc"] for e in events_of(result, "member_failed")] == ["w1", "s0"]
+    assert set(result.digests) == {"w0", "s1"}
+
+
+def test_two_workers_killed_at_once_two_standbys_take_both_ranks(reference_digest: Reference) -> None:
+    result = run_job(nproc=3, standby=2, steps=20,
+                     faults="kill:rank=1,step=8,phase=exchange;kill:rank=2,step=8,phase=exchange")
+
+    assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
+    assert sorted(e["rank"] for e in events_of(result, "member_failed")) == [1, 2]
+    assert set(result.digests) == {"w0", "s0", "s1"}
+    recovered = events_of(result, "recovered")
+    assert sorted(r["rank"] for e in recovered for r in e["ranks"]) == [1, 2]
+
+
+def test_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(reference_digest: Reference) -> None:
+    result = run_job(nproc=2, standby=1, steps=20, faults="stop:rank=1,step=9,phase=before_exchange",
+                     hang_timeout_s=1.5)
+
+    assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
+    (failed,) = events_of(result, "member_failed")
+    assert failed["proc"] == "w1" and failed["cause"].startswith("hung")
+    assert 1.5 <= failed["detect_s"] < 10.0
+
+
+def test_without_a_standby_the_job_waits_then_stops_with_a_clear_message() -> None:
+    result = run_job(nproc=2, standby=0, steps=20, faults="kill:rank=1,step=5,phase=exchange", standby_wait_s=1.0,
+                     replenish=False)
+
+    assert result.exit_code == 1
+    assert "no standby became ready within 1 s" in result.message
+    assert "--standby" in result.message
+    assert events_of(result, "job_failed")
+
+
+def test_a_bug_in_the_training_script_stops_the_job_instead_of_burning_standbys() -> None:
+    result = run_job(nproc=2, standby=1, steps=20, script_args=("--raise-at", "6"))
+
+    assert result.exit_code == 1
+    assert "a bug in the training script at step 6" in result.message
+    assert not events_of(result, "recovered")

@@ -1,0 +1,3 @@
+from trainmover.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Dispatch `trainmover SUBCOMMAND` to the part that owns it, importing nothing else.
+
+`trainmover run` in a training image must load neither Prefect nor scikit-learn nor a cloud SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="trainmover", description="Keep long PyTorch training runs alive.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = argv[0] if argv else ""
+    if command in ("run", "demo"):
+        from runtime.cli import add_demo_parser, add_run_parser, demo_command, run_command
+
+        add_run_parser(sub)
+        add_demo_parser(sub)
+        ns = parser.parse_args(argv)
+        return run_command(ns) if ns.command == "run" else demo_command(ns)
+    if command == "bench":
+        from bench.cli import add_bench_parser, bench_command
+
+        add_bench_parser(sub)
+        return bench_command(parser.parse_args(argv))
+    sub.add_parser("run", help="run a training script with N workers and K warm standbys")
+    sub.add_parser("demo", help="the local demo: one injected failure, what it cost")
+    sub.add_parser("bench", help="benchmarks (recovery)")
+    parser.parse_args(argv or ["--help"])
+    return 2
