@@ -8,6 +8,7 @@ Gloo on CPU; NCCL on GPU with non-blocking communicators that can be aborted.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -51,6 +52,21 @@ class Communicator:
             **kwargs,  # type: ignore[arg-type]
         )
         self.gen = gen
+
+    def abort_if_older(self, latest_gen: int) -> None:
+        """NCCL only, from the heartbeat thread: abort a group that a newer generation replaced.
+
+        A non-blocking NCCL communicator can be aborted from another thread, which makes a collective stuck on
+        a lost peer return an error at once. Gloo has no such abort (its `abort()` neither closes sockets nor
+        unblocks a stuck operation in torch 2.13): there, survivors see the peer's closed sockets, and a hung
+        peer is fenced by the coordinator.
+        """
+        if self.backend != "nccl" or self.gen is None or self.gen >= latest_gen:
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
 
     def teardown(self) -> None:
         """Leave the current group. Safe to call when a peer is gone or when there is no group.

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
@@ -40,6 +41,7 @@ class Heartbeat(threading.Thread):
         self.cfg = cfg
         self.latest_gen = -1
         self.stopping = False
+        self.on_new_generation: list[Callable[[int], None]] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -54,7 +56,11 @@ class Heartbeat(threading.Thread):
         while not self._halt.is_set():
             try:
                 client.add(keys.k_heartbeat(self.cfg.proc), 1)
-                self.latest_gen = keys.get_int(client, keys.k_current_gen())
+                latest = keys.get_int(client, keys.k_current_gen())
+                if latest > self.latest_gen:
+                    self.latest_gen = latest
+                    for callback in self.on_new_generation:
+                        callback(latest)
                 self.stopping = client.check([keys.k_stop()])
                 last_ok = time.monotonic()
             except Exception:

@@ -107,12 +107,15 @@ class Trainer:
         self._warming_up = False
         if self.job.faults:
             optimizer.register_step_post_hook(self._optimizer_fault)
+        self.job.heartbeat.on_new_generation.append(self.comm.abort_if_older)
 
     # -- public --------------------------------------------------------------------------------------
     def fit(self, steps: int) -> Iterator[StepResult]:
         """Train until `steps` steps are committed; yields after each. A standby yields once promoted."""
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
+        if self.digest is not None:
+            raise RuntimeError("fit() runs once per Trainer: pass the total number of steps to a single fit()")
         store = self.job.store
         if self.gen is None:
             if self.job.is_standby:

@@ -96,3 +96,16 @@ def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> No
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_demo_recovers_a_killed_worker_bit_exactly_and_says_what_it_cost(tmp_path: Path) -> None:
+    events = tmp_path / "demo.jsonl"
+    result = trainmover("demo", "--steps", "24", "--events", str(events), timeout=240)
+
+    assert result.returncode == 0, result.stderr
+    assert "bit-for-bit identical to the uninterrupted run: yes" in result.stdout
+    assert "lost_time_s = " in result.stdout
+    assert "standby" in result.stdout and "recovered in" in result.stdout
+    kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert "member_failed" in kinds and "recovered" in kinds and kinds[-1] == "job_finished"
