@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
 import signal
 import statistics
 import sys
@@ -28,7 +29,7 @@ from runtime.membership import Generation
 log = logging.getLogger("trainmover.coordinator")
 
 LOOP_S = 0.005
-HEALTH_EVERY_S = 0.05
+HEALTH_EVERY_S = 0.2
 
 
 class ProcessHandle(Protocol):
@@ -43,6 +44,14 @@ class ProcessHandle(Protocol):
     def kill(self) -> None: ...
 
     def wait(self, timeout_s: float) -> int | None: ...
+
+    def exit_fd(self) -> int | None:
+        """A file descriptor that turns readable when the process exits (a pidfd), or None to be polled."""
+        ...
+
+    def close(self) -> None:
+        """Release what watching the process held (its pidfd); the process is gone or killed by now."""
+        ...
 
 
 class ProcessPool(Protocol):
@@ -149,6 +158,8 @@ class Coordinator:
         self.spawned_standbys = 0
         self.fault_count = len(parse_plan(settings.faults))
         self.started = False
+        self._selector = selectors.DefaultSelector()
+        self._exit_fds: dict[str, int] = {}
         self._fault_records: dict[int, dict[str, Any]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -167,15 +178,22 @@ class Coordinator:
         next_health = 0.0
         try:
             while True:
+                # Block until a child exits or the next health check is due: the coordinator shares the
+                # machine with the workers (here, two cores), so it must not spin.
+                busy = bool(self.pending_deaths) or not self.started or self.completing_since is not None
+                now = time.monotonic()
+                exited = self._wait_for_exit(LOOP_S if busy or not self._exit_fds else max(0.0, next_health - now))
                 now = time.monotonic()
                 self._poll_exits()
-                if now >= next_health and self.completing_since is None:
+                due = now >= next_health
+                if due:
                     next_health = now + HEALTH_EVERY_S
-                    self._poll_health(now)
-                result = self._progress(now)
-                if result is not None:
-                    return self._finish(result, t0)
-                time.sleep(LOOP_S)
+                    if self.completing_since is None:
+                        self._poll_health(now)
+                if due or busy or exited:
+                    result = self._progress(now)
+                    if result is not None:
+                        return self._finish(result, t0)
         except JobFailed as exc:
             return self._finish(JobResult(1, str(exc), [], {}), t0)
         except KeyboardInterrupt:
@@ -207,12 +225,30 @@ class Coordinator:
             if m.handle.poll() is None:
                 m.handle.kill()
                 m.handle.wait(5.0)
+        self._selector.close()
+        for m in self.procs.values():
+            m.handle.close()
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> None:
         handle = self.pool.spawn(name, role)
         now = time.monotonic()
         self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=time.time())
+        fd = handle.exit_fd()
+        if fd is not None:
+            self._selector.register(fd, selectors.EVENT_READ, name)
+            self._exit_fds[name] = fd
+
+    def _wait_for_exit(self, timeout_s: float) -> bool:
+        """Sleep until a child process exits (its pidfd turns readable) or the timeout passes."""
+        if not self._exit_fds:
+            time.sleep(timeout_s)
+            return False
+        ready = self._selector.select(timeout_s)
+        for key, _ in ready:
+            self._selector.unregister(key.fileobj)
+            self._exit_fds.pop(key.data, None)
+        return bool(ready)
 
     def _spawn_standby(self) -> str:
         name = f"s{self.next_standby}"
@@ -282,7 +318,7 @@ class Coordinator:
                 else:
                     self._fence(name, "failed to prove it belongs to the job")
                     continue
-            value = keys.get_int(self.store, keys.k_heartbeat(name))
+            value = keys.read_counter(self.store, keys.k_heartbeat(name)) - 1  # -1 until the first beat
             if value != m.hb_value:
                 m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, time.time()
             elif m.hb_value < 0 and now - m.started_at > self.s.startup_timeout_s:
@@ -297,8 +333,6 @@ class Coordinator:
                 warm = keys.get_json(self.store, keys.k_ready(name))
                 self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
                                  ready_after_s=now - m.started_at)
-            if self.completing_since is None:
-                self._check_fatal(name)
 
     def _check_fatal(self, name: str) -> None:
         fatal = keys.get_json_or_none(self.store, keys.k_fatal(name))
@@ -341,7 +375,7 @@ class Coordinator:
         return None
 
     def _all_done(self) -> bool:
-        return all(self.store.check([keys.k_done(self.gen.gen, r)]) for r in range(self.gen.world_size))
+        return self.store.check([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)])
 
     def _progress_completion(self, now: float) -> JobResult | None:
         members = [self.procs[p] for p in self.gen.members]
@@ -363,6 +397,9 @@ class Coordinator:
 
     def _handle_failed_reports(self, now: float) -> None:
         """A member saw a collective fail. Usually a death explains it; if none does, rebuild anyway."""
+        if keys.read_counter(self.store, keys.k_failed_count(self.gen.gen)) == 0:
+            self.failed_seen_at = None
+            return
         reports = [keys.get_json(self.store, keys.k_failed(self.gen.gen, p)) for p in self.gen.members
                    if self.store.check([keys.k_failed(self.gen.gen, p)])]
         if not reports:

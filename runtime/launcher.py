@@ -119,6 +119,17 @@ class LocalProcess:
         self.role = role
         self.popen = popen
         self.pid = popen.pid
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux >= 5.3
+            self._pidfd = os.pidfd_open(popen.pid)
+
+    def exit_fd(self) -> int | None:
+        return self._pidfd
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def poll(self) -> int | None:
         return self.popen.poll()

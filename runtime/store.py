@@ -52,6 +52,10 @@ def k_failed(g: int, proc: str) -> str:
     return f"gen/{g}/failed/{proc}"
 
 
+def k_failed_count(g: int) -> str:
+    return f"gen/{g}/failed_count"
+
+
 def k_done(g: int, rank: int) -> str:
     return f"gen/{g}/done/{rank}"
 
@@ -106,6 +110,11 @@ def get_json_or_none(store: dist.Store, key: str) -> Any:
 
 def get_int(store: dist.Store, key: str, default: int = -1) -> int:
     return int(store.get(key)) if store.check([key]) else default
+
+
+def read_counter(store: dist.Store, key: str) -> int:
+    """A counter kept with `add`, read in one round trip (adding 0 creates it at 0 if absent)."""
+    return int(store.add(key, 0))
 
 
 def wait_keys(

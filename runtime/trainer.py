@@ -36,7 +36,7 @@ from runtime.state import TrainingState
 log = logging.getLogger("trainmover.runtime")
 
 POST_RECOVERY_STEPS = 3
-STANDBY_POLL_S = 0.005
+STANDBY_POLL_S = 0.01
 
 
 class GenerationChanged(Exception):
@@ -261,6 +261,7 @@ class Trainer:
         keys.set_json(store, keys.k_failed(g, cfg.proc), {
             "message": message, "time": time.time(), "step": self.committed, "untrusted_rank": untrusted,
         })
+        store.add(keys.k_failed_count(g), 1)
         deadline = time.monotonic() + cfg.recovery_timeout_s
         while (newest := keys.get_int(store, keys.k_current_gen())) <= g:
             if store.check([keys.k_stop()]):
@@ -310,7 +311,7 @@ class Trainer:
         while True:
             if store.check([keys.k_assign(self.job.proc)]):
                 return int(store.get(keys.k_assign(self.job.proc)))
-            if store.check([keys.k_stop()]):
+            if self.job.heartbeat.stopping:  # the heartbeat thread reads the stop flag; one store call per poll here
                 return None
             self.job.faults.at("standby_wait")
             time.sleep(STANDBY_POLL_S)
