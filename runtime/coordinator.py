@@ -211,9 +211,7 @@ class Coordinator:
         return JobResult(result.exit_code, result.message, list(self.events.events), digests)
 
     def _shutdown(self) -> None:
-        if not self.stop_sent:
-            self.store.set(keys.k_stop(), "1")
-            self.stop_sent = True
+        self._send_stop()
         deadline = time.monotonic() + 10.0
         members = set(self.gen.members)
         for name, m in self.procs.items():
@@ -228,6 +226,16 @@ class Coordinator:
         self._selector.close()
         for m in self.procs.values():
             m.handle.close()
+
+    def _send_stop(self) -> None:
+        """Tell every process to leave; unpromoted standbys block on their assignment key, so release it too."""
+        if self.stop_sent:
+            return
+        self.stop_sent = True
+        self.store.set(keys.k_stop(), "1")
+        for name, m in self.procs.items():
+            if m.handle.role == "standby" and m.assigned_gen is None:
+                self.store.set(keys.k_assign(name), "-1")
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> None:
@@ -381,8 +389,7 @@ class Coordinator:
         members = [self.procs[p] for p in self.gen.members]
         if not self.stop_sent and all(self.store.check([keys.k_digest(p)]) or self.procs[p].dead
                                       for p in self.gen.members):
-            self.store.set(keys.k_stop(), "1")  # releases the standbys nobody needed
-            self.stop_sent = True
+            self._send_stop()
         if all(m.dead or m.handle.poll() is not None for m in members):
             codes = {p: self.procs[p].handle.poll() for p in self.gen.members}
             bad = {p: c for p, c in codes.items() if c}
@@ -508,12 +515,19 @@ class Coordinator:
         }
         recovery_s = replay_done - failure_at
         replay_step = reports[0]["replay_step"]
+        # Where reconfiguration went: the slowest member's teardown of the broken group, the barrier, group init.
+        split = {
+            "teardown_s": max(r.get("teardown_s", 0.0) for r in reports),
+            "last_joined_after_s": max(r.get("joined_at", declared_at) for r in reports) - declared_at,
+            "group_init_s": max(r.get("group_init_s", 0.0) for r in reports),
+        }
         self.events.emit(
             "recovered", generation=rec.gen.gen, step=replay_step,
             ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
             causes=[d.cause for d in rec.deaths], recovery_s=recovery_s,
             handoff_bytes=sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
             sources=sorted(r["rank"] for r in reports if r["role"] == "source"), **components,
+            reconfigure_split=split,
         )
         for d in rec.deaths:
             new = rec.gen.members[d.rank]

@@ -12,6 +12,7 @@ optimizer state and sends nothing), waits to be promoted, receives the state int
 
 from __future__ import annotations
 
+import datetime
 import logging
 import statistics
 import sys
@@ -36,7 +37,7 @@ from runtime.state import TrainingState
 log = logging.getLogger("trainmover.runtime")
 
 POST_RECOVERY_STEPS = 3
-STANDBY_POLL_S = 0.01
+STANDBY_WAIT = datetime.timedelta(hours=1)
 
 
 class GenerationChanged(Exception):
@@ -221,11 +222,15 @@ class Trainer:
         self.comm.teardown()
         interrupt = self._interrupt(g)
         store.set(keys.k_joined(g, rank), "1")
+        t_joined = time.time()
         keys.wait_keys(store, [keys.k_joined(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
                        what=f"every member to join generation {g}")
+        t_all_joined = time.time()
         self.comm.build(g, rank, world)
         self.gen, self.rank, self.world_size = g, rank, world
         group_ready = time.time()
+        split = {"teardown_s": self.comm.last_teardown_s, "joined_at": t_joined,
+                 "join_wait_s": t_all_joined - t_joined, "group_init_s": group_ready - t_all_joined}
         keys.set_json(store, keys.k_status(g, rank), {"step": self.committed, "has_state": self.has_state})
         keys.wait_keys(store, [keys.k_status(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
                        what=f"every member's status in generation {g}")
@@ -246,6 +251,7 @@ class Trainer:
             "gen_seen_at": gen_seen, "group_ready_at": group_ready, "handoff_s": stats.seconds,
             "handoff_bytes": stats.bytes, "handoff_end_at": time.time(), "replay_step": plan.target_step + 1,
             "steady_step_s": statistics.median(self._step_times) if self._step_times else None,
+            **split,
         }
         self._post_steps = []
 
@@ -307,14 +313,18 @@ class Trainer:
         keys.set_json(self.job.store, keys.k_ready(self.job.proc), {"warmup_s": time.perf_counter() - t0})
 
     def _await_promotion(self) -> int | None:
-        store = self.job.store
+        """Block, without polling, until the coordinator assigns a generation (or -1: not needed, leave)."""
+        store, key = self.job.store, keys.k_assign(self.job.proc)
+        self.job.faults.at("standby_wait")
         while True:
-            if store.check([keys.k_assign(self.job.proc)]):
-                return int(store.get(keys.k_assign(self.job.proc)))
-            if self.job.heartbeat.stopping:  # the heartbeat thread reads the stop flag; one store call per poll here
-                return None
-            self.job.faults.at("standby_wait")
-            time.sleep(STANDBY_POLL_S)
+            try:
+                store.wait([key], STANDBY_WAIT)
+            except dist.DistStoreError:  # an hour passed with nothing to do; the store may be gone
+                if self.job.heartbeat.stopping:
+                    return None
+                continue
+            gen = int(store.get(key))
+            return gen if gen >= 0 else None
 
     # -- reports -------------------------------------------------------------------------------------
     def _flush_report(self) -> None:
