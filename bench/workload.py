@@ -7,13 +7,14 @@ The spec travels between processes as JSON in the ``TM_BENCH_SPEC`` environment 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+
+from runtime.data import derive_seed
 
 SPEC_ENV = "TM_BENCH_SPEC"
 
@@ -66,7 +67,7 @@ def build(spec: WorkloadSpec) -> tuple[nn.Module, torch.optim.Optimizer, torch.o
 
 def batch(spec: WorkloadSpec, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The samples of one worker at one step: a pure function of (seed, step, rank)."""
-    g = torch.Generator().manual_seed(hash_ints(spec.seed, step, rank))
+    g = torch.Generator().manual_seed(derive_seed(spec.seed, step, rank))
     x = torch.randn(spec.batch_size, spec.width, generator=g)
     y = x[:, :8].sum(dim=1, keepdim=True).tanh()
     return x, y
@@ -75,9 +76,3 @@ def batch(spec: WorkloadSpec, step: int, rank: int) -> tuple[torch.Tensor, torch
 def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = data
     return nn.functional.mse_loss(model(x), y)
-
-
-def hash_ints(*values: int) -> int:
-    """A stable 63-bit seed from integers (Python's hash() is salted per process)."""
-    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
