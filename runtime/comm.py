@@ -36,7 +36,10 @@ class Communicator:
         self.gen: int | None = None
         self.last_teardown_s = 0.0
 
-    def build(self, gen: int, rank: int, world_size: int) -> None:
+    def build(self, gen: int, rank: int, world_size: int, connect_timeout_s: float = 30.0) -> None:
+        """Join generation `gen`'s group. Connecting is bounded by `connect_timeout_s` (a member that dies
+        between the store barrier and this call leaves the others waiting that long at most); collectives
+        then get the long collective timeout, since hangs are caught by heartbeats instead."""
         self.teardown()
         kwargs: dict[str, object] = {}
         if self.backend == "nccl":
@@ -45,15 +48,24 @@ class Communicator:
             options.config.blocking = 0
             kwargs["pg_options"] = options
             kwargs["device_id"] = self.device
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"g{gen}", self.store),
-            rank=rank,
-            world_size=world_size,
-            timeout=self.timeout,
-            **kwargs,  # type: ignore[arg-type]
-        )
+        failure: str | None = None
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"g{gen}", self.store),
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=connect_timeout_s),
+                **kwargs,  # type: ignore[arg-type]
+            )
+        except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
+            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if failure is not None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise CommFailure(f"could not build the group of generation {gen}: {failure}")
         self.gen = gen
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
 
     def abort_if_older(self, latest_gen: int) -> None:
         """NCCL only, from the heartbeat thread: abort a group that a newer generation replaced.

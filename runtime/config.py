@@ -27,6 +27,7 @@ ENV_HEARTBEAT_S = "TM_HEARTBEAT_S"
 ENV_RECOVERY_TIMEOUT_S = "TM_RECOVERY_TIMEOUT_S"
 ENV_COLLECTIVE_TIMEOUT_S = "TM_COLLECTIVE_TIMEOUT_S"
 ENV_CHUNK_BYTES = "TM_CHUNK_BYTES"
+ENV_CONNECT_TIMEOUT_S = "TM_CONNECT_TIMEOUT_S"
 
 
 class LaunchError(RuntimeError):
@@ -64,6 +65,8 @@ class ProcessConfig:
     so a short timeout would only add false alarms when ranks drift apart (evaluation, checkpoint writes)."""
     chunk_bytes: int = 64 << 20
     """Largest message of a state handoff; bigger tensors are streamed in slices of this size."""
+    connect_timeout_s: float = 30.0
+    """Longest wait to connect a generation's group (a member lost while connecting costs at most this)."""
 
     def __repr__(self) -> str:  # the token must never reach a log through a repr
         return (f"ProcessConfig(job_id={self.job_id!r}, proc={self.proc!r}, role={self.role!r}, "
@@ -84,6 +87,7 @@ class ProcessConfig:
             ENV_RECOVERY_TIMEOUT_S: repr(self.recovery_timeout_s),
             ENV_COLLECTIVE_TIMEOUT_S: repr(self.collective_timeout_s),
             ENV_CHUNK_BYTES: str(self.chunk_bytes),
+            ENV_CONNECT_TIMEOUT_S: repr(self.connect_timeout_s),
         }
 
     @classmethod
@@ -116,6 +120,7 @@ class ProcessConfig:
                 recovery_timeout_s=float(env.get(ENV_RECOVERY_TIMEOUT_S, "120")),
                 collective_timeout_s=float(env.get(ENV_COLLECTIVE_TIMEOUT_S, "600")),
                 chunk_bytes=int(env.get(ENV_CHUNK_BYTES, str(64 << 20))),
+                connect_timeout_s=float(env.get(ENV_CONNECT_TIMEOUT_S, "30")),
             )
         except ValueError as exc:
             raise LaunchError(f"malformed TrainMover launch variable: {exc}") from None

@@ -226,7 +226,7 @@ class Trainer:
         keys.wait_keys(store, [keys.k_joined(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
                        what=f"every member to join generation {g}")
         t_all_joined = time.time()
-        self.comm.build(g, rank, world)
+        self.comm.build(g, rank, world, cfg.connect_timeout_s)
         self.gen, self.rank, self.world_size = g, rank, world
         group_ready = time.time()
         split = {"teardown_s": self.comm.last_teardown_s, "joined_at": t_joined,
@@ -257,8 +257,14 @@ class Trainer:
 
     def _broadcast_initial_model(self) -> None:
         """Generation 0: every replica starts from rank 0's parameters and buffers, as DDP does."""
-        for _, t in self.state._model_tensors():
-            dist.broadcast(t, src=0)
+        failure: str | None = None
+        try:
+            for _, t in self.state._model_tensors():
+                dist.broadcast(t, src=0)
+        except RuntimeError as exc:
+            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if failure is not None:  # raised outside the except block: no traceback may pin the broken group
+            raise CommFailure(f"initial broadcast failed: {failure}")
 
     def _recover(self, g: int, message: str, untrusted: int | None = None) -> int:
         """Leave the broken group, tell the coordinator, wait for the next generation."""

@@ -17,7 +17,12 @@ TINY_JOB = SCRIPTS / "tiny_job.py"
 
 def run_job(*, nproc: int = 2, standby: int = 1, steps: int = 20, faults: str = "", script_args: tuple[str, ...] = (),
             **settings: Any) -> JobResult:
-    """Run the tiny job to its end with real processes; every wait inside is bounded."""
+    """Run the tiny job to its end with real processes; every wait inside is bounded.
+
+    Training starts once every standby is warm, so that a scenario's fault always finds the standbys it
+    plans for (otherwise which standby is ready first is a race between process start-ups).
+    """
+    settings = {"wait_for_standbys": True, **settings}
     cfg = LaunchConfig(
         script=str(TINY_JOB), args=("--steps", str(steps), *script_args), nproc=nproc, standby=standby,
         faults=faults, num_threads=1, quiet=True, recovery_timeout_s=60.0, **settings,

@@ -40,16 +40,17 @@ def wait_for_event(path: Path, kind: str, proc: subprocess.Popen[str], timeout_s
 def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
-    steps = 2500
+    steps = 1500
     events = tmp_path / "events.jsonl"
+    # --wait-for-standbys: generation 0 is published once the standby is warm, and the kill follows at once,
+    # so it lands while the workers connect, broadcast the initial model or run their first steps.
     job = subprocess.Popen(
         [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
-         "--events", str(events), str(TINY_JOB), "--steps", str(steps)],
+         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", str(steps)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        generation = wait_for_event(events, "generation", job, 60)
-        wait_for_event(events, "standby_ready", job, 90)
+        generation = wait_for_event(events, "generation", job, 120)
         victim = generation["members"][1]["pid"]  # type: ignore[index]
         os.kill(victim, signal.SIGKILL)
         _, err = job.communicate(timeout=180)
