@@ -19,6 +19,8 @@ KILL_PHASE = "exchange"
 
 
 def _training_wall_s(result: JobResult) -> float:
+    # A difference of these two walls is not the failure's cost here: on a shared 2-core machine it drifts by
+    # more than the recovery takes. The cost is read from the recovery's own timings instead.
     """From the moment generation 0 was published (workers start training) to the end of the job."""
     start = next(e["time"] for e in result.events if e["event"] == "generation")
     end = next(e["time"] for e in result.events if e["event"] in ("job_finished", "job_failed"))
@@ -56,11 +58,13 @@ def run_demo(steps: int = 60, events_path: str | None = None) -> int:
     for line in _describe(faulted.events):
         print("   " + line)
     same = set(faulted.digests.values()) == set(clean.digests.values())
-    lost = _training_wall_s(faulted) - _training_wall_s(clean)
     print(f"   {_training_wall_s(faulted):.2f} s of training; final state {_short(faulted.digests)}")
     print(f"   bit-for-bit identical to the uninterrupted run: {'yes' if same else 'NO'}")
-    print(f"\nWhat the failure cost: lost_time_s = {lost:.2f} s (wall difference of the two runs; "
-          "includes the replayed step).")
+    recovered = [e for e in faulted.events if e["event"] == "recovered"]
+    if recovered:
+        down = recovered[0]["recovery_s"] + recovered[0]["warmup_penalty_s"]
+        print(f"\nWhat the failure cost: the job was down for {down:.3f} s, from the kill to training at full "
+              "speed again (the replayed step and the slower first steps included); no step was lost.")
     print("Checkpoint-restart would have restarted every worker, reloaded the last checkpoint and redone the "
           "steps since it; see docs/benchmarks.md for both measured side by side.")
     print(f"(demo took {time.time() - t0:.0f} s)")

@@ -106,7 +106,7 @@ def test_the_demo_recovers_a_killed_worker_bit_exactly_and_says_what_it_cost(tmp
 
     assert result.returncode == 0, result.stderr
     assert "bit-for-bit identical to the uninterrupted run: yes" in result.stdout
-    assert "lost_time_s = " in result.stdout
+    assert "the job was down for " in result.stdout
     assert "standby" in result.stdout and "recovered in" in result.stdout
     kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert "member_failed" in kinds and "recovered" in kinds and kinds[-1] == "job_finished"
