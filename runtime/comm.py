@@ -25,6 +25,12 @@ class CommFailure(RuntimeError):
     """A collective or point-to-point operation failed: a peer is gone or the group was broken."""
 
 
+def error_text(exc: BaseException) -> str:
+    """The first line of a backend error, which is all a survivor keeps: holding the exception itself would
+    keep its traceback, and through it the broken group's `Work` objects and sockets, alive."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 class Communicator:
     """Owns this process's membership in one generation's process group."""
 
@@ -59,7 +65,7 @@ class Communicator:
                 **kwargs,  # type: ignore[arg-type]
             )
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
-            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            failure = error_text(exc)
         if failure is not None:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -166,7 +172,7 @@ class GradientBuckets:
                 work.wait()
             del works
         except RuntimeError as exc:  # Gloo/NCCL report a lost peer as a plain RuntimeError/DistBackendError
-            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            failure = error_text(exc)
         if failure is not None:
             # Raised outside the except block so that no traceback keeps the broken group's Work alive.
             raise CommFailure(failure)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.auth import prove, verify
-from runtime.comm import CommFailure
+from runtime.comm import CommFailure, error_text
 from runtime.state import TrainingState
 
 TAG_PROOF = 1
@@ -162,7 +162,7 @@ def run_handoff(
     except RuntimeError as exc:
         if isinstance(exc, HandoffError):
             raise
-        failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        failure = error_text(exc)
     if failure is not None:
         raise CommFailure(f"handoff interrupted: {failure}")
     stats.seconds = time.perf_counter() - t0

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime import store as keys
-from runtime.comm import CommFailure, Communicator, GradientBuckets
+from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.data import StepData, as_step_data, derive_seed
 from runtime.handoff import HandoffError, HandoffSession, MemberStatus, UntrustedReceiver, plan_handoff, run_handoff
 from runtime.job import Job, init
@@ -262,7 +262,7 @@ class Trainer:
             for _, t in self.state._model_tensors():
                 dist.broadcast(t, src=0)
         except RuntimeError as exc:
-            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            failure = error_text(exc)
         if failure is not None:  # raised outside the except block: no traceback may pin the broken group
             raise CommFailure(f"initial broadcast failed: {failure}")
 
