@@ -1,0 +1,282 @@
+"""The standby decision: how many standbys to keep in each tier, as a pure function of typed inputs.
+
+`decide_standby` owns the rule of DESIGN.md ("Policy, in one paragraph"): the number of failures within the
+replenishment lead time L is Poisson-binomial over the per-node probabilities, and the k-th standby of tier t
+is kept while P(failures >= k) > c_t * L / C_avoid_t. No I/O and no clocks: the caller passes `now_s`.
+
+Allocation across tiers. Standbys take over failures fastest tier first, so the j-th failure within L is covered
+by the j-th standby in speed order (hot, then warm, then stopped). Position k is therefore worth
+P(failures >= k) * C_avoid_t - c_t * L to a standby of tier t, and each position goes to the tier for which that
+expected net saving is largest, provided it is positive (which is exactly the threshold rule). The saving is a
+line in q = P(failures >= k) with slope C_avoid_t; faster tiers have steeper lines, and q only falls with k, so
+the best tier only ever moves from faster to slower as k grows: the most likely failures get hot standbys while
+their premium pays, then warm, then stopped. Each position holds one standby, so no failure is counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policy.costs import TIER_NAMES, StandbyCosts, TierName
+
+_MAX_TIER_COUNT = 100_000
+
+
+def poisson_binomial_tail(p: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """Return t with t[k] = P(at least k of n independent events happen), k = 0..n, for probabilities `p`.
+
+    Exact dynamic programming over the nodes, O(n^2) with the inner loop vectorised.
+    """
+    probs = np.asarray(p, dtype=np.float64)
+    if probs.ndim != 1:
+        raise ValueError(f"failure probabilities must be a 1-D array, got shape {probs.shape}")
+    if not np.all(np.isfinite(probs)):
+        raise ValueError("failure probabilities must be finite numbers; got NaN or infinity")
+    if np.any((probs < 0.0) | (probs > 1.0)):
+        raise ValueError(f"failure probabilities must lie in [0, 1]; got min {probs.min()}, max {probs.max()}")
+    n = probs.size
+    pmf = np.zeros(n + 1, dtype=np.float64)
+    pmf[0] = 1.0
+    for i, pi in enumerate(probs):
+        # After node i, at most i + 1 failures are possible: update only that prefix.
+        head = pmf[: i + 2].copy()
+        pmf[: i + 2] = head * (1.0 - pi)
+        pmf[1 : i + 2] += head[: i + 1] * pi
+    # Summing from the top keeps tiny tail probabilities accurate (no 1 - (almost 1) cancellation).
+    tail = np.cumsum(pmf[::-1])[::-1]
+    tail[0] = 1.0
+    return np.clip(tail, 0.0, 1.0)
+
+
+class NodeHazards(BaseModel):
+    """Per-node probability of failing within the lead time L, as the failure predictor reports it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node_ids: tuple[str, ...] = Field(description="Training nodes, one id each, unique.")
+    p_fail: tuple[float, ...] = Field(description="P(node fails within the lead time L), one per node, in [0, 1].")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NodeHazards:
+        if len(self.node_ids) != len(self.p_fail):
+            raise ValueError(
+                f"hazards: {len(self.node_ids)} node ids but {len(self.p_fail)} probabilities; give one each"
+            )
+        dupes = sorted(node for node, n in Counter(self.node_ids).items() if n > 1)
+        if dupes:
+            raise ValueError(f"hazards: duplicate node ids {dupes}; each node must appear once")
+        for node, p in zip(self.node_ids, self.p_fail, strict=True):
+            if not math.isfinite(p) or not 0.0 <= p <= 1.0:
+                raise ValueError(f"hazards: node {node!r} has failure probability {p}; it must lie in [0, 1]")
+        return self
+
+
+class FleetState(BaseModel):
+    """The standbys held now, per tier, and when the fleet last changed (for the minimum hold time)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stopped: int = Field(default=0, description="Stopped standbys held now.", ge=0, le=_MAX_TIER_COUNT)
+    warm: int = Field(default=0, description="Warm standbys held now.", ge=0, le=_MAX_TIER_COUNT)
+    hot: int = Field(default=0, description="Hot standbys held now.", ge=0, le=_MAX_TIER_COUNT)
+    last_change_s: float = Field(
+        default=-math.inf, description="Time of the last change to the standby counts, seconds (same clock as now_s)."
+    )
+
+    def count(self, tier: TierName) -> int:
+        return int(getattr(self, tier))
+
+
+class StandbyPlan(BaseModel):
+    """What to hold after this decision, what it costs, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stopped: int = Field(description="Stopped standbys to hold.", ge=0)
+    warm: int = Field(description="Warm standbys to hold.", ge=0)
+    hot: int = Field(description="Hot standbys to hold.", ge=0)
+    cost_usd_per_h: float = Field(description="Hourly price of all standbys in the plan, USD per hour.", ge=0.0)
+    expected_covered_failures: float = Field(
+        description="Expected number of failures within L that a standby covers: E[min(failures, standbys)].",
+        ge=0.0,
+    )
+    reasons: tuple[str, ...] = Field(description="One human-readable line per decision.")
+
+    def count(self, tier: TierName) -> int:
+        return int(getattr(self, tier))
+
+    @property
+    def total(self) -> int:
+        return self.stopped + self.warm + self.hot
+
+
+Counts = dict[TierName, int]
+
+
+def decide_standby(hazards: NodeHazards, costs: StandbyCosts, fleet: FleetState, now_s: float) -> StandbyPlan:
+    """Decide the standbys to hold: the threshold rule, then hysteresis, the minimum hold time and the budget.
+
+    The budget is applied last because it is the cost owner's hard cap: it overrides hysteresis and the hold time.
+    """
+    tail = poisson_binomial_tail(np.asarray(hazards.p_fail, dtype=np.float64))
+    order = _speed_order(costs)
+    reasons: list[str] = []
+
+    target = _rule_counts(tail, costs, order, reasons)
+    counts = _apply_hysteresis(target, fleet, tail, costs, order, reasons)
+    counts = _apply_min_hold(counts, fleet, costs, now_s, reasons)
+    for tier in TIER_NAMES:
+        for j in range(counts[tier] + 1, fleet.count(tier) + 1):
+            reasons.append(f"{tier} #{j} released: the rule no longer pays for it")
+    counts = _apply_budget(counts, tail, costs, order, reasons)
+
+    total = sum(counts.values())
+    if total == 0 and not reasons:
+        cheapest = min(order, key=costs.threshold)
+        reasons.append(
+            f"no standby: P(>=1 failures in {costs.lead_time_h:g} h) = {_q(tail, 1):.3g} <= lowest threshold "
+            f"{costs.threshold(cheapest):.3g} ({cheapest})"
+        )
+    covered = float(np.sum(tail[1 : min(total, tail.size - 1) + 1]))
+    return StandbyPlan(
+        stopped=counts["stopped"],
+        warm=counts["warm"],
+        hot=counts["hot"],
+        cost_usd_per_h=_cost(counts, costs),
+        expected_covered_failures=covered,
+        reasons=tuple(reasons),
+    )
+
+
+def _speed_order(costs: StandbyCosts) -> list[TierName]:
+    return sorted(costs.tiers, key=lambda t: (costs.tiers[t].takeover_s, costs.tiers[t].price_usd_per_h))
+
+
+def _q(tail: npt.NDArray[np.float64], k: int) -> float:
+    return float(tail[k]) if k < tail.size else 0.0
+
+
+def _net_usd(costs: StandbyCosts, tier: TierName, q: float) -> float:
+    """Expected saving over the lead time of a standby of `tier` covering a failure that happens with prob. q."""
+    return q * costs.avoided_usd(tier) - costs.tiers[tier].price_usd_per_h * costs.lead_time_h
+
+
+def _cost(counts: Counts, costs: StandbyCosts) -> float:
+    return float(sum(n * costs.tiers[t].price_usd_per_h for t, n in counts.items() if n and t in costs.tiers))
+
+
+def _positions(counts: Counts, order: Sequence[TierName]) -> list[TierName]:
+    return [t for t in order for _ in range(counts.get(t, 0))]
+
+
+def _config_value(counts: Counts, tail: npt.NDArray[np.float64], costs: StandbyCosts, order: list[TierName]) -> float:
+    return sum(_net_usd(costs, t, _q(tail, k)) for k, t in enumerate(_positions(counts, order), start=1))
+
+
+def _why(tier: TierName, k: int, q: float, costs: StandbyCosts, factor: float = 1.0) -> str:
+    price = costs.tiers[tier].price_usd_per_h
+    scale = "" if factor == 1.0 else f"{factor:g} x "
+    return (
+        f"P(>={k} failures in {costs.lead_time_h:g} h) = {q:.3g} > {scale}threshold {costs.threshold(tier):.3g} = "
+        f"{price:.2f} USD/h x {costs.lead_time_h:g} h / {costs.avoided_usd(tier) / 1000:.3g} kUSD avoided"
+    )
+
+
+def _rule_counts(
+    tail: npt.NDArray[np.float64], costs: StandbyCosts, order: list[TierName], reasons: list[str]
+) -> Counts:
+    counts: Counts = dict.fromkeys(TIER_NAMES, 0)
+    for k in range(1, tail.size):
+        q = _q(tail, k)
+        paying = [t for t in order if q > costs.threshold(t)]
+        if not paying:
+            break  # q only falls with k: no later position pays either
+        # Largest expected net saving; on a tie the cheaper tier.
+        best = max(paying, key=lambda t: (_net_usd(costs, t, q), -costs.tiers[t].price_usd_per_h))
+        counts[best] += 1
+        reasons.append(f"{best} #{counts[best]} (failure #{k}): {_why(best, k, q, costs)}")
+    return counts
+
+
+def _apply_hysteresis(
+    target: Counts,
+    fleet: FleetState,
+    tail: npt.NDArray[np.float64],
+    costs: StandbyCosts,
+    order: list[TierName],
+    reasons: list[str],
+) -> Counts:
+    """Keep a standby the rule would release while its probability stays above (1 - hysteresis) x threshold.
+
+    Tiers are walked fastest first; a held standby's position counts the standbys already kept in faster tiers.
+    """
+    counts = dict(target)
+    factor = 1.0 - costs.hysteresis
+    offset = 0
+    for tier in order:
+        for j in range(target[tier] + 1, fleet.count(tier) + 1):
+            k = offset + j
+            q = _q(tail, k)
+            if not q > factor * costs.threshold(tier):
+                break
+            counts[tier] = j
+            reasons.append(f"{tier} #{j} kept (hysteresis, failure #{k}): {_why(tier, k, q, costs, factor)}")
+        offset += counts[tier]
+    return counts
+
+
+def _apply_min_hold(counts: Counts, fleet: FleetState, costs: StandbyCosts, now_s: float, reasons: list[str]) -> Counts:
+    age_s = now_s - fleet.last_change_s
+    if age_s >= costs.min_hold_s:
+        return counts
+    held = dict(counts)
+    for tier in costs.tiers:
+        if held[tier] < fleet.count(tier):
+            reasons.append(
+                f"{tier}: holding {fleet.count(tier)} instead of {held[tier]}: last change {age_s:.0f} s ago "
+                f"< min hold {costs.min_hold_s:.0f} s"
+            )
+            held[tier] = fleet.count(tier)
+    return held
+
+
+def _apply_budget(
+    counts: Counts, tail: npt.NDArray[np.float64], costs: StandbyCosts, order: list[TierName], reasons: list[str]
+) -> Counts:
+    """Drop the standby whose loss costs least until the plan fits the budget, then refill what still fits."""
+    budget = costs.budget_usd_per_h
+    if budget is None or _cost(counts, costs) <= budget:
+        return counts
+    out = dict(counts)
+    while _cost(out, costs) > budget:
+        cost_before = _cost(out, costs)
+
+        def value_without(t: TierName, base: Counts = out) -> tuple[float, float]:
+            return (_config_value({**base, t: base[t] - 1}, tail, costs, order), costs.tiers[t].price_usd_per_h)
+
+        victim = max((t for t in order if out[t] > 0), key=value_without)
+        reasons.append(
+            f"{victim} #{out[victim]} dropped: standbys cost {cost_before:.2f} USD/h > budget {budget:.2f} USD/h "
+            "and it is the least valuable"
+        )
+        out[victim] -= 1
+    # Dropping an expensive standby can leave room for a cheaper one in its place (e.g. stopped for warm).
+    while True:
+        room = budget - _cost(out, costs)
+        base_value = _config_value(out, tail, costs, order)
+        gains = {
+            t: _config_value({**out, t: out[t] + 1}, tail, costs, order) - base_value
+            for t in order
+            if costs.tiers[t].price_usd_per_h <= room and sum(out.values()) < tail.size - 1
+        }
+        best = max(gains, key=lambda t: gains[t], default=None)
+        if best is None or gains[best] <= 0.0:
+            return out
+        out[best] += 1
+        reasons.append(f"{best} #{out[best]} added within budget: expected saving {gains[best]:.0f} USD over L")
