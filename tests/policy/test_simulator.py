@@ -1,0 +1,222 @@
+"""Scenarios for the fleet simulator: hand-made traces with known answers, cost arithmetic, and the baselines."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from policy.costs import StandbyCosts, TierCosts
+from policy.simulator import (
+    BinomialP99,
+    HazardPolicy,
+    NoStandby,
+    Oracle,
+    StaticFraction,
+    compare_policies,
+    default_policies,
+    format_table,
+    job_view,
+    simulate,
+    static_5pct,
+    static_10pct,
+)
+from policy.traces import FaultRecord, FaultTrace, load_infinitehbd
+
+
+def costs(**overrides: object) -> StandbyCosts:
+    """Round numbers: job 1000 USD/h, restart 1 h, warm takeover 36 s (0.01 h) at 10 USD/h, lead time 2 h."""
+    fields: dict[str, object] = {
+        "job_price_usd_per_h": 1000.0,
+        "restart_downtime_s": 3600.0,
+        "lead_time_h": 2.0,
+        "tiers": {"warm": TierCosts(price_usd_per_h=10.0, takeover_s=36.0)},
+        "hysteresis": 0.0,
+        "min_hold_s": 0.0,
+    }
+    fields.update(overrides)
+    return StandbyCosts.model_validate(fields)
+
+
+def trace(*faults: tuple[str, float, float | None], n_nodes: int = 10, duration_h: float = 100.0) -> FaultTrace:
+    records = sorted((FaultRecord(n, s, e, "test") for n, s, e in faults), key=lambda r: (r.start_h, r.node_id))
+    return FaultTrace(tuple(records), n_nodes, duration_h)
+
+
+ONE_WARM = StaticFraction(0.1)  # ceil(0.1 x 10 nodes) = 1 warm standby
+
+
+def test_one_fault_without_standby_costs_a_restart() -> None:
+    r = simulate(trace(("a", 10.0, 20.0)), costs(), NoStandby())
+    assert (r.covered_failures, r.uncovered_failures) == (0, 1)
+    assert r.downtime_h == pytest.approx(1.0)
+    assert r.ettr == pytest.approx(99.0 / 100.0)
+    assert r.standby_cost_usd == 0.0
+    assert r.downtime_cost_usd == pytest.approx(1000.0)
+    assert r.cost_per_useful_hour == pytest.approx(1000.0 / 99.0)
+
+
+def test_one_fault_with_a_warm_standby_costs_a_takeover_and_the_standby_hours() -> None:
+    r = simulate(trace(("a", 10.0, 20.0)), costs(), ONE_WARM)
+    assert (r.covered_failures, r.uncovered_failures) == (1, 0)
+    assert r.downtime_h == pytest.approx(0.01)
+    # Held 0-10 h, a hole for the lead time 10-12 h, held again 12-100 h: 98 standby hours at 10 USD/h.
+    assert r.standby_hours["warm"] == pytest.approx(98.0)
+    assert r.standby_cost_usd == pytest.approx(980.0)
+    assert r.downtime_cost_usd == pytest.approx(10.0)
+    assert r.cost_per_useful_hour == pytest.approx(990.0 / 99.99)
+
+
+def test_second_fault_within_the_lead_time_is_uncovered() -> None:
+    r = simulate(trace(("a", 10.0, 20.0), ("b", 11.0, 20.0)), costs(), ONE_WARM)
+    assert (r.covered_failures, r.uncovered_failures) == (1, 1)
+    assert r.downtime_h == pytest.approx(0.01 + 1.0)
+
+
+def test_replenishment_after_the_lead_time_covers_a_later_fault() -> None:
+    r = simulate(trace(("a", 10.0, 20.0), ("b", 12.5, 20.0)), costs(), ONE_WARM)
+    assert (r.covered_failures, r.uncovered_failures) == (2, 0)
+    assert r.standby_hours["warm"] == pytest.approx(100.0 - 2 * 2.0)
+
+
+def test_a_fault_outside_the_job_or_on_a_node_already_down_does_not_hurt() -> None:
+    t = trace(("a", 10.0, 50.0), ("a", 20.0, 30.0), n_nodes=2)
+    assert simulate(t, costs(), NoStandby()).uncovered_failures == 1  # the second fault of "a" overlaps the first
+    hits = {simulate(t, costs(), NoStandby(), job_nodes=1, seed=s).failures for s in range(20)}
+    assert hits == {0, 1}  # a one-node job lands on "a" for some seeds and on the healthy node for others
+
+
+def test_the_fastest_available_tier_takes_over_first() -> None:
+    tiers = {
+        "stopped": TierCosts(price_usd_per_h=1.0, takeover_s=360.0),
+        "warm": TierCosts(price_usd_per_h=10.0, takeover_s=36.0),
+    }
+    c = costs(tiers=tiers)
+    t = trace(("a", 10.0, 20.0), ("b", 11.0, 20.0), ("c", 11.5, 20.0))
+    r = simulate(t, c, HazardPolicy(lambda t_h, nodes: np.full(len(nodes), 0.5), every_h=1000.0))
+    # p = 0.5 on 10 nodes: the rule holds several of each tier; the two tiers cover in speed order.
+    assert r.covered_by_tier["warm"] >= 1
+    assert r.downtime_h == pytest.approx(
+        (r.covered_by_tier["warm"] * 36 + r.covered_by_tier["stopped"] * 360 + r.uncovered_failures * 3600) / 3600
+    )
+
+
+def test_oracle_covers_every_failure_holding_one_lead_time_per_failure() -> None:
+    t = trace(("a", 10.0, 20.0), ("b", 11.0, 20.0), ("c", 50.0, 60.0))
+    r = simulate(t, costs(), Oracle())
+    assert (r.covered_failures, r.uncovered_failures) == (3, 0)
+    # Windows of L = 2 h: [10, 12) holds 2 standbys, [50, 52) holds 1; held throughout each window.
+    assert r.standby_hours["warm"] == pytest.approx(2 * 2.0 + 1 * 2.0)
+
+
+def test_binomial_p99_holds_enough_for_the_fleet_rate() -> None:
+    # 10 faults on 10 nodes over 100 h: 0.01 per node-hour, p = 1 - exp(-0.02) within L = 2 h.
+    t = trace(*((f"n{i}", 5.0 + 9.0 * i, 6.0 + 9.0 * i) for i in range(10)))
+    sched = BinomialP99().schedule(job_view(t, costs()))
+    k = int(sched.counts[0, 1])
+    p = -math.expm1(-0.02)
+    p_more = 1.0 - sum(math.comb(10, j) * p**j * (1 - p) ** (10 - j) for j in range(k + 1))
+    p_more_fewer = 1.0 - sum(math.comb(10, j) * p**j * (1 - p) ** (10 - j) for j in range(k))
+    assert p_more < 0.01 <= p_more_fewer
+    assert simulate(t, costs(), BinomialP99()).covered_failures == 10
+
+
+def synthetic_trace(n_nodes: int, days: float, seed: int = 7) -> FaultTrace:
+    """Weibull(0.5) gaps per node at about 4 faults per 1,000 node-days; log-normal repairs with a 20 h median."""
+    rng = np.random.default_rng(seed)
+    duration_h = days * 24.0
+    shape = 0.5
+    mean_gap_h = 1000.0 / 4.0 * 24.0
+    scale_h = mean_gap_h / math.gamma(1.0 + 1.0 / shape)
+    records: list[FaultRecord] = []
+    per_node = int(4 * duration_h / mean_gap_h) + 40
+    gaps = scale_h * rng.weibull(shape, size=(n_nodes, per_node))
+    repairs = 20.0 * np.exp(rng.normal(0.0, 1.0, size=(n_nodes, per_node)))
+    for i in range(n_nodes):
+        start = scale_h * rng.weibull(shape)  # the trace start counts as a renewal of every node
+        for gap, repair in zip(gaps[i], repairs[i], strict=True):
+            if start >= duration_h:
+                break
+            records.append(FaultRecord(f"gpu-{i:04d}", float(start), float(start + repair), "synthetic"))
+            start += repair + gap
+    records.sort(key=lambda r: (r.start_h, r.node_id))
+    return FaultTrace(tuple(records), n_nodes, duration_h)
+
+
+@pytest.fixture(scope="module")
+def big_trace() -> FaultTrace:
+    return synthetic_trace(1024, 365.0)
+
+
+def test_1024_nodes_for_a_year_completes_with_consistent_counts(big_trace: FaultTrace) -> None:
+    c = StandbyCosts()
+    start = time.perf_counter()
+    rows = compare_policies(big_trace, c, [*default_policies(), HazardPolicy(lambda t, n: np.full(len(n), 1e-4), 24.0)])
+    print(f"\n1024 nodes x 365 days, {len(big_trace.records)} faults: {time.perf_counter() - start:.2f} s")
+    print(format_table(rows))
+    n_failures = {r.result.failures for r in rows}
+    assert len(n_failures) == 1 and n_failures.pop() > 100
+    for r in rows:
+        assert sum(r.result.covered_by_tier.values()) == r.covered_failures
+        assert 0.0 < r.ettr <= 1.0
+
+
+def _cheating_rows() -> dict[str, Any]:
+    small = synthetic_trace(128, 90.0)
+    c = StandbyCosts()
+    starts = {n: np.array([f.start_h for f in fs]) for n, fs in small.by_node().items()}
+    lead = c.lead_time_h
+    empty = np.empty(0)
+
+    def cheating(t_h: float, nodes: tuple[str, ...]) -> np.ndarray:
+        # Knows the future: 0.9 for a node that will fault within [t, t + L).
+        return np.array(
+            [0.9 if np.any((s >= t_h) & (s < t_h + lead)) else 0.0 for s in (starts.get(n, empty) for n in nodes)]
+        )
+
+    policies = [*default_policies(), HazardPolicy(cheating, every_h=lead, name="hazard-cheat")]
+    return {r.name: r for r in compare_policies(small, c, policies, job_nodes=96)}
+
+
+@pytest.mark.xfail(strict=True, reason="open defect: the window oracle is not yet a lower bound; a hazard policy "
+                   "told the future undercuts it (0.93 vs 1.81 USD per useful hour). Fix the oracle, then drop this.")
+def test_the_oracle_is_a_lower_bound_even_for_a_policy_that_knows_the_future() -> None:
+    rows = _cheating_rows()
+    assert rows["oracle"].cost_per_useful_hour <= rows["hazard-cheat"].cost_per_useful_hour + 1e-9
+
+
+def test_cost_ordering_and_coverage_across_policies() -> None:
+    rows = _cheating_rows()
+    oracle = rows["oracle"]
+    for r in rows.values():
+        if r.name == "hazard-cheat":
+            continue  # its bound is the xfail test above
+        assert oracle.cost_per_useful_hour <= r.cost_per_useful_hour + 1e-9, r.name
+        assert r.regret_usd_per_useful_h >= -1e-9
+    assert rows[static_10pct().name].covered_failures >= rows[static_5pct().name].covered_failures
+    assert rows["hazard-cheat"].covered_failures > rows["no-standby"].covered_failures
+
+
+def test_infinitehbd_runs_through_every_policy() -> None:
+    t = load_infinitehbd()
+    c = StandbyCosts()
+    policies = [*default_policies(), HazardPolicy(lambda t_h, n: np.full(len(n), 1e-3), every_h=168.0)]
+    rows = compare_policies(t, c, policies)
+    assert [r.name for r in rows] == [p.name for p in policies]
+    for r in rows:
+        assert 0.0 < r.ettr <= 1.0
+        assert r.covered_failures + r.uncovered_failures == rows[0].uncovered_failures
+        assert math.isfinite(r.cost_per_useful_hour)
+    assert rows[0].covered_failures == 0 and rows[0].uncovered_failures > 0
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    with pytest.raises(ValueError, match="fraction"):
+        StaticFraction(1.5)
+    with pytest.raises(ValueError, match="job_nodes"):
+        simulate(trace(("a", 1.0, 2.0)), costs(), NoStandby(), job_nodes=11)
+    with pytest.raises(ValueError, match="not offered"):
+        simulate(trace(("a", 1.0, 2.0)), costs(), StaticFraction(0.1, tier="hot"))
