@@ -9,6 +9,7 @@ Built so far (issue 3 is in progress):
 - `costs`, `decision`: prices and the Poisson-binomial tiered standby rule, with hysteresis, minimum hold, budget;
 - `simulator`: event-driven replay of a trace against standby policies (ETTR, cost per useful hour). Known
   defect: its window oracle is not yet a lower bound (an xfail test records it).
-Still to come: threshold tuning with the frontier plot and the `trainmover policy` CLI. Install with
+- `tuning`, `cli`: the cost/ETTR sweep, frontier and recommendation, and `trainmover policy simulate|tune|generate`.
+Still to come: `train`/`evaluate` subcommands and the held-out comparison for the 15% target. Install with
 `pip install -e '.[policy]'` (scikit-learn, skops): the training image does not need them.
 """

@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         add_demo_parser(sub)
         ns = parser.parse_args(argv)
         return run_command(ns) if ns.command == "run" else demo_command(ns)
+    if command == "policy":
+        from policy.cli import add_policy_parser, policy_command
+
+        add_policy_parser(sub)
+        return policy_command(parser.parse_args(argv))
     if command == "bench":
         from bench.cli import add_bench_parser, bench_command
 
@@ -29,5 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run a training script with N workers and K warm standbys")
     sub.add_parser("demo", help="the local demo: one injected failure, what it cost")
     sub.add_parser("bench", help="benchmarks (recovery)")
+    sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")
     parser.parse_args(argv or ["--help"])
     return 2
