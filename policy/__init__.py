@@ -11,5 +11,5 @@ Built so far (issue 3 is in progress):
   defect: its window oracle is not yet a lower bound (an xfail test records it).
 - `tuning`, `cli`: the cost/ETTR sweep, frontier and recommendation, and `trainmover policy simulate|tune|generate`.
 Still to come: `train`/`evaluate` subcommands and the held-out comparison for the 15% target. Install with
-`pip install -e '.[policy]'` (scikit-learn, skops): the training image does not need them.
+`pip install -e '.[policy]'` (scikit-learn, skops, matplotlib): the training image does not need them.
 """
