@@ -1,1 +1,51 @@
-"""cloud/: AWS, Azure and local instance providers for standbys. Not built yet: see the open issues."""
+"""cloud/: the instances a job runs on, behind one small `Provider` interface (see docs/cloud.md).
+
+- `cloud.base`: the contract: typed records (`Instance`, `Notice`, `LaunchRequest`, `Capabilities`,
+  `CheckResult`), the `Provider` and `NoticeSource` interfaces, the `CloudError` hierarchy and retry budgets.
+- `cloud.local`: slots on this machine, with failure injection (the demo's and the tests' default).
+- `cloud.aws`, `cloud.azure`: EC2 and Azure VMs; their SDKs are imported only when such a provider is made.
+- `cloud.registry.make_provider(name, **options)`: a provider by name; `cloud.notices.NoticeWatcher`: polls every
+  notice channel on a thread and de-duplicates.
+
+Importing this package loads no cloud SDK.
+"""
+
+from cloud.base import (
+    Capabilities,
+    CapacityError,
+    CheckResult,
+    CloudError,
+    CredentialsError,
+    Instance,
+    InvalidRequestError,
+    LaunchRequest,
+    NotFoundError,
+    Notice,
+    NoticeSource,
+    PermissionDeniedError,
+    Provider,
+    QuotaError,
+    ServiceUnavailableError,
+    ThrottledError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "Capabilities",
+    "CapacityError",
+    "CheckResult",
+    "CloudError",
+    "CredentialsError",
+    "Instance",
+    "InvalidRequestError",
+    "LaunchRequest",
+    "NotFoundError",
+    "Notice",
+    "NoticeSource",
+    "PermissionDeniedError",
+    "Provider",
+    "QuotaError",
+    "ServiceUnavailableError",
+    "ThrottledError",
+    "UnsupportedError",
+]

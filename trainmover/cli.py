@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
 
         add_policy_parser(sub)
         return policy_command(parser.parse_args(argv))
+    if command == "cloud":
+        from cloud.cli import add_cloud_parser, cloud_command
+
+        add_cloud_parser(sub)
+        return cloud_command(parser.parse_args(argv))
     if command == "bench":
         from bench.cli import add_bench_parser, bench_command
 
@@ -35,5 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="the local demo: one injected failure, what it cost")
     sub.add_parser("bench", help="benchmarks (recovery)")
     sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")
+    sub.add_parser("cloud", help="cloud providers: check permissions, list or release a job's instances")
     parser.parse_args(argv or ["--help"])
     return 2

@@ -1,0 +1,901 @@
+"""The AWS EC2 provider: standbys as tagged EC2 instances, parked by stop/start, warned via EventBridge and SQS.
+
+This module owns every boto3 call TrainMover makes and the translation of their errors into the `CloudError`
+hierarchy; nothing outside it sees a boto3 dict or a botocore exception. boto3 is imported lazily, so importing
+`cloud.aws` works without it. docs/cloud-aws.md explains the mapping to EC2 and the IAM policy
+(docs/iam/trainmover-aws-policy.json) that lists exactly the actions called here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from cloud.aws_notices import HEALTH_EVENT, REBALANCE_RECOMMENDATION, SPOT_INTERRUPTION, notices_from_event
+from cloud.base import (
+    DESCRIBE,
+    JOB_TAG,
+    MUTATE,
+    ROLE_TAG,
+    Capabilities,
+    CapacityError,
+    CheckResult,
+    CloudError,
+    CredentialsError,
+    Health,
+    Instance,
+    InstanceState,
+    InvalidRequestError,
+    LaunchRequest,
+    Market,
+    NotFoundError,
+    Notice,
+    PermissionDeniedError,
+    Provider,
+    QuotaError,
+    RetryBudget,
+    Role,
+    ServiceUnavailableError,
+    ThrottledError,
+    UnsupportedError,
+    with_retries,
+)
+
+if TYPE_CHECKING:
+    import boto3
+
+log = logging.getLogger(__name__)
+
+POLICY_DOC = "docs/iam/trainmover-aws-policy.json"
+
+# On-demand list prices, USD per hour, Linux, us-east-1. Source: https://aws.amazon.com/ec2/pricing/on-demand/
+# (AWS price list), as listed in mid-2025, after AWS's June 2025 cut of P4/P5 prices. Other regions differ by up
+# to ~30 %, and prices change: pass `prices_usd_per_h` to use yours.
+ON_DEMAND_USD_PER_H: Mapping[str, float] = {
+    "p5.48xlarge": 55.04,
+    "p4de.24xlarge": 27.45,
+    "p4d.24xlarge": 21.96,
+    "g6.xlarge": 0.8048,
+    "g6.2xlarge": 0.9776,
+    "g6.4xlarge": 1.3232,
+    "g6.8xlarge": 2.0144,
+    "g6.12xlarge": 4.6016,
+    "g6.16xlarge": 3.3968,
+    "g6.24xlarge": 6.6752,
+    "g6.48xlarge": 13.3504,
+    "g5.xlarge": 1.006,
+    "g5.2xlarge": 1.212,
+    "g5.4xlarge": 1.624,
+    "g5.8xlarge": 2.448,
+    "g5.12xlarge": 5.672,
+    "g5.16xlarge": 4.096,
+    "g5.24xlarge": 8.144,
+    "g5.48xlarge": 16.288,
+    "t3.micro": 0.0104,
+    "t3.medium": 0.0416,
+    "m5.large": 0.096,
+    "m5.xlarge": 0.192,
+    "m7i.large": 0.1008,
+    "c5.xlarge": 0.17,
+    "c7i.large": 0.08925,
+}
+
+_AWS_STATES: Mapping[str, InstanceState] = {
+    "pending": "pending",
+    "running": "running",
+    "stopping": "stopping",
+    "stopped": "stopped",
+    "shutting-down": "terminating",
+    "terminated": "terminated",
+}
+_LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
+# EC2 answers NotFound for an id that never existed; a placeholder lets check() dry-run without an instance.
+_PLACEHOLDER_INSTANCE = "i-00000000000000000"
+
+# Error codes, from https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html and the common
+# errors of the query/JSON protocols. Order matters in `_translate`: InsufficientInstanceCapacity comes back as
+# HTTP 500, and InvalidClientTokenId looks like an invalid parameter.
+_CAPACITY = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientHostCapacity",
+        "InsufficientReservedInstanceCapacity",
+        "InsufficientCapacity",
+        "SpotMaxPriceTooLow",
+    }
+)
+_QUOTA = frozenset({"InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded"})
+_THROTTLED = frozenset(
+    {
+        "RequestLimitExceeded",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+    }
+)
+_CREDENTIALS = frozenset(
+    {
+        "AuthFailure",
+        "UnrecognizedClientException",
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "InvalidClientTokenId",
+        "SignatureDoesNotMatch",
+        "IncompleteSignature",
+        "MissingAuthenticationToken",
+        "InvalidAccessKeyId",
+        "RequestExpired",
+    }
+)
+_DENIED = frozenset({"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "OptInRequired"})
+_NOT_FOUND = frozenset({"QueueDoesNotExist", "AWS.SimpleQueueService.NonExistentQueue", "ResourceNotFoundException"})
+_INVALID = frozenset(
+    {"Unsupported", "UnsupportedOperation", "MissingParameter", "ValidationError", "IncorrectInstanceState"}
+)
+_UNAVAILABLE = frozenset({"InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"})
+
+
+def _api_name(operation: str) -> str:
+    """The name IAM and the EC2 API use for a boto3 method: run_instances -> RunInstances."""
+    return "".join(part.capitalize() for part in operation.split("_"))
+
+
+def _load_boto3() -> Any:
+    try:
+        import boto3
+    except ImportError as err:  # pragma: no cover - exercised only where boto3 is absent
+        raise ImportError("the AWS provider needs boto3: pip install 'trainmover[aws]'") from err
+    return boto3
+
+
+class _AwsApi:
+    """boto3 clients for one region, each call translated into `CloudError` and retried within a named budget."""
+
+    def __init__(self, region: str, session: boto3.Session | None, endpoint_url: str | None) -> None:
+        self._boto3 = _load_boto3()
+        import botocore.config
+        import botocore.exceptions
+        import botocore.parsers
+
+        self._exc = botocore.exceptions
+        self._parser_error = botocore.parsers.ResponseParserError
+        self.region = region
+        self._session = session if session is not None else self._boto3.Session(region_name=region)
+        self._endpoint_url = endpoint_url
+        # botocore retries by itself (legacy mode: 5 attempts on throttling and 5xx). Under `with_retries` that
+        # multiplies the attempts and hides how long a call may take, so botocore makes exactly one attempt and
+        # the named budgets (MUTATE, DESCRIBE) are the only retry policy. Timeouts bound every call.
+        # https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html
+        self._config = botocore.config.Config(
+            region_name=region,
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=30,
+            user_agent_extra="trainmover",
+        )
+        self._clients: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._validate_region(region)
+
+    def _validate_region(self, region: str) -> None:
+        known: set[str] = set()
+        for partition in self._session.get_available_partitions():
+            known.update(self._session.get_available_regions("ec2", partition_name=partition))
+        if region not in known:
+            close = difflib.get_close_matches(region, sorted(known), n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise InvalidRequestError(
+                f"unknown AWS region {region!r}: {hint}EC2 regions include us-east-1, us-west-2, eu-west-1, "
+                "ap-northeast-1 (full list: `aws ec2 describe-regions`)",
+                provider="aws",
+                code="InvalidRegion",
+            )
+
+    def client(self, service: str) -> Any:
+        with self._lock:
+            if service not in self._clients:
+                self._clients[service] = self._session.client(
+                    service, region_name=self.region, endpoint_url=self._endpoint_url, config=self._config
+                )
+            return self._clients[service]
+
+    def call(self, service: str, operation: str, budget: RetryBudget, **params: Any) -> dict[str, Any]:
+        client = self.client(service)
+
+        def once() -> dict[str, Any]:
+            try:
+                response: dict[str, Any] = getattr(client, operation)(**params)
+            except (self._exc.BotoCoreError, self._exc.ClientError, self._parser_error) as err:
+                raise self.translate(err, service, operation) from err
+            return response
+
+        return with_retries(once, budget, on_retry=self._log_retry)
+
+    def dry_run(self, operation: str, **params: Any) -> None:
+        """Run an EC2 call with DryRun=True: returns when AWS says it would have succeeded (DryRunOperation)."""
+        client = self.client("ec2")
+
+        def once() -> None:
+            try:
+                getattr(client, operation)(DryRun=True, **params)
+            except self._exc.ClientError as err:
+                if err.response.get("Error", {}).get("Code") == "DryRunOperation":
+                    return
+                raise self.translate(err, "ec2", operation) from err
+            except (self._exc.BotoCoreError, self._parser_error) as err:
+                raise self.translate(err, "ec2", operation) from err
+
+        with_retries(once, DESCRIBE, on_retry=self._log_retry)
+
+    @staticmethod
+    def _log_retry(err: CloudError, attempt: int, delay_s: float) -> None:
+        log.info("aws: %s (attempt %d); retrying in %.2f s", err, attempt, delay_s)
+
+    def translate(self, err: Exception, service: str, operation: str) -> CloudError:
+        """One `CloudError` for a botocore error, with a message that says what to do."""
+        action = f"{service}:{_api_name(operation)}"
+        where = f"aws {self.region}: {action}"
+        exc = self._exc
+        if isinstance(err, exc.NoCredentialsError | exc.PartialCredentialsError | exc.CredentialRetrievalError):
+            return CredentialsError(
+                f"{where}: no usable AWS credentials ({type(err).__name__}). Provide them through the standard chain "
+                "(AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, an instance "
+                "role), or pass the boto3 session of a Prefect AwsCredentials block.",
+                provider="aws",
+                code=type(err).__name__,
+            )
+        token_errors = tuple(
+            getattr(exc, name)
+            for name in ("TokenRetrievalError", "SSOTokenLoadError", "UnauthorizedSSOTokenError")
+            if hasattr(exc, name)
+        )
+        if token_errors and isinstance(err, token_errors):
+            return CredentialsError(
+                f"{where}: the AWS SSO token is missing or expired: run `aws sso login` (or refresh the credentials "
+                "of the AwsCredentials block).",
+                provider="aws",
+                code=type(err).__name__,
+            )
+        if isinstance(err, exc.ClientError):
+            error = err.response.get("Error", {})
+            code = str(error.get("Code", "Unknown"))
+            message = str(error.get("Message", "")).split(" Encoded authorization failure message:")[0]
+            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            return self._from_code(code, message, status, action, where)
+        if isinstance(err, exc.ConnectionError | exc.HTTPClientError | self._parser_error):
+            return ServiceUnavailableError(
+                f"{where}: the AWS API did not answer properly ({type(err).__name__}); it is retried within the "
+                "call's budget. Check network access to the endpoint if this persists.",
+                provider="aws",
+                code=type(err).__name__,
+            )
+        if isinstance(err, exc.ParamValidationError):
+            return InvalidRequestError(f"{where}: invalid parameters: {err}", provider="aws", code="ParamValidation")
+        return CloudError(f"{where}: {type(err).__name__}: {err}", provider="aws", code=type(err).__name__)
+
+    @staticmethod
+    def _from_code(code: str, message: str, status: int, action: str, where: str) -> CloudError:
+        said = f" ({code}: {message})" if message else f" ({code})"
+        if code in _CAPACITY:
+            return CapacityError(
+                f"{where}: AWS has no capacity for this now{said}. Fall back: another zone, instance type or "
+                "standby tier, or try again later.",
+                provider="aws",
+                code=code,
+            )
+        if code in _QUOTA:
+            return QuotaError(
+                f"{where}: an account limit stops this{said}. Ask for a higher EC2 quota in the Service Quotas "
+                "console (e.g. 'Running On-Demand P instances' or 'All P Spot Instance Requests'), or launch fewer.",
+                provider="aws",
+                code=code,
+            )
+        if code in _THROTTLED:
+            return ThrottledError(f"{where}: AWS API rate limit hit{said}.", provider="aws", code=code)
+        if code in _CREDENTIALS:
+            hint = "check this machine's clock" if code == "RequestExpired" else "refresh or replace them"
+            return CredentialsError(
+                f"{where}: AWS refused the credentials ({code}): {hint}, through the standard chain (AWS_PROFILE, "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, instance role) or the Prefect "
+                "AwsCredentials block.",
+                provider="aws",
+                code=code,
+            )
+        if code in _DENIED:
+            return PermissionDeniedError(
+                f"{where}: the credentials are not allowed to call {action} ({code}). Grant it: see {POLICY_DOC} "
+                "(`aws sts decode-authorization-message` explains an encoded denial).",
+                provider="aws",
+                code=code,
+            )
+        if code.endswith("NotFound") or code in _NOT_FOUND:
+            return NotFoundError(f"{where}: not found{said}.", provider="aws", code=code)
+        if code.startswith("Invalid") or code in _INVALID:
+            return InvalidRequestError(f"{where}: AWS refused the request as invalid{said}.", provider="aws", code=code)
+        if status >= 500 or code in _UNAVAILABLE:
+            return ServiceUnavailableError(
+                f"{where}: the AWS API failed on its side{said}; retried within the call's budget.",
+                provider="aws",
+                code=code,
+            )
+        if 400 <= status < 500:
+            return InvalidRequestError(f"{where}: AWS refused the request{said}.", provider="aws", code=code)
+        return CloudError(f"{where}: AWS error{said}.", provider="aws", code=code)
+
+
+# ------------------------------------------------------------------------------------------------ provider
+
+
+class AwsProvider(Provider):
+    """TrainMover's instances in one AWS region.
+
+    Every instance carries the tags `trainmover:job` and `trainmover:role` (on the instance and its volumes), so a
+    job's fleet is found, and released, by tag. Spot instances are one-time requests: AWS cannot stop those, so
+    `stop` refuses them before calling AWS (see `capabilities`).
+    """
+
+    name = "aws"
+
+    def __init__(
+        self,
+        region: str,
+        *,
+        session: boto3.Session | None = None,
+        endpoint_url: str | None = None,
+        notice_queue_url: str | None = None,
+        image: str | None = None,
+        subnet: str | None = None,
+        security_groups: Sequence[str] = (),
+        prices_usd_per_h: Mapping[str, float] | None = None,
+        mutate_budget: RetryBudget = MUTATE,
+        describe_budget: RetryBudget = DESCRIBE,
+    ) -> None:
+        self.region = region
+        self.notice_queue_url = notice_queue_url
+        self.image = image
+        self.subnet = subnet
+        self.security_groups = tuple(security_groups)
+        self.prices_usd_per_h = dict(prices_usd_per_h or {})
+        self.mutate_budget = mutate_budget
+        self.describe_budget = describe_budget
+        self._api = _AwsApi(region, session, endpoint_url)
+        self._known_types: set[str] = set()
+        self._seen_events: deque[str] = deque(maxlen=4096)
+        self._warned_no_queue = False
+
+    def __repr__(self) -> str:
+        return f"AwsProvider(region={self.region!r}, notice_queue_url={self.notice_queue_url!r})"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            provider="aws",
+            spot=True,
+            park_on_demand=True,
+            park_spot=False,  # AWS stops only persistent spot requests; we launch one-time ones
+            placement_groups=True,
+            capacity_reservations=True,
+            notice_kinds=frozenset({"spot_interruption", "rebalance_recommendation", "scheduled_maintenance"}),
+            spot_notice_s=120.0,
+        )
+
+    # launch -------------------------------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> list[Instance]:
+        self._check_instance_type(request.instance_type)
+        image = request.image or self.image
+        if not image:
+            raise InvalidRequestError(
+                "aws: no AMI to launch: pass image='ami-...' to AwsProvider or set LaunchRequest.image",
+                provider="aws",
+            )
+        if request.market == "spot" and request.capacity_reservation:
+            raise InvalidRequestError(
+                "aws: a capacity reservation holds on-demand capacity; launch with market='on-demand' to use "
+                f"{request.capacity_reservation}",
+                provider="aws",
+            )
+        tags = [
+            {"Key": k, "Value": v} for k, v in {**request.tags, JOB_TAG: request.job_id, ROLE_TAG: request.role}.items()
+        ]
+        params: dict[str, Any] = {
+            "ImageId": image,
+            "InstanceType": request.instance_type,
+            "MinCount": request.count,
+            "MaxCount": request.count,
+            # One token for all attempts: when a retried RunInstances reaches AWS twice (a timeout after AWS
+            # acted), AWS returns the first launch instead of launching again.
+            # https://docs.aws.amazon.com/ec2/latest/devguide/ec2-api-idempotency.html
+            "ClientToken": uuid.uuid4().hex,
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": tags},
+                {"ResourceType": "volume", "Tags": tags},
+            ],
+        }
+        placement = {}
+        if request.placement_group:
+            placement["GroupName"] = request.placement_group
+        if request.zone:
+            placement["AvailabilityZone"] = request.zone
+        if placement:
+            params["Placement"] = placement
+        if request.market == "spot":
+            params["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+            }
+        if request.capacity_reservation:
+            params["CapacityReservationSpecification"] = {
+                "CapacityReservationTarget": {"CapacityReservationId": request.capacity_reservation}
+            }
+        subnet = request.subnet or self.subnet
+        if subnet:
+            params["SubnetId"] = subnet
+        if self.security_groups:
+            params["SecurityGroupIds"] = list(self.security_groups)
+        if request.user_data:
+            params["UserData"] = request.user_data
+        response = self._api.call("ec2", "run_instances", self.mutate_budget, **params)
+        return [self._instance(raw, "unknown") for raw in response.get("Instances", [])]
+
+    def _check_instance_type(self, instance_type: str) -> None:
+        # moto launches any type string; real AWS refuses an unknown one only at RunInstances, after the quota and
+        # capacity checks. Asking DescribeInstanceTypes first gives one clear error before anything launches.
+        if instance_type in self._known_types:
+            return
+        try:
+            self._api.call("ec2", "describe_instance_types", self.describe_budget, InstanceTypes=[instance_type])
+        except InvalidRequestError as err:
+            close = difflib.get_close_matches(instance_type, list(ON_DEMAND_USD_PER_H), n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise InvalidRequestError(
+                f"aws {self.region}: unknown instance type {instance_type!r}: {hint}GPU types include p5.48xlarge, "
+                "p4d.24xlarge, g6.12xlarge (`aws ec2 describe-instance-types` lists them)",
+                provider="aws",
+                code=err.code,
+            ) from err
+        self._known_types.add(instance_type)
+
+    # park / wake / release --------------------------------------------------------------------------------------
+
+    def stop(self, instance_ids: Sequence[str]) -> list[Instance]:
+        ids = list(instance_ids)
+        if not ids:
+            return []
+        spot = [i.instance_id for i in self.describe(ids) if i.market == "spot"]
+        if spot:
+            # moto stops a one-time spot instance; real AWS refuses (UnsupportedOperation). Refusing here keeps
+            # both the same and says why. https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/how-spot-instances-work.html
+            raise UnsupportedError(
+                f"aws: cannot park spot instances {spot}: AWS stops only persistent spot requests and TrainMover "
+                "launches one-time ones. Terminate them instead, and park on-demand standbys.",
+                provider="aws",
+                code="UnsupportedOperation",
+            )
+        self._api.call("ec2", "stop_instances", self.mutate_budget, InstanceIds=ids)
+        return self.describe(ids)
+
+    def start(self, instance_ids: Sequence[str]) -> list[Instance]:
+        ids = list(instance_ids)
+        if not ids:
+            return []
+        self._api.call("ec2", "start_instances", self.mutate_budget, InstanceIds=ids)
+        return self.describe(ids)
+
+    def terminate(self, instance_ids: Sequence[str]) -> None:
+        ids = list(instance_ids)
+        if not ids:
+            return
+        try:
+            self._api.call("ec2", "terminate_instances", self.mutate_budget, InstanceIds=ids)
+        except NotFoundError:
+            # One unknown id fails the whole call; terminate the others one by one so that none is leaked.
+            for instance_id in ids:
+                try:
+                    self._api.call("ec2", "terminate_instances", self.mutate_budget, InstanceIds=[instance_id])
+                except NotFoundError:
+                    log.info("aws: %s is already gone", instance_id)
+
+    # describe ---------------------------------------------------------------------------------------------------
+
+    def describe(self, instance_ids: Sequence[str] | None = None, *, job_id: str | None = None) -> list[Instance]:
+        if instance_ids is None and job_id is None:
+            raise InvalidRequestError("aws: describe needs instance_ids or job_id", provider="aws")
+        params: dict[str, Any] = {}
+        if instance_ids is not None:
+            if not instance_ids:
+                return []
+            params["InstanceIds"] = list(instance_ids)
+        if job_id is not None:
+            params["Filters"] = [
+                {"Name": f"tag:{JOB_TAG}", "Values": [job_id]},
+                {"Name": "instance-state-name", "Values": list(_LIVE_STATES)},
+            ]
+        raws: list[dict[str, Any]] = []
+        while True:
+            page = self._api.call("ec2", "describe_instances", self.describe_budget, **params)
+            raws += [i for r in page.get("Reservations", []) for i in r.get("Instances", [])]
+            if not page.get("NextToken"):
+                break
+            params["NextToken"] = page["NextToken"]
+        health = self._health([raw["InstanceId"] for raw in raws if raw.get("State", {}).get("Name") == "running"])
+        return [self._instance(raw, health.get(raw["InstanceId"], "unknown")) for raw in raws]
+
+    def _health(self, running_ids: list[str]) -> dict[str, Health]:
+        health: dict[str, Health] = {}
+        for start in range(0, len(running_ids), 100):  # DescribeInstanceStatus takes at most 100 ids
+            params: dict[str, Any] = {"InstanceIds": running_ids[start : start + 100], "IncludeAllInstances": True}
+            while True:
+                page = self._api.call("ec2", "describe_instance_status", self.describe_budget, **params)
+                for status in page.get("InstanceStatuses", []):
+                    health[status["InstanceId"]] = _health_of(status)
+                if not page.get("NextToken"):
+                    break
+                params["NextToken"] = page["NextToken"]
+        return health
+
+    def _instance(self, raw: Mapping[str, Any], health: Health) -> Instance:
+        tags = {t["Key"]: t["Value"] for t in raw.get("Tags") or []}
+        role: Role = "standby" if tags.get(ROLE_TAG) == "standby" else "worker"
+        launched = raw.get("LaunchTime")
+        return Instance(
+            instance_id=raw["InstanceId"],
+            provider="aws",
+            job_id=tags.get(JOB_TAG, ""),
+            role=role,
+            instance_type=raw.get("InstanceType", ""),
+            market="spot" if raw.get("InstanceLifecycle") == "spot" else "on-demand",
+            state=_AWS_STATES.get(raw.get("State", {}).get("Name", ""), "unknown"),
+            health=health,
+            zone=(raw.get("Placement") or {}).get("AvailabilityZone"),
+            private_ip=raw.get("PrivateIpAddress"),
+            launched_at=launched.timestamp() if isinstance(launched, datetime) else None,
+        )
+
+    # prices -------------------------------------------------------------------------------------------------
+
+    def hourly_price_usd(self, instance_type: str, market: Market = "on-demand") -> float:
+        if market == "spot":
+            spot = self._spot_price_usd(instance_type)
+            if spot is not None:
+                return spot
+            on_demand = self._list_price_usd(instance_type)
+            log.warning(
+                "aws %s: no spot price history for %s; using its on-demand list price %.4f USD/h as an upper bound",
+                self.region,
+                instance_type,
+                on_demand,
+            )
+            return on_demand
+        return self._list_price_usd(instance_type)
+
+    def _list_price_usd(self, instance_type: str) -> float:
+        price = self.prices_usd_per_h.get(instance_type, ON_DEMAND_USD_PER_H.get(instance_type))
+        if price is None:
+            raise InvalidRequestError(
+                f"aws: no on-demand price known for {instance_type!r}: pass "
+                f"prices_usd_per_h={{{instance_type!r}: <USD per hour>}} to AwsProvider",
+                provider="aws",
+            )
+        return price
+
+    def _spot_price_usd(self, instance_type: str) -> float | None:
+        """The latest spot price per zone, highest across zones (a launch without a zone may land in any)."""
+        latest: dict[str, tuple[datetime, float]] = {}
+        params: dict[str, Any] = {
+            "InstanceTypes": [instance_type],
+            "ProductDescriptions": ["Linux/UNIX"],
+            # StartTime=now asks for the price in force now, one entry per zone.
+            # https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeSpotPriceHistory.html
+            "StartTime": datetime.now(UTC),
+        }
+        for _page in range(10):
+            page = self._api.call("ec2", "describe_spot_price_history", self.describe_budget, **params)
+            for entry in page.get("SpotPriceHistory", []):
+                if entry.get("InstanceType") != instance_type:
+                    continue
+                zone, when, price = entry.get("AvailabilityZone", ""), entry["Timestamp"], float(entry["SpotPrice"])
+                if zone not in latest or when > latest[zone][0]:
+                    latest[zone] = (when, price)
+            if not page.get("NextToken"):
+                break
+            params["NextToken"] = page["NextToken"]
+        return max(price for _, price in latest.values()) if latest else None
+
+    # notices ------------------------------------------------------------------------------------------------
+
+    def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
+        if not self.notice_queue_url:
+            if not self._warned_no_queue:
+                log.warning("aws: no notice_queue_url, so no fleet-wide notices; create one with ensure_notice_queue()")
+                self._warned_no_queue = True
+            return []
+        deadline = time.monotonic() + timeout_s
+        notices: list[Notice] = []
+        for _batch in range(20):  # bounds a call even when a busy queue never drains
+            remaining = deadline - time.monotonic()
+            # SQS long polling waits whole seconds, 20 at most; once something arrived, only drain what is there.
+            wait_s = 0 if notices or remaining < 1 else min(20, int(remaining))
+            response = self._api.call(
+                "sqs",
+                "receive_message",
+                self.describe_budget,
+                QueueUrl=self.notice_queue_url,
+                MaxNumberOfMessages=10,
+                WaitTimeSeconds=wait_s,
+            )
+            messages = response.get("Messages", [])
+            if not messages:
+                if notices or remaining < 1:
+                    break
+                continue
+            notices += self._parse_messages(messages)
+            self._delete_messages(messages)
+        return notices
+
+    def _parse_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[Notice]:
+        notices: list[Notice] = []
+        received_at = time.time()
+        for message in messages:
+            try:
+                parsed = notices_from_event(str(message.get("Body", "")), received_at=received_at)
+            except ValueError as err:
+                log.warning("aws: dropped a malformed notice message %s: %s", message.get("MessageId"), err)
+                continue
+            for notice in parsed:
+                # EventBridge delivers at least once: the same event may arrive twice.
+                if notice.event_id is not None and notice.event_id in self._seen_events:
+                    continue
+                if notice.event_id is not None:
+                    self._seen_events.append(notice.event_id)
+                notices.append(notice)
+        return notices
+
+    def _delete_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        entries = [{"Id": str(n), "ReceiptHandle": m["ReceiptHandle"]} for n, m in enumerate(messages)]
+        response = self._api.call(
+            "sqs", "delete_message_batch", self.mutate_budget, QueueUrl=self.notice_queue_url, Entries=entries
+        )
+        for failed in response.get("Failed", []):
+            log.warning("aws: could not delete notice message %s: %s", failed.get("Id"), failed.get("Code"))
+
+    # check --------------------------------------------------------------------------------------------------
+
+    def check(self, instance_type: str = "t3.micro") -> list[CheckResult]:
+        """Credentials, then each EC2 permission the provider uses (DryRun for mutating calls); creates nothing.
+
+        `instance_type` is what the RunInstances dry run asks for: pass the type your policy allows.
+        """
+        try:
+            identity = self._api.call("sts", "get_caller_identity", self.describe_budget)
+        except CloudError as err:
+            return [CheckResult("credentials", False, str(err))]
+        results = [CheckResult("credentials", True, f"account {identity.get('Account')} as {identity.get('Arn')}")]
+
+        job_tag = [{"Key": JOB_TAG, "Value": "trainmover-check"}, {"Key": ROLE_TAG, "Value": "standby"}]
+        if self.image:
+            launch: dict[str, Any] = {
+                "ImageId": self.image,
+                "InstanceType": instance_type,
+                "MinCount": 1,
+                "MaxCount": 1,
+                # The policy allows RunInstances only with the job tag: the dry run must carry it too.
+                "TagSpecifications": [
+                    {"ResourceType": "instance", "Tags": job_tag},
+                    {"ResourceType": "volume", "Tags": job_tag},
+                ],
+            }
+            if self.subnet:
+                launch["SubnetId"] = self.subnet
+            if self.security_groups:
+                launch["SecurityGroupIds"] = list(self.security_groups)
+            results.append(self._check_dry_run("run_instances", launch))
+        else:
+            results.append(
+                CheckResult("ec2:RunInstances", False, "not verified: pass image='ami-...' so the dry run is complete")
+            )
+
+        # A tagged instance of ours makes the dry runs exact (the policy's tag conditions apply to it); with none,
+        # a placeholder id checks the action alone.
+        target, exact = self._check_target()
+        for operation in ("start_instances", "stop_instances", "terminate_instances"):
+            results.append(self._check_dry_run(operation, {"InstanceIds": [target]}, exact=exact))
+        # Only the role tag: the policy lets an instance be re-tagged but never moved to another job.
+        role_tag = [{"Key": ROLE_TAG, "Value": "standby"}]
+        results.append(self._check_dry_run("create_tags", {"Resources": [target], "Tags": role_tag}, exact=exact))
+
+        reads: list[tuple[str, str, dict[str, Any]]] = [
+            ("ec2", "describe_instances", {"MaxResults": 5}),
+            ("ec2", "describe_instance_status", {"MaxResults": 5}),
+            ("ec2", "describe_instance_types", {"InstanceTypes": [instance_type]}),
+            ("ec2", "describe_spot_price_history", {"InstanceTypes": [instance_type], "MaxResults": 5}),
+        ]
+        if self.notice_queue_url:
+            reads.append(
+                ("sqs", "get_queue_attributes", {"QueueUrl": self.notice_queue_url, "AttributeNames": ["QueueArn"]})
+            )
+        for service, operation, params in reads:
+            name = f"{service}:{_api_name(operation)}"
+            try:
+                self._api.call(service, operation, self.describe_budget, **params)
+            except CloudError as err:
+                results.append(CheckResult(name, False, str(err)))
+            else:
+                results.append(CheckResult(name, True, "allowed"))
+        return results
+
+    def _check_target(self) -> tuple[str, bool]:
+        try:
+            page = self._api.call(
+                "ec2",
+                "describe_instances",
+                self.describe_budget,
+                Filters=[
+                    {"Name": "tag-key", "Values": [JOB_TAG]},
+                    {"Name": "instance-state-name", "Values": list(_LIVE_STATES)},
+                ],
+                MaxResults=5,
+            )
+        except CloudError:
+            return _PLACEHOLDER_INSTANCE, False
+        for reservation in page.get("Reservations", []):
+            for raw in reservation.get("Instances", []):
+                return str(raw["InstanceId"]), True
+        return _PLACEHOLDER_INSTANCE, False
+
+    def _check_dry_run(self, operation: str, params: dict[str, Any], *, exact: bool = True) -> CheckResult:
+        name = f"ec2:{_api_name(operation)}"
+        try:
+            self._api.dry_run(operation, **params)
+        except PermissionDeniedError as err:
+            if not exact:
+                return CheckResult(
+                    name,
+                    False,
+                    f"{err} Checked on a placeholder instance without the {JOB_TAG} tag: if the policy requires that "
+                    "tag, run check again while one of the job's instances exists.",
+                )
+            return CheckResult(name, False, str(err))
+        except (NotFoundError, InvalidRequestError) as err:
+            if not exact:
+                return CheckResult(name, True, f"not denied (checked on a placeholder instance: {err.code})")
+            return CheckResult(name, False, f"not verified: {err}")
+        except CloudError as err:
+            return CheckResult(name, False, f"not verified: {err}")
+        detail = "allowed (dry run)" if exact else "allowed (dry run on a placeholder instance)"
+        return CheckResult(name, True, detail)
+
+
+def _health_of(status: Mapping[str, Any]) -> Health:
+    checks = {(status.get(k) or {}).get("Status", "") for k in ("InstanceStatus", "SystemStatus")}
+    if "impaired" in checks:
+        return "impaired"
+    if "initializing" in checks:
+        return "initializing"
+    if checks == {"ok"}:
+        return "ok"
+    return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ notice queue
+
+_NOTICE_PATTERNS: Mapping[str, dict[str, Any]] = {
+    "spot": {"source": ["aws.ec2"], "detail-type": [SPOT_INTERRUPTION]},
+    "rebalance": {"source": ["aws.ec2"], "detail-type": [REBALANCE_RECOMMENDATION]},
+    "health": {
+        "source": ["aws.health"],
+        "detail-type": [HEALTH_EVENT],
+        "detail": {"service": ["EC2"], "eventTypeCategory": ["scheduledChange"]},
+    },
+}
+_TARGET_ID = "trainmover-sqs"
+
+
+def notice_resource_names(job_id: str) -> tuple[str, dict[str, str]]:
+    """The SQS queue name and the EventBridge rule names (by kind) used for `job_id`'s notices."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "-", job_id)
+    if safe != job_id or len(safe) > 32:
+        # Keep names distinct when sanitizing or truncating would make two job ids collide.
+        safe = f"{safe[:23]}-{uuid.uuid5(uuid.NAMESPACE_URL, job_id).hex[:8]}"
+    # Queue names: 80 characters of [A-Za-z0-9_-]; rule names: 64 of [.-_A-Za-z0-9].
+    return f"trainmover-notices-{safe}", {kind: f"trainmover-{safe}-{kind}" for kind in _NOTICE_PATTERNS}
+
+
+def ensure_notice_queue(
+    job_id: str,
+    *,
+    region: str,
+    session: boto3.Session | None = None,
+    endpoint_url: str | None = None,
+    budget: RetryBudget = MUTATE,
+) -> str:
+    """Create (or update, idempotently) the SQS queue and EventBridge rules that deliver `job_id`'s notices;
+    returns the queue URL for `AwsProvider(notice_queue_url=...)`.
+
+    Rules: spot interruption warnings, rebalance recommendations, and AWS Health scheduled changes for EC2. They
+    match every instance of the account in `region` (EventBridge cannot filter these events by tag); consumers
+    pick their own instance ids.
+    """
+    api = _AwsApi(region, session, endpoint_url)
+    queue_name, rule_names = notice_resource_names(job_id)
+    call = api.call
+    queue_url = str(
+        call(
+            "sqs",
+            "create_queue",
+            budget,
+            QueueName=queue_name,
+            # A notice older than a day is history; the same attributes every time keep CreateQueue idempotent.
+            Attributes={"MessageRetentionPeriod": "86400"},
+            tags={JOB_TAG: job_id},
+        )["QueueUrl"]
+    )
+    queue_arn = call("sqs", "get_queue_attributes", budget, QueueUrl=queue_url, AttributeNames=["QueueArn"])[
+        "Attributes"
+    ]["QueueArn"]
+    rule_arns = []
+    for kind, rule_name in rule_names.items():
+        rule = call(
+            "events",
+            "put_rule",
+            budget,
+            Name=rule_name,
+            EventPattern=json.dumps(_NOTICE_PATTERNS[kind]),
+            State="ENABLED",
+            Description=f"TrainMover notices ({kind}) for job {job_id}",
+            Tags=[{"Key": JOB_TAG, "Value": job_id}],
+        )
+        rule_arns.append(rule["RuleArn"])
+        call("events", "put_targets", budget, Rule=rule_name, Targets=[{"Id": _TARGET_ID, "Arn": queue_arn}])
+    # EventBridge needs the queue's permission to send, and only from these rules.
+    # https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-use-resource-based.html#eb-sqs-permissions
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "TrainMoverNotices",
+                "Effect": "Allow",
+                "Principal": {"Service": "events.amazonaws.com"},
+                "Action": "sqs:SendMessage",
+                "Resource": queue_arn,
+                "Condition": {"ArnEquals": {"aws:SourceArn": rule_arns}},
+            }
+        ],
+    }
+    call("sqs", "set_queue_attributes", budget, QueueUrl=queue_url, Attributes={"Policy": json.dumps(policy)})
+    return queue_url
+
+
+def delete_notice_queue(
+    job_id: str,
+    *,
+    region: str,
+    session: boto3.Session | None = None,
+    endpoint_url: str | None = None,
+    budget: RetryBudget = MUTATE,
+) -> None:
+    """Remove what `ensure_notice_queue` made for `job_id`; what is already gone is not an error."""
+    api = _AwsApi(region, session, endpoint_url)
+    queue_name, rule_names = notice_resource_names(job_id)
+    for rule_name in rule_names.values():
+        try:
+            api.call("events", "remove_targets", budget, Rule=rule_name, Ids=[_TARGET_ID])
+            api.call("events", "delete_rule", budget, Name=rule_name)
+        except NotFoundError:
+            pass
+    try:
+        queue_url = api.call("sqs", "get_queue_url", budget, QueueName=queue_name)["QueueUrl"]
+        api.call("sqs", "delete_queue", budget, QueueUrl=queue_url)
+    except NotFoundError:
+        pass

@@ -1,0 +1,284 @@
+"""AWS early warnings as `Notice` records: on the node from instance metadata (IMDSv2), fleet-wide from EventBridge.
+
+`ImdsNoticeSource` runs on an instance and polls its own metadata service (stdlib `urllib` only, so the training
+image needs no SDK). `notices_from_event` turns one EventBridge event, as EventBridge delivers it to an SQS queue,
+into notices; `cloud.aws.AwsProvider.poll_notices` reads the queue and calls it.
+
+AWS documents the shapes parsed here:
+- spot interruption: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html
+- rebalance recommendation: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html
+- IMDSv2: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-instance-metadata-service.html
+- AWS Health events: https://docs.aws.amazon.com/health/latest/ug/aws-health-events-eventbridge-schema.html
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from cloud.base import Notice, NoticeSource, ServiceUnavailableError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+SPOT_NOTICE_S = 120.0  # AWS gives two minutes between the interruption warning and the action
+SPOT_INTERRUPTION = "EC2 Spot Instance Interruption Warning"
+REBALANCE_RECOMMENDATION = "EC2 Instance Rebalance Recommendation"
+HEALTH_EVENT = "AWS Health Event"
+
+_TOKEN_PATH = "/latest/api/token"
+SPOT_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+# Refresh the token this long before AWS would expire it, so that a poll never races the expiry.
+_TOKEN_MARGIN_S = 30.0
+_SEEN_MAX = 1024
+
+
+def parse_time(text: str) -> float:
+    """Epoch seconds of an AWS timestamp: ISO 8601 ("2026-01-01T00:00:00Z") or RFC 2822 (AWS Health's
+    "Sat, 05 Jun 2021 15:10:09 GMT"). ValueError when it is neither."""
+    text = text.strip()
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            moment = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError) as err:
+            raise ValueError(f"not an ISO 8601 or RFC 2822 time: {text!r}") from err
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _instance_id_of(resource: str) -> str:
+    """`i-0abc` from `arn:aws:ec2:us-east-1a:instance/i-0abc` (EventBridge `resources`) or `i-0abc` itself."""
+    return resource.rsplit("/", 1)[-1]
+
+
+# ------------------------------------------------------------------------------------------------ EventBridge
+
+
+def notices_from_event(body: str, *, received_at: float) -> list[Notice]:
+    """The notices in one EventBridge event (an SQS message body). An event of another kind gives [] (the rule
+    matched more than we act on); a body that is not such an event raises ValueError."""
+    try:
+        event = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON: {err}") from err
+    if not isinstance(event, dict) or not isinstance(event.get("detail"), dict):
+        raise ValueError("not an EventBridge event: no 'detail' object")
+    detail_type = event.get("detail-type")
+    detail: dict[str, Any] = event["detail"]
+    event_id = str(event.get("id") or "")
+    if detail_type in (SPOT_INTERRUPTION, REBALANCE_RECOMMENDATION):
+        instance_id = detail.get("instance-id") or next(
+            (_instance_id_of(r) for r in event.get("resources") or [] if isinstance(r, str)), None
+        )
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ValueError(f"{detail_type} without an instance id")
+        if detail_type == REBALANCE_RECOMMENDATION:
+            return [Notice("rebalance_recommendation", instance_id, received_at, "eventbridge", None, event_id or None)]
+        return [
+            Notice(
+                "spot_interruption",
+                instance_id,
+                received_at,
+                "eventbridge",
+                _spot_deadline(event, detail, received_at),
+                event_id or None,
+                f"instance-action={detail.get('instance-action', 'terminate')}",
+            )
+        ]
+    if detail_type == HEALTH_EVENT:
+        return _health_notices(event, detail, event_id, received_at)
+    return []
+
+
+def _spot_deadline(event: Mapping[str, Any], detail: Mapping[str, Any], received_at: float) -> float:
+    # EventBridge's detail carries only the action ("terminate"/"stop"/"hibernate"); the instance metadata carries
+    # its time. Prefer an explicit time if one is there, else the event's time plus AWS's fixed two minutes.
+    for key in ("instance-action-time", "time"):
+        value = detail.get(key)
+        if isinstance(value, str):
+            return parse_time(value)
+    when = event.get("time")
+    return (parse_time(when) if isinstance(when, str) else received_at) + SPOT_NOTICE_S
+
+
+def _health_notices(
+    event: Mapping[str, Any], detail: Mapping[str, Any], event_id: str, received_at: float
+) -> list[Notice]:
+    if str(detail.get("service", "")).upper() != "EC2" or detail.get("eventTypeCategory") != "scheduledChange":
+        return []
+    instance_ids = [
+        str(entity["entityValue"])
+        for entity in detail.get("affectedEntities") or []
+        if isinstance(entity, dict) and str(entity.get("entityValue", "")).startswith("i-")
+    ] or [_instance_id_of(r) for r in event.get("resources") or [] if isinstance(r, str) and "i-" in r]
+    if not instance_ids:
+        raise ValueError("AWS Health EC2 event without an affected instance")
+    start = detail.get("startTime")
+    deadline = parse_time(start) if isinstance(start, str) else None
+    code = str(detail.get("eventTypeCode", ""))
+    return [
+        Notice(
+            "scheduled_maintenance",
+            instance_id,
+            received_at,
+            "eventbridge",
+            deadline,
+            f"{event_id}:{instance_id}" if event_id else None,
+            code,
+        )
+        for instance_id in instance_ids
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ IMDS
+
+
+class ImdsNoticeSource(NoticeSource):
+    """The spot interruption and rebalance notices of the instance it runs on, from IMDSv2.
+
+    Each `poll` makes at most three requests (token when needed, two metadata paths), each bounded by
+    `timeout_s`. A notice is returned once: polling again while it is still posted returns nothing new.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        endpoint: str = "http://169.254.169.254",
+        timeout_s: float = 1.0,
+        token_ttl_s: int = 21600,
+    ) -> None:
+        if not 1 <= token_ttl_s <= 21600:
+            # IMDSv2 refuses a TTL outside 1 s .. 6 h with 400.
+            raise ValueError(f"token_ttl_s must be within 1..21600, got {token_ttl_s}")
+        self.instance_id = instance_id
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout_s = timeout_s
+        self.token_ttl_s = token_ttl_s
+        self._token: str | None = None
+        self._token_expires_at = 0.0  # time.monotonic()
+        self._seen: deque[str] = deque(maxlen=_SEEN_MAX)
+
+    def __repr__(self) -> str:  # never show the token
+        return f"ImdsNoticeSource(instance_id={self.instance_id!r}, endpoint={self.endpoint!r})"
+
+    def poll(self) -> list[Notice]:
+        notices: list[Notice] = []
+        spot = self._get_json(SPOT_ACTION_PATH)
+        if spot is not None:
+            notices += self._new(self._spot_notice(spot))
+        rebalance = self._get_json(REBALANCE_PATH)
+        if rebalance is not None:
+            notices += self._new(self._rebalance_notice(rebalance))
+        return notices
+
+    def _new(self, notice: Notice | None) -> list[Notice]:
+        if notice is None or notice.event_id in self._seen:
+            return []
+        self._seen.append(notice.event_id or "")
+        return [notice]
+
+    def _spot_notice(self, body: Mapping[str, Any]) -> Notice | None:
+        action, when = body.get("action"), body.get("time")
+        if not isinstance(when, str):
+            log.warning("IMDS spot/instance-action without a time, ignored: %r", body)
+            return None
+        try:
+            deadline = parse_time(when)
+        except ValueError:
+            log.warning("IMDS spot/instance-action with an unreadable time, ignored: %r", body)
+            return None
+        return Notice(
+            "spot_interruption",
+            self.instance_id,
+            time.time(),
+            "imds",
+            deadline,
+            f"imds:spot:{action}:{when}",
+            f"instance-action={action}",
+        )
+
+    def _rebalance_notice(self, body: Mapping[str, Any]) -> Notice | None:
+        when = body.get("noticeTime")
+        if not isinstance(when, str):
+            log.warning("IMDS rebalance recommendation without noticeTime, ignored: %r", body)
+            return None
+        return Notice("rebalance_recommendation", self.instance_id, time.time(), "imds", None, f"imds:rebalance:{when}")
+
+    # HTTP ----------------------------------------------------------------------------------------------------
+
+    def _get_json(self, path: str) -> dict[str, Any] | None:
+        """The JSON object at `path`, or None when IMDS answers 404 (nothing posted)."""
+        for attempt in range(2):
+            request = urllib.request.Request(
+                self.endpoint + path, headers={"X-aws-ec2-metadata-token": self._current_token()}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    raw = response.read()
+            except urllib.error.HTTPError as err:
+                if err.code == 404:
+                    return None
+                if err.code == 401 and attempt == 0:
+                    # The token expired or IMDS restarted: fetch a new one and ask once more.
+                    self._token = None
+                    continue
+                raise ServiceUnavailableError(
+                    f"instance metadata answered {err.code} for {path}", provider="aws", code=str(err.code)
+                ) from err
+            except (urllib.error.URLError, TimeoutError, OSError) as err:
+                raise ServiceUnavailableError(
+                    f"instance metadata at {self.endpoint} unreachable ({err}); on EC2 check that the metadata "
+                    "service is enabled and, in a container, that the hop limit is at least 2",
+                    provider="aws",
+                ) from err
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError:
+                log.warning("IMDS %s is not JSON, ignored", path)
+                return None
+            return body if isinstance(body, dict) else None
+        raise ServiceUnavailableError(f"instance metadata refused a fresh token for {path} (401)", provider="aws")
+
+    def _current_token(self) -> str:
+        if self._token is not None and time.monotonic() < self._token_expires_at:
+            return self._token
+        request = urllib.request.Request(
+            self.endpoint + _TOKEN_PATH,
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                token: str = response.read().decode("ascii").strip()
+        except urllib.error.HTTPError as err:
+            if err.code == 403:
+                raise UnsupportedError(
+                    "instance metadata is disabled on this instance (token request refused with 403): enable it "
+                    "with `aws ec2 modify-instance-metadata-options --http-endpoint enabled`",
+                    provider="aws",
+                    code="403",
+                ) from err
+            raise ServiceUnavailableError(
+                f"instance metadata token request failed ({err.code})", provider="aws", code=str(err.code)
+            ) from err
+        except (urllib.error.URLError, TimeoutError, OSError) as err:
+            raise ServiceUnavailableError(
+                f"instance metadata at {self.endpoint} unreachable ({err}); on EC2 check that the metadata service "
+                "is enabled and, in a container, that the hop limit is at least 2",
+                provider="aws",
+            ) from err
+        self._token = token
+        self._token_expires_at = time.monotonic() + max(1.0, self.token_ttl_s - _TOKEN_MARGIN_S)
+        return token

@@ -1,0 +1,787 @@
+"""Azure virtual machines as TrainMover instances: `AzureProvider` owns the ARM calls and their error mapping.
+
+One provider manages the VMs of one resource group in one location through azure-mgmt-compute only: each VM
+carries its own network interface (`networkProfile.networkInterfaceConfigurations`, created and deleted with the
+VM), so no azure-mgmt-network client is needed. An instance id is the VM's name inside the resource group.
+
+Parking is `deallocate` (compute billing stops, only disks bill), never `powerOff` (the VM keeps its host and
+keeps billing: https://learn.microsoft.com/azure/virtual-machines/states-billing). Spot VMs are created with the
+eviction policy `Deallocate`, so an evicted standby is parked rather than deleted.
+
+The Azure SDKs are imported inside the methods that need them: `import cloud.azure` never needs them installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from cloud.base import (
+    DESCRIBE,
+    JOB_TAG,
+    MUTATE,
+    ROLE_TAG,
+    Capabilities,
+    CapacityError,
+    CheckResult,
+    CloudError,
+    CredentialsError,
+    Health,
+    Instance,
+    InstanceState,
+    InvalidRequestError,
+    LaunchRequest,
+    Market,
+    NotFoundError,
+    Notice,
+    PermissionDeniedError,
+    Provider,
+    QuotaError,
+    RetryBudget,
+    Role,
+    ServiceUnavailableError,
+    ThrottledError,
+    with_retries,
+)
+
+if TYPE_CHECKING:
+    from azure.core.credentials import TokenCredential
+    from azure.core.polling import LROPoller
+    from azure.mgmt.compute import ComputeManagementClient
+    from azure.mgmt.compute.models import VirtualMachine
+
+PROVIDER = "azure"
+INSTALL_HINT = "pip install 'trainmover[azure]'"
+LOGIN_HINT = (
+    "log in with `az login`, or set AZURE_TENANT_ID / AZURE_CLIENT_ID / AZURE_CLIENT_SECRET (a service principal), "
+    "or run where a managed identity is assigned; see https://aka.ms/azsdk/python/identity/defaultazurecredential"
+)
+ROLE_HINT = "assign the custom role in docs/iam/trainmover-azure-role.json on the resource group (docs/cloud-azure.md)"
+
+DEFAULT_IMAGE = "Canonical:ubuntu-24_04-lts:server:latest"
+# The API version the compute RP uses to create the VM-managed NIC; it must be set with
+# networkInterfaceConfigurations (https://learn.microsoft.com/rest/api/compute/virtual-machines/create-or-update).
+NETWORK_API_VERSION = "2020-11-01"
+PERMISSIONS_API_VERSION = "2022-04-01"
+# Without a Retry-After header the SDK waits `polling_interval` between LRO polls; its default (30 s) would add
+# up to half a minute to every start. Azure usually sends Retry-After on VM operations, which takes precedence.
+DEFAULT_POLLING_INTERVAL_S = 5.0
+
+# Every ARM action the provider performs, directly or through a linked access check when the compute RP creates the
+# VM's NIC and OS disk on our behalf. docs/iam/trainmover-azure-role.json grants exactly these.
+REQUIRED_ACTIONS: tuple[str, ...] = (
+    "Microsoft.Compute/virtualMachines/read",
+    "Microsoft.Compute/virtualMachines/write",
+    "Microsoft.Compute/virtualMachines/delete",
+    "Microsoft.Compute/virtualMachines/start/action",
+    "Microsoft.Compute/virtualMachines/deallocate/action",
+    "Microsoft.Compute/locations/vmSizes/read",
+    "Microsoft.Compute/disks/read",
+    "Microsoft.Compute/disks/write",
+    "Microsoft.Compute/disks/delete",
+    "Microsoft.Network/networkInterfaces/read",
+    "Microsoft.Network/networkInterfaces/write",
+    "Microsoft.Network/networkInterfaces/delete",
+    "Microsoft.Network/networkInterfaces/join/action",
+    "Microsoft.Network/virtualNetworks/subnets/join/action",
+)
+
+# On-demand list prices, USD per hour, Linux, pay-as-you-go, East US, as shown on
+# https://azure.microsoft.com/pricing/details/virtual-machines/linux/ (read 2025-06; they change, and differ by
+# region). Pass `prices_usd_per_h` to use your negotiated or regional prices.
+ON_DEMAND_USD_PER_H: Mapping[str, float] = {
+    "Standard_ND96isr_H100_v5": 98.32,
+    "Standard_ND96amsr_A100_v4": 32.77,
+    "Standard_ND96asr_v4": 27.20,
+    "Standard_NC40ads_H100_v5": 6.98,
+    "Standard_NC80adis_H100_v5": 13.96,
+    "Standard_NC24ads_A100_v4": 3.67,
+    "Standard_NC48ads_A100_v4": 7.35,
+    "Standard_NC96ads_A100_v4": 14.69,
+    "Standard_NC4as_T4_v3": 0.526,
+    "Standard_NC64as_T4_v3": 4.352,
+    "Standard_D2s_v5": 0.096,
+    "Standard_D4s_v5": 0.192,
+    "Standard_D8s_v5": 0.384,
+    "Standard_D16s_v5": 0.768,
+    "Standard_E8s_v5": 0.504,
+}
+# Azure spot prices float per size and region (https://azure.microsoft.com/pricing/spot-advisor/). Without a
+# published figure we assume spot costs this fraction of on-demand (the spot advisor showed 60-80 % discounts on
+# GPU sizes in 2025-06); override per size with the key "<size>:spot" in `prices_usd_per_h`.
+SPOT_PRICE_FRACTION = 0.35
+
+_CAPACITY_CODES = frozenset(
+    {
+        "allocationfailed",
+        "zonalallocationfailed",
+        "overconstrainedallocationrequest",
+        "overconstrainedzonalallocationrequest",
+        "skunotavailable",
+    }
+)
+_QUOTA_CODES = frozenset({"quotaexceeded", "operationnotallowedquotaexceeded"})
+_PERMISSION_CODES = frozenset({"authorizationfailed", "linkedauthorizationfailed", "forbidden"})
+_NOT_FOUND_CODES = frozenset({"resourcenotfound", "resourcegroupnotfound", "notfound", "parentresourcenotfound"})
+_CREDENTIALS_CODES = frozenset({"invalidauthenticationtoken", "expiredauthenticationtoken", "authenticationfailed"})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Permission:
+    """One entry of ARM's effective-permissions answer: actions granted minus notActions."""
+
+    actions: tuple[str, ...]
+    not_actions: tuple[str, ...]
+
+
+def _pattern(action_glob: str) -> re.Pattern[str]:
+    # ARM actions are case-insensitive and `*` spans path segments ("Microsoft.Compute/*", "*/read", "*").
+    return re.compile("^" + ".*".join(re.escape(part) for part in action_glob.split("*")) + "$", re.IGNORECASE)
+
+
+def action_allowed(action: str, permissions: Iterable[_Permission]) -> bool:
+    """Whether `action` is granted by some permission entry without being excluded by that entry's notActions."""
+    for entry in permissions:
+        if any(_pattern(g).match(action) for g in entry.actions) and not any(
+            _pattern(g).match(action) for g in entry.not_actions
+        ):
+            return True
+    return False
+
+
+def _slug(text: str, max_len: int) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return (slug[:max_len].rstrip("-")) or "job"
+
+
+class AzureProvider(Provider):
+    """Azure VMs of one resource group and location, tagged by job and role.
+
+    `base_url` points the client at another ARM endpoint (a sovereign cloud, or a local test server);
+    `client_kwargs` go to `ComputeManagementClient` (transport settings such as `connection_verify`, or
+    `polling_interval`). The retry budgets and the bound on each long-running operation are keyword arguments
+    so that tests and impatient callers can shorten them.
+    """
+
+    name = PROVIDER
+
+    def __init__(
+        self,
+        subscription_id: str,
+        resource_group: str,
+        location: str,
+        *,
+        credential: TokenCredential | None = None,
+        base_url: str | None = None,
+        subnet_id: str | None = None,
+        image: str | None = None,
+        admin_username: str = "trainmover",
+        ssh_public_key: str | None = None,
+        prices_usd_per_h: Mapping[str, float] | None = None,
+        client_kwargs: Mapping[str, object] | None = None,
+        mutate_budget: RetryBudget = MUTATE,
+        describe_budget: RetryBudget = DESCRIBE,
+        lro_timeout_s: float = 900.0,
+    ) -> None:
+        for label, value in (
+            ("subscription_id", subscription_id),
+            ("resource_group", resource_group),
+            ("location", location),
+        ):
+            if not value:
+                raise InvalidRequestError(f"azure: {label} must not be empty", provider=PROVIDER)
+        self.subscription_id = subscription_id
+        self.resource_group = resource_group
+        self.location = location
+        self.subnet_id = subnet_id
+        self.image = image
+        self.admin_username = admin_username
+        self.ssh_public_key = ssh_public_key
+        self.prices_usd_per_h = dict(prices_usd_per_h or {})
+        self.mutate_budget = mutate_budget
+        self.describe_budget = describe_budget
+        self.lro_timeout_s = lro_timeout_s
+        self._sizes: frozenset[str] | None = None
+        self._sizes_lock = threading.Lock()
+        self._client = self._make_client(credential, base_url, dict(client_kwargs or {}))
+
+    def __repr__(self) -> str:
+        return f"AzureProvider(resource_group={self.resource_group!r}, location={self.location!r})"
+
+    # ------------------------------------------------------------------------------------------------ plumbing
+
+    def _make_client(
+        self, credential: TokenCredential | None, base_url: str | None, kwargs: dict[str, object]
+    ) -> ComputeManagementClient:
+        try:
+            from azure.mgmt.compute import ComputeManagementClient
+        except ImportError as err:
+            raise CloudError(f"azure: azure-mgmt-compute is not installed: {INSTALL_HINT}", provider=PROVIDER) from err
+        if credential is None:
+            try:
+                from azure.identity import DefaultAzureCredential
+            except ImportError as err:
+                raise CloudError(f"azure: azure-identity is not installed: {INSTALL_HINT}", provider=PROVIDER) from err
+            credential = DefaultAzureCredential()
+        # The SDK retries 429/5xx on its own (up to 10 times by default, honouring Retry-After). With our named
+        # RetryBudgets around every call that would multiply the attempts and hide throttling from the budget, so
+        # it retries nothing: https://learn.microsoft.com/python/api/azure-core/azure.core.pipeline.policies.retrypolicy
+        kwargs.setdefault("retry_total", 0)
+        kwargs.setdefault("polling_interval", DEFAULT_POLLING_INTERVAL_S)
+        return ComputeManagementClient(credential, self.subscription_id, base_url=base_url, **kwargs)  # type: ignore[arg-type]
+
+    def _translate(self, err: Exception, action: str) -> CloudError | None:
+        """The CloudError for an SDK exception, or None when `err` is not an SDK error (a programming error)."""
+        from azure.core.exceptions import (
+            ClientAuthenticationError,
+            HttpResponseError,
+            ServiceRequestError,
+            ServiceResponseError,
+        )
+
+        if isinstance(err, CloudError):
+            return err
+        if isinstance(err, ClientAuthenticationError) and err.status_code is None:
+            # Raised by the credential before any request left (CredentialUnavailableError and friends).
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return CredentialsError(
+                f"azure: no usable credentials for {action}: {first_line[:300]}. To fix: {LOGIN_HINT}",
+                provider=PROVIDER,
+                code=type(err).__name__,
+            )
+        if isinstance(err, ServiceRequestError | ServiceResponseError):
+            return ServiceUnavailableError(
+                f"azure: {action} could not reach ARM ({type(err).__name__}); retry later or check the network",
+                provider=PROVIDER,
+                code=type(err).__name__,
+            )
+        if not isinstance(err, HttpResponseError):
+            return None
+        status = err.status_code or 0
+        code = _error_code(err)
+        lowered = (code or "").lower()
+        detail = _error_message(err)
+        where = f"{action} ({code or status}: {detail})"
+        if lowered in _CAPACITY_CODES:
+            return CapacityError(
+                f"azure: no capacity for {where}. Fall back to another zone, size or tier, or wait",
+                provider=PROVIDER,
+                code=code,
+            )
+        if lowered in _QUOTA_CODES or (lowered == "operationnotallowed" and "quota" in detail.lower()):
+            return QuotaError(
+                f"azure: quota exceeded for {where}. Request more quota for this VM family in {self.location} "
+                "(portal: Subscriptions > Usage + quotas)",
+                provider=PROVIDER,
+                code=code,
+            )
+        if status == 429 or lowered in {"toomanyrequests", "throttled"}:
+            return ThrottledError(
+                f"azure: ARM throttled {action} and the retry budget ran out; retry later or call less often",
+                provider=PROVIDER,
+                code=code or "TooManyRequests",
+            )
+        if status == 401 or lowered in _CREDENTIALS_CODES:
+            return CredentialsError(
+                f"azure: credentials refused for {action} ({code or status}). To fix: {LOGIN_HINT}",
+                provider=PROVIDER,
+                code=code,
+            )
+        if status == 403 or lowered in _PERMISSION_CODES:
+            return PermissionDeniedError(
+                f"azure: permission denied: {action} on resource group {self.resource_group!r} ({code or status}). "
+                f"To fix: {ROLE_HINT}",
+                provider=PROVIDER,
+                code=code,
+            )
+        if status == 404 or lowered in _NOT_FOUND_CODES:
+            return NotFoundError(f"azure: not found: {where}", provider=PROVIDER, code=code)
+        if status >= 500 or lowered in {"internalservererror", "serviceunavailable", "internalexecutionerror"}:
+            return ServiceUnavailableError(f"azure: ARM failed on its side: {where}", provider=PROVIDER, code=code)
+        if status == 409 and lowered in {"operationnotallowed", "conflict"}:
+            return InvalidRequestError(f"azure: ARM refused {where}", provider=PROVIDER, code=code)
+        if 400 <= status < 500 or lowered == "invalidparameter":
+            return InvalidRequestError(f"azure: invalid request: {where}", provider=PROVIDER, code=code)
+        return ServiceUnavailableError(f"azure: unexpected answer to {where}", provider=PROVIDER, code=code)
+
+    def _call(self, action: str, call: Callable[[], T], budget: RetryBudget) -> T:
+        """Run one SDK call under `budget`, with SDK errors mapped; Retry-After is a lower bound on the delay."""
+        retry_after_s = 0.0
+
+        def attempt() -> T:
+            nonlocal retry_after_s
+            try:
+                return call()
+            except Exception as err:
+                mapped = self._translate(err, action)
+                if mapped is None:
+                    raise
+                retry_after_s = _retry_after_s(err) if isinstance(mapped, ThrottledError) else 0.0
+                if mapped is err:
+                    raise
+                raise mapped from err
+
+        def sleep(delay_s: float) -> None:
+            # with_retries picks a jittered delay; ARM's Retry-After says when it will accept us again. Capped at
+            # the budget's max delay so that a large header cannot stretch the budget's deadline much.
+            time.sleep(max(delay_s, min(retry_after_s, budget.max_delay_s)))
+
+        return with_retries(attempt, budget, sleep=sleep)
+
+    def _wait(self, poller: LROPoller[Any], action: str) -> Any:
+        """Wait for one long-running operation within `lro_timeout_s`; its failure becomes a CloudError."""
+        try:
+            result = poller.result(timeout=self.lro_timeout_s)
+        except Exception as err:
+            mapped = self._translate(err, action)
+            if mapped is None:
+                raise
+            raise mapped from err
+        if not poller.done():
+            raise ServiceUnavailableError(
+                f"azure: {action} did not finish within {self.lro_timeout_s:.0f} s; it may still complete "
+                "(describe() shows its state)",
+                provider=PROVIDER,
+                code="LroTimeout",
+            )
+        return result
+
+    def _wait_all(self, pollers: Mapping[str, LROPoller[Any]], action: str) -> dict[str, CloudError]:
+        """Wait for every operation (they run in parallel on ARM's side); the errors, by VM name."""
+        errors: dict[str, CloudError] = {}
+        for vm_name, poller in pollers.items():
+            try:
+                self._wait(poller, f"{action} {vm_name}")
+            except CloudError as err:
+                errors[vm_name] = err
+        return errors
+
+    # ------------------------------------------------------------------------------------------------ validation
+
+    def available_sizes(self) -> frozenset[str]:
+        """The VM sizes offered in `location` (cached). InvalidRequestError when the location is unknown."""
+        with self._sizes_lock:
+            if self._sizes is None:
+                action = f"Microsoft.Compute/locations/vmSizes/read in {self.location!r}"
+                try:
+                    sizes = self._call(
+                        action,
+                        lambda: [s.name for s in self._client.virtual_machine_sizes.list(self.location) if s.name],
+                        self.describe_budget,
+                    )
+                except (NotFoundError, InvalidRequestError) as err:
+                    raise InvalidRequestError(
+                        f"azure: unknown location {self.location!r}: ARM lists no VM sizes there. Use a location "
+                        "name such as 'eastus', 'westus3', 'swedencentral' (`az account list-locations -o table`)",
+                        provider=PROVIDER,
+                        code=err.code,
+                    ) from err
+                self._sizes = frozenset(sizes)
+            return self._sizes
+
+    def _validate_size(self, instance_type: str) -> None:
+        sizes = self.available_sizes()
+        if instance_type in sizes:
+            return
+        examples = sorted(s for s in sizes if s.startswith(("Standard_ND", "Standard_NC"))) or sorted(sizes)
+        raise InvalidRequestError(
+            f"azure: VM size {instance_type!r} is not offered in {self.location!r}. Sizes there include "
+            f"{', '.join(examples[:6]) or 'none'} (`az vm list-sizes -l {self.location}`)",
+            provider=PROVIDER,
+            code="InvalidVmSize",
+        )
+
+    def _image_reference(self, image: str) -> dict[str, str]:
+        if image.startswith("/"):
+            return {"id": image}  # a gallery image or managed image resource id
+        parts = image.split(":")
+        if len(parts) != 4 or not all(parts):
+            raise InvalidRequestError(
+                f"azure: image {image!r} is neither 'publisher:offer:sku:version' nor an image resource id",
+                provider=PROVIDER,
+            )
+        publisher, offer, sku, version = parts
+        return {"publisher": publisher, "offer": offer, "sku": sku, "version": version}
+
+    def _vm_body(self, request: LaunchRequest, vm_name: str) -> dict[str, Any]:
+        subnet = request.subnet or self.subnet_id
+        if not subnet:
+            raise InvalidRequestError(
+                "azure: no subnet: pass subnet_id to AzureProvider or LaunchRequest.subnet (a subnet resource id)",
+                provider=PROVIDER,
+            )
+        if not self.ssh_public_key:
+            raise InvalidRequestError(
+                "azure: no ssh_public_key: Linux VMs need one (password login is disabled on purpose)",
+                provider=PROVIDER,
+            )
+        tags = {**request.tags, JOB_TAG: request.job_id, ROLE_TAG: request.role}
+        properties: dict[str, Any] = {
+            "hardwareProfile": {"vmSize": request.instance_type},
+            "storageProfile": {
+                "imageReference": self._image_reference(request.image or self.image or DEFAULT_IMAGE),
+                "osDisk": {
+                    "createOption": "FromImage",
+                    "deleteOption": "Delete",  # the disk goes with the VM: terminate leaks nothing
+                    "managedDisk": {"storageAccountType": "Premium_LRS"},
+                },
+            },
+            "osProfile": {
+                "computerName": vm_name,
+                "adminUsername": self.admin_username,
+                "linuxConfiguration": {
+                    "disablePasswordAuthentication": True,
+                    "ssh": {
+                        "publicKeys": [
+                            {
+                                "path": f"/home/{self.admin_username}/.ssh/authorized_keys",
+                                "keyData": self.ssh_public_key,
+                            }
+                        ]
+                    },
+                },
+            },
+            "networkProfile": {
+                "networkApiVersion": NETWORK_API_VERSION,
+                "networkInterfaceConfigurations": [
+                    {
+                        "name": f"{vm_name}-nic",
+                        "properties": {
+                            "primary": True,
+                            "deleteOption": "Delete",
+                            "enableAcceleratedNetworking": True,
+                            "ipConfigurations": [
+                                {"name": "ipconfig1", "properties": {"primary": True, "subnet": {"id": subnet}}}
+                            ],
+                        },
+                    }
+                ],
+            },
+        }
+        if request.market == "spot":
+            # Deallocate (not Delete) on eviction: an evicted standby stays parked and can be started again.
+            # maxPrice -1: pay up to the on-demand price, so we are evicted only for capacity, never for price.
+            properties["priority"] = "Spot"
+            properties["evictionPolicy"] = "Deallocate"
+            properties["billingProfile"] = {"maxPrice": -1}
+        if request.placement_group:
+            properties["proximityPlacementGroup"] = {"id": request.placement_group}
+        if request.capacity_reservation:
+            properties["capacityReservation"] = {"capacityReservationGroup": {"id": request.capacity_reservation}}
+        if request.user_data:
+            import base64
+
+            properties["userData"] = base64.b64encode(request.user_data.encode()).decode()
+        body: dict[str, Any] = {"location": self.location, "tags": tags, "properties": properties}
+        if request.zone:
+            body["zones"] = [request.zone]
+        return body
+
+    # ------------------------------------------------------------------------------------------------ Provider
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            provider=PROVIDER,
+            spot=True,
+            park_on_demand=True,
+            park_spot=True,  # deallocate works for spot VMs too (and eviction deallocates them)
+            placement_groups=True,
+            capacity_reservations=True,
+            notice_kinds=frozenset({"eviction", "scheduled_maintenance"}),
+            spot_notice_s=30.0,
+        )
+
+    def launch(self, request: LaunchRequest) -> list[Instance]:
+        if request.market == "spot" and request.capacity_reservation:
+            raise InvalidRequestError(
+                "azure: spot VMs cannot use a capacity reservation group; launch on-demand or drop the reservation",
+                provider=PROVIDER,
+            )
+        # The launch token keeps names unique across launches of the same job and role: a PUT on an existing
+        # name would silently update that VM instead of creating one.
+        prefix = f"tm-{_slug(request.job_id, 30)}-{request.role}-{secrets.token_hex(3)}"
+        names = [f"{prefix}-{index}" for index in range(request.count)]
+        bodies = {vm_name: self._vm_body(request, vm_name) for vm_name in names}
+        self._validate_size(request.instance_type)
+
+        from azure.mgmt.compute.models import VirtualMachine
+
+        pollers: dict[str, LROPoller[Any]] = {}
+        errors: dict[str, CloudError] = {}
+        for vm_name in names:
+            action = f"Microsoft.Compute/virtualMachines/write ({vm_name}, {request.instance_type})"
+            try:
+                pollers[vm_name] = self._call(
+                    action,
+                    partial(
+                        self._client.virtual_machines.begin_create_or_update,
+                        self.resource_group,
+                        vm_name,
+                        VirtualMachine(bodies[vm_name]),
+                    ),
+                    self.mutate_budget,
+                )
+            except CloudError as err:
+                errors[vm_name] = err
+                break  # the rest would fail the same way; what was started is cleaned up below
+        errors.update(self._wait_all(pollers, "create"))
+        if errors:
+            # A VM whose create failed may still exist (provisioningState Failed) and bill for its disk: delete
+            # every name we sent, not only the ones that succeeded.
+            attempted = [n for n in names if n in pollers or n in errors]
+            self._cleanup(attempted)
+            first = next(errors[n] for n in names if n in errors)
+            raise first
+        return self.describe(names)
+
+    def _cleanup(self, vm_names: Sequence[str]) -> None:
+        # The launch error is the one the caller needs; release_job(job_id) sweeps what is left by tag.
+        with contextlib.suppress(CloudError):
+            self.terminate(vm_names)
+
+    def stop(self, instance_ids: Sequence[str]) -> list[Instance]:
+        self._run_on_each(instance_ids, "deallocate", "Microsoft.Compute/virtualMachines/deallocate/action")
+        return self.describe(instance_ids)
+
+    def start(self, instance_ids: Sequence[str]) -> list[Instance]:
+        self._run_on_each(instance_ids, "start", "Microsoft.Compute/virtualMachines/start/action")
+        return self.describe(instance_ids)
+
+    def _run_on_each(self, instance_ids: Sequence[str], verb: str, action: str) -> None:
+        ops = self._client.virtual_machines
+        begin: Callable[[str, str], LROPoller[Any]] = ops.begin_deallocate if verb == "deallocate" else ops.begin_start
+        pollers: dict[str, LROPoller[Any]] = {}
+        errors: dict[str, CloudError] = {}
+        for vm_name in instance_ids:
+            try:
+                pollers[vm_name] = self._call(
+                    f"{action} ({vm_name})", partial(begin, self.resource_group, vm_name), self.mutate_budget
+                )
+            except CloudError as err:
+                errors[vm_name] = err  # the VMs are independent: still act on the others, then report
+        errors.update(self._wait_all(pollers, action))
+        if errors:
+            raise next(errors[n] for n in instance_ids if n in errors)
+
+    def terminate(self, instance_ids: Sequence[str]) -> None:
+        action = "Microsoft.Compute/virtualMachines/delete"
+        pollers: dict[str, LROPoller[Any]] = {}
+        for vm_name in instance_ids:
+            try:
+                pollers[vm_name] = self._call(
+                    f"{action} ({vm_name})",
+                    partial(self._client.virtual_machines.begin_delete, self.resource_group, vm_name),
+                    self.mutate_budget,
+                )
+            except NotFoundError:
+                continue  # already gone
+        errors = {n: e for n, e in self._wait_all(pollers, action).items() if not isinstance(e, NotFoundError)}
+        if errors:
+            raise next(iter(errors.values()))
+
+    def describe(self, instance_ids: Sequence[str] | None = None, *, job_id: str | None = None) -> list[Instance]:
+        if instance_ids is None:
+            if job_id is None:
+                raise InvalidRequestError("azure: describe needs instance_ids or job_id", provider=PROVIDER)
+            # ARM's list accepts $expand=instanceView only together with a scale-set $filter, so list the model
+            # views, filter by tag here, then read each instance view.
+            listed = self._call(
+                f"Microsoft.Compute/virtualMachines/read (list {self.resource_group})",
+                lambda: list(self._client.virtual_machines.list(self.resource_group)),
+                self.describe_budget,
+            )
+            instance_ids = [vm.name for vm in listed if vm.name and (vm.tags or {}).get(JOB_TAG) == job_id]
+        found: list[Instance] = []
+        for vm_name in instance_ids:
+            try:
+                vm = self._call(
+                    f"Microsoft.Compute/virtualMachines/read ({vm_name})",
+                    partial(self._client.virtual_machines.get, self.resource_group, vm_name, expand="instanceView"),
+                    self.describe_budget,
+                )
+            except NotFoundError:
+                continue  # deleted: terminated instances are not listed
+            instance = self._to_instance(vm)
+            if job_id is None or instance.job_id == job_id:
+                found.append(instance)
+        return found
+
+    def _to_instance(self, vm: VirtualMachine) -> Instance:
+        tags = vm.tags or {}
+        role_tag = tags.get(ROLE_TAG, "worker")
+        role: Role = "standby" if role_tag == "standby" else "worker"
+        market: Market = "spot" if _text(vm.priority).lower() == "spot" else "on-demand"
+        codes = [s.code or "" for s in ((vm.instance_view.statuses if vm.instance_view else None) or [])]
+        provisioning = next((c.split("/", 1)[1].lower() for c in codes if c.startswith("ProvisioningState/")), "")
+        provisioning = provisioning or _text(vm.provisioning_state).lower()
+        power = next((c.split("/", 1)[1].lower() for c in codes if c.startswith("PowerState/")), "")
+        health_code = ""
+        if vm.instance_view and vm.instance_view.vm_health and vm.instance_view.vm_health.status:
+            health_code = (vm.instance_view.vm_health.status.code or "").lower()
+        created = vm.time_created
+        return Instance(
+            instance_id=vm.name or "",
+            provider=PROVIDER,
+            job_id=tags.get(JOB_TAG, ""),
+            role=role,
+            instance_type=(vm.hardware_profile.vm_size if vm.hardware_profile else None) or "",
+            market=market,
+            state=_state(provisioning, power),
+            health=_health(provisioning, power, health_code),
+            zone=vm.zones[0] if vm.zones else None,
+            launched_at=created.timestamp() if created else None,
+        )
+
+    def hourly_price_usd(self, instance_type: str, market: Market = "on-demand") -> float:
+        if market == "spot" and f"{instance_type}:spot" in self.prices_usd_per_h:
+            return self.prices_usd_per_h[f"{instance_type}:spot"]
+        base = self.prices_usd_per_h.get(instance_type, ON_DEMAND_USD_PER_H.get(instance_type))
+        if base is None:
+            raise InvalidRequestError(
+                f"azure: no price known for {instance_type!r}; pass prices_usd_per_h={{{instance_type!r}: ...}} "
+                f"(known: {', '.join(sorted(ON_DEMAND_USD_PER_H)[:5])}, ...)",
+                provider=PROVIDER,
+            )
+        return base * SPOT_PRICE_FRACTION if market == "spot" else base
+
+    def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
+        # Plain VMs have no fleet-wide notice queue we consume: Azure announces evictions and maintenance to each
+        # VM through its Scheduled Events endpoint, which cloud.azure_notices.ScheduledEventsSource polls on the
+        # node. (Event Grid / Resource Health could fan them in, at the cost of another service to set up.)
+        return []
+
+    def check(self) -> list[CheckResult]:
+        results: list[CheckResult] = []
+        read = "Microsoft.Compute/virtualMachines/read"
+        try:
+            count = self._call(
+                read,
+                lambda: sum(1 for _ in self._client.virtual_machines.list(self.resource_group)),
+                self.describe_budget,
+            )
+            results.append(CheckResult("credentials", True, "ARM accepted the token"))
+            results.append(CheckResult(read, True, f"{count} VMs in {self.resource_group}"))
+        except CredentialsError as err:
+            return [CheckResult("credentials", False, str(err))]
+        except CloudError as err:
+            results.append(CheckResult("credentials", True, "ARM accepted the token"))
+            results.append(CheckResult(read, False, str(err)))
+        sizes_action = "Microsoft.Compute/locations/vmSizes/read"
+        try:
+            sizes = self.available_sizes()
+            results.append(CheckResult(sizes_action, True, f"{len(sizes)} sizes in {self.location}"))
+        except CloudError as err:
+            results.append(CheckResult(sizes_action, False, str(err)))
+        try:
+            permissions = self._effective_permissions()
+        except CloudError as err:
+            results.append(CheckResult("Microsoft.Authorization/permissions/read", False, str(err)))
+            return results
+        for action in REQUIRED_ACTIONS:
+            ok = action_allowed(action, permissions)
+            results.append(
+                CheckResult(action, ok, "granted" if ok else f"not granted on {self.resource_group}: {ROLE_HINT}")
+            )
+        return results
+
+    def _effective_permissions(self) -> list[_Permission]:
+        from azure.core.rest import HttpRequest
+
+        url = (
+            f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+            "/providers/Microsoft.Authorization/permissions"
+        )
+        request = HttpRequest("GET", url, params={"api-version": PERMISSIONS_API_VERSION})
+
+        def fetch() -> Any:
+            response = self._client.send_request(request)
+            response.raise_for_status()
+            return response.json()
+
+        payload = self._call("Microsoft.Authorization/permissions/read", fetch, self.describe_budget)
+        return [
+            _Permission(tuple(p.get("actions") or ()), tuple(p.get("notActions") or ()))
+            for p in payload.get("value", [])
+        ]
+
+
+# ------------------------------------------------------------------------------------------------ mapping helpers
+
+
+def _text(value: object) -> str:
+    # The SDK's enums mix in str, but str() of one is "EnumName.MEMBER": read its value.
+    return str(getattr(value, "value", value) or "")
+
+
+def _state(provisioning: str, power: str) -> InstanceState:
+    if provisioning == "deleting":
+        return "terminating"
+    by_power: dict[str, InstanceState] = {
+        "running": "running",
+        "starting": "pending",
+        "stopping": "stopping",
+        "deallocating": "stopping",
+        "deallocated": "stopped",
+        # Powered off from inside the guest or by power_off: not running, but the host is still held and billed.
+        "stopped": "stopped",
+    }
+    if power in by_power:
+        return by_power[power]
+    if provisioning in {"creating", "updating", ""}:
+        return "pending"
+    return "unknown"
+
+
+def _health(provisioning: str, power: str, health_code: str) -> Health:
+    if provisioning.startswith("failed"):
+        return "impaired"
+    if health_code == "healthstate/unhealthy":
+        return "impaired"
+    if provisioning in {"creating", "updating"} or power == "starting":
+        return "initializing"
+    if health_code == "healthstate/healthy" or (power == "running" and provisioning == "succeeded"):
+        return "ok"
+    return "unknown"
+
+
+def _error_code(err: Any) -> str | None:
+    if err.error is not None and err.error.code:
+        return str(err.error.code)
+    body = _error_body(err)
+    inner = body.get("error") if isinstance(body.get("error"), dict) else body
+    code = inner.get("code") if isinstance(inner, dict) else None
+    return str(code) if code else None
+
+
+def _error_message(err: Any) -> str:
+    if err.error is not None and err.error.message:
+        return str(err.error.message)[:400]
+    body = _error_body(err)
+    inner = body.get("error") if isinstance(body.get("error"), dict) else body
+    message = inner.get("message") if isinstance(inner, dict) else None
+    return str(message or err.reason or "no detail")[:400]
+
+
+def _error_body(err: Any) -> dict[str, Any]:
+    try:
+        body = json.loads(err.response.text()) if err.response is not None else {}
+    except Exception:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _retry_after_s(err: Any) -> float:
+    try:
+        return max(0.0, float(err.response.headers.get("Retry-After", 0))) if err.response is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0

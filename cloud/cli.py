@@ -1,0 +1,180 @@
+"""`trainmover cloud ...`: check a provider's credentials and permissions, list a job's instances, release them.
+
+    trainmover cloud check --provider aws --region eu-west-1     # what would fail, before a job finds out
+    trainmover cloud describe --provider azure --resource-group rg --location eastus --job JOB
+    trainmover cloud release --provider aws --job JOB            # terminate everything tagged with JOB
+
+The dispatcher calls `add_cloud_parser(subparsers)` and then `cloud_command(namespace)`. Exit codes: 0 success
+(every check passed), 1 some check failed, 2 a `CloudError` (missing credentials, unknown region, missing SDK),
+printed as one line on stderr without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cloud.base import CheckResult, CloudError, Instance, InvalidRequestError, Provider
+from cloud.registry import PROVIDER_NAMES, make_provider
+
+_EXIT_FAILED_CHECK = 1
+_EXIT_USAGE = 2
+
+
+def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("cloud", help="cloud providers: check permissions, list or release a job's instances")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = actions.add_parser("check", help="verify credentials and permissions without creating anything")
+    _add_provider_options(check)
+    check.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    describe = actions.add_parser("describe", help="list the instances tagged with a job")
+    _add_provider_options(describe)
+    describe.add_argument("--job", required=True, help="the job id (tag trainmover:job)")
+    release = actions.add_parser("release", help="terminate every instance tagged with a job; prints their ids")
+    _add_provider_options(release)
+    release.add_argument("--job", required=True, help="the job id (tag trainmover:job)")
+
+
+def _add_provider_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--provider", required=True, choices=PROVIDER_NAMES, help="which cloud")
+    p.add_argument("--region", help="AWS region (default: $AWS_REGION, then $AWS_DEFAULT_REGION)")
+    p.add_argument("--endpoint-url", metavar="URL", help="another API endpoint (a local test server, a proxy)")
+    p.add_argument("--subscription", metavar="ID", help="Azure subscription id (default: $AZURE_SUBSCRIPTION_ID)")
+    p.add_argument("--resource-group", metavar="RG", help="Azure resource group (default: $AZURE_RESOURCE_GROUP)")
+    p.add_argument("--location", metavar="L", help="Azure location, e.g. eastus (default: $AZURE_LOCATION)")
+    p.add_argument("--image", help="AMI id or Azure image reference: lets `check` dry-run a complete launch")
+    p.add_argument("--notice-queue-url", metavar="URL", help="AWS: the SQS queue of EventBridge notices to check")
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def provider_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of `make_provider` that the command line (and its environment) gives."""
+    if ns.provider == "local":
+        return {}
+    if ns.provider == "aws":
+        region = ns.region or _env("AWS_REGION", "AWS_DEFAULT_REGION")
+        if region is None:
+            raise InvalidRequestError("no AWS region: pass --region or set AWS_REGION", provider="aws")
+        # AwsProvider itself refuses an unknown region (botocore's bundled region list, no network needed).
+        return _given(region=region, endpoint_url=ns.endpoint_url, image=ns.image,
+                      notice_queue_url=ns.notice_queue_url)
+    missing = []
+    subscription = ns.subscription or _env("AZURE_SUBSCRIPTION_ID")
+    resource_group = ns.resource_group or _env("AZURE_RESOURCE_GROUP")
+    location = ns.location or _env("AZURE_LOCATION")
+    if subscription is None:
+        missing.append("--subscription (or AZURE_SUBSCRIPTION_ID)")
+    if resource_group is None:
+        missing.append("--resource-group (or AZURE_RESOURCE_GROUP)")
+    if location is None:
+        missing.append("--location (or AZURE_LOCATION)")
+    if missing:
+        raise InvalidRequestError(f"the azure provider needs {', '.join(missing)}", provider="azure")
+    return _given(subscription_id=subscription, resource_group=resource_group, location=location,
+                  base_url=ns.endpoint_url, image=ns.image)
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    # Options left out keep the provider's own defaults.
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _provider(ns: argparse.Namespace) -> Provider:
+    return make_provider(ns.provider, **provider_options(ns))
+
+
+def format_checks(provider: str, results: Sequence[CheckResult]) -> str:
+    """One line per check, then the verdict."""
+    width = max((len(r.name) for r in results), default=0)
+    lines = [f"  {'ok  ' if r.ok else 'FAIL'}  {r.name:<{width}}  {r.detail}".rstrip() for r in results]
+    failed = [r.name for r in results if not r.ok]
+    if not results:
+        lines.append(f"{provider}: no checks ran")
+    elif failed:
+        lines.append(f"{provider}: {len(failed)} of {len(results)} checks failed: {', '.join(failed)}")
+    else:
+        lines.append(f"{provider}: all {len(results)} checks passed")
+    return "\n".join(lines)
+
+
+def format_instances(instances: Sequence[Instance]) -> str:
+    """A fixed-width table of instances."""
+    header = ("instance", "role", "type", "market", "state", "health", "zone", "private ip")
+    rows = [
+        (i.instance_id, i.role, i.instance_type, i.market, i.state, i.health, i.zone or "-", i.private_ip or "-")
+        for i in instances
+    ]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in (header, *rows))
+
+
+def _check(ns: argparse.Namespace) -> int:
+    provider = _provider(ns)
+    results = provider.check()
+    print(format_checks(provider.name, results))
+    if ns.json:
+        payload = {
+            "provider": provider.name,
+            "ok": all(r.ok for r in results),
+            "checks": [{"name": r.name, "ok": r.ok, "detail": r.detail} for r in results],
+        }
+        try:
+            Path(ns.json).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise InvalidRequestError(f"--json {ns.json}: cannot write ({exc.strerror})") from None
+    return 0 if results and all(r.ok for r in results) else _EXIT_FAILED_CHECK
+
+
+def _describe(ns: argparse.Namespace) -> int:
+    provider = _provider(ns)
+    instances = provider.describe(job_id=ns.job)
+    if instances:
+        print(format_instances(instances))
+    print(f"{provider.name}: {len(instances)} instance(s) of job {ns.job}")
+    return 0
+
+
+def _release(ns: argparse.Namespace) -> int:
+    provider = _provider(ns)
+    released = provider.release_job(ns.job)
+    for instance_id in released:
+        print(instance_id)
+    print(f"{provider.name}: terminated {len(released)} instance(s) of job {ns.job}", file=sys.stderr)
+    return 0
+
+
+def cloud_command(ns: argparse.Namespace) -> int:
+    """Run `trainmover cloud ACTION`; 0 on success, 1 when a check failed, 2 with one line on stderr for a
+    `CloudError`."""
+    handlers = {"check": _check, "describe": _describe, "release": _release}
+    try:
+        return handlers[ns.action](ns)
+    except CloudError as exc:
+        # One line, whatever the SDK put in its message.
+        print(f"trainmover cloud {ns.action}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return _EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m cloud.cli ...`), the same as `trainmover cloud ...`."""
+    parser = argparse.ArgumentParser(prog="trainmover")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_cloud_parser(sub)
+    return cloud_command(parser.parse_args(["cloud", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,338 @@
+"""Local servers the AWS tests talk to over HTTP: moto's server, a fault-injecting proxy in front of it, and a
+fake instance metadata service (IMDSv2).
+
+moto answers the EC2/SQS/EventBridge/STS calls but never throttles or runs out of capacity, so `FaultProxy`
+answers chosen actions itself (with EC2's own XML error format and status code) a set number of times and
+forwards everything else. It also records each request's action and parameters, so a test can see what the
+provider actually sent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from moto.server import ThreadedMotoServer
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade"}
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's server on a free port of 127.0.0.1, in this process; yields its URL and stops it afterwards."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def ec2_error_xml(code: str, message: str) -> bytes:
+    """An error body exactly as EC2 sends it (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html)."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Response><Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors>"
+        f"<RequestID>{uuid.uuid4()}</RequestID></Response>"
+    ).encode()
+
+
+def query_error_xml(code: str, message: str) -> bytes:
+    """An error body of the other query-protocol services (STS)."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<ErrorResponse><Error><Type>Sender</Type><Code>{code}</Code><Message>{message}</Message></Error>"
+        f"<RequestId>{uuid.uuid4()}</RequestId></ErrorResponse>"
+    ).encode()
+
+
+@dataclass
+class _Rule:
+    action: str
+    status: int
+    body: bytes
+    times: int
+    dry_run: bool | None  # None: any request; True/False: only requests with/without DryRun=true
+
+
+@dataclass
+class Seen:
+    """One request that reached the proxy."""
+
+    service: str
+    action: str
+    params: dict[str, Any]
+    answered_by_proxy: bool
+
+    @property
+    def dry_run(self) -> bool:
+        return str(self.params.get("DryRun", "")).lower() == "true"
+
+
+@dataclass
+class FaultProxy:
+    """An HTTP proxy in front of `upstream` that answers chosen actions itself and forwards the rest."""
+
+    upstream: str
+    _rules: list[_Rule] = field(default_factory=list)
+    _seen: list[Seen] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _server: ThreadingHTTPServer | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def fail(self, action: str, code: str, *, status: int, times: int = 1, dry_run: bool | None = None) -> None:
+        """Answer the next `times` requests for `action` with the AWS error `code` and HTTP `status`."""
+        body = ec2_error_xml(code, f"Injected {code}")
+        with self._lock:
+            self._rules.append(_Rule(action, status, body, times, dry_run))
+
+    def answer(self, action: str, body: str, *, times: int = 1) -> None:
+        """Answer the next `times` requests for `action` with `body` (HTTP 200)."""
+        with self._lock:
+            self._rules.append(_Rule(action, 200, body.encode(), times, None))
+
+    def seen(self, action: str | None = None) -> list[Seen]:
+        with self._lock:
+            return [s for s in self._seen if action is None or s.action == action]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._rules.clear()
+            self._seen.clear()
+
+    def start(self) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
+                pass
+
+            def do_POST(self) -> None:
+                proxy._handle(self)
+
+            def do_GET(self) -> None:
+                proxy._handle(self)
+
+            def do_PUT(self) -> None:
+                proxy._handle(self)
+
+            def do_DELETE(self) -> None:
+                proxy._handle(self)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # request handling ---------------------------------------------------------------------------------------
+
+    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length) if length else b""
+        service, action, params = _describe_request(handler, body)
+        rule = self._take_rule(action, params)
+        with self._lock:
+            self._seen.append(Seen(service, action, params, rule is not None))
+        if rule is not None:
+            payload = rule.body
+            if rule.status >= 400 and service != "ec2":
+                payload = query_error_xml(*_code_and_message(rule.body))
+            self._reply(handler, rule.status, {"Content-Type": "text/xml"}, payload)
+            return
+        target = urlsplit(self.upstream)
+        connection = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
+        try:
+            headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
+            connection.request(handler.command, handler.path, body=body, headers=headers)
+            response = connection.getresponse()
+            payload = response.read()
+            out_headers = {k: v for k, v in response.getheaders() if k.lower() not in _HOP_BY_HOP}
+            self._reply(handler, response.status, out_headers, payload)
+        finally:
+            connection.close()
+
+    def _take_rule(self, action: str, params: dict[str, Any]) -> _Rule | None:
+        dry_run = str(params.get("DryRun", "")).lower() == "true"
+        with self._lock:
+            for rule in self._rules:
+                if rule.action == action and rule.times > 0 and rule.dry_run in (None, dry_run):
+                    rule.times -= 1
+                    return rule
+        return None
+
+    @staticmethod
+    def _reply(handler: BaseHTTPRequestHandler, status: int, headers: dict[str, str], payload: bytes) -> None:
+        handler.send_response(status)
+        for key, value in headers.items():
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(payload)
+
+
+def _code_and_message(ec2_body: bytes) -> tuple[str, str]:
+    text = ec2_body.decode()
+    code = text.split("<Code>", 1)[1].split("</Code>", 1)[0]
+    message = text.split("<Message>", 1)[1].split("</Message>", 1)[0]
+    return code, message
+
+
+def _describe_request(handler: BaseHTTPRequestHandler, body: bytes) -> tuple[str, str, dict[str, Any]]:
+    """(service, action, parameters) of an AWS request: query protocol (EC2, STS) or JSON protocol (SQS, events)."""
+    authorization = handler.headers.get("Authorization", "")
+    service = ""
+    if "Credential=" in authorization:
+        # Credential=AKID/20260101/us-east-1/ec2/aws4_request
+        scope = authorization.split("Credential=", 1)[1].split(",", 1)[0].split("/")
+        service = scope[3] if len(scope) > 3 else ""
+    target = handler.headers.get("X-Amz-Target")
+    if target:
+        try:
+            params = json.loads(body or b"{}")
+        except json.JSONDecodeError:
+            params = {}
+        return service, target.rsplit(".", 1)[-1], params if isinstance(params, dict) else {}
+    query = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+    query.update(parse_qs(urlsplit(handler.path).query, keep_blank_values=True))
+    params = {key: values[-1] for key, values in query.items()}
+    return service, str(params.get("Action", "")), params
+
+
+@contextmanager
+def fault_proxy(upstream: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(upstream)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+# ------------------------------------------------------------------------------------------------ IMDS
+
+
+class ImdsServer:
+    """A fake EC2 instance metadata service with IMDSv2 tokens; the test sets what it posts."""
+
+    def __init__(self) -> None:
+        self.spot_action: dict[str, str] | None = None
+        self.rebalance: dict[str, str] | None = None
+        self.token_requests: list[int] = []  # the TTL each token request asked for
+        self._tokens: set[str] = set()
+        self._gets: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def post_spot_action(self, action: str, when: str) -> None:
+        with self._cond:
+            self.spot_action = {"action": action, "time": when}
+
+    def post_rebalance(self, notice_time: str) -> None:
+        with self._cond:
+            self.rebalance = {"noticeTime": notice_time}
+
+    def revoke_tokens(self) -> None:
+        """As if every token expired: the next request with one gets 401."""
+        with self._cond:
+            self._tokens.clear()
+
+    def gets(self, path: str) -> int:
+        with self._cond:
+            return self._gets.get(path, 0)
+
+    def wait_for_gets(self, path: str, count: int, timeout_s: float) -> bool:
+        """Wait until `path` was answered at least `count` times; False after `timeout_s`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._gets.get(path, 0) >= count, timeout=timeout_s)
+
+    def start(self) -> None:
+        imds = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_PUT(self) -> None:
+                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+                if self.path != "/latest/api/token" or ttl is None or not ttl.isdigit():
+                    self._send(400, b"")
+                    return
+                token = uuid.uuid4().hex
+                with imds._cond:
+                    imds._tokens.add(token)
+                    imds.token_requests.append(int(ttl))
+                self._send(200, token.encode())
+
+            def do_GET(self) -> None:
+                with imds._cond:
+                    # Counted as it arrives: a client polls one path after another, so once a path has been asked
+                    # for n times, the client has finished n - 1 polls.
+                    imds._gets[self.path] = imds._gets.get(self.path, 0) + 1
+                    imds._cond.notify_all()
+                    if self.headers.get("X-aws-ec2-metadata-token") not in imds._tokens:
+                        status, body = 401, b""
+                    elif self.path == "/latest/meta-data/spot/instance-action" and imds.spot_action:
+                        status, body = 200, json.dumps(imds.spot_action).encode()
+                    elif self.path == "/latest/meta-data/events/recommendations/rebalance" and imds.rebalance:
+                        status, body = 200, json.dumps(imds.rebalance).encode()
+                    else:
+                        status, body = 404, b""
+                self._send(status, body)
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="imds", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+@contextmanager
+def imds_server() -> Iterator[ImdsServer]:
+    server = ImdsServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,672 @@
+"""The AWS provider against moto's server over HTTP, with a fault-injecting proxy for what moto never does
+(throttling, capacity, denied permissions), and the IMDS notice source against a local metadata server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import boto3
+import pytest
+
+from cloud.aws import AwsProvider, delete_notice_queue, ensure_notice_queue, notice_resource_names
+from cloud.aws_notices import REBALANCE_PATH, SPOT_ACTION_PATH, ImdsNoticeSource, notices_from_event, parse_time
+from cloud.base import (
+    JOB_TAG,
+    ROLE_TAG,
+    CapacityError,
+    CloudError,
+    CredentialsError,
+    InvalidRequestError,
+    LaunchRequest,
+    NotFoundError,
+    Notice,
+    PermissionDeniedError,
+    QuotaError,
+    RetryBudget,
+    ServiceUnavailableError,
+    ThrottledError,
+    UnsupportedError,
+)
+from tests.cloud.aws_servers import FaultProxy, ImdsServer, fault_proxy, imds_server, moto_server
+
+REGION = "us-east-1"
+AMI = "ami-12c6146b"  # one of the AMIs moto ships
+FAST_MUTATE = RetryBudget("mutate-test", attempts=3, base_delay_s=0.01, max_delay_s=0.05, deadline_s=10.0)
+FAST_DESCRIBE = RetryBudget("describe-test", attempts=3, base_delay_s=0.01, max_delay_s=0.05, deadline_s=10.0)
+NOT_RUNNING = {"terminating", "terminated"}
+
+
+def dummy_session() -> boto3.Session:
+    return boto3.Session(aws_access_key_id="testing", aws_secret_access_key="not-a-real-secret", region_name=REGION)
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_proxy(moto_url: str) -> Iterator[FaultProxy]:
+    with fault_proxy(moto_url) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def proxy(module_proxy: FaultProxy) -> Iterator[FaultProxy]:
+    module_proxy.reset()
+    try:
+        yield module_proxy
+    finally:
+        module_proxy.reset()
+
+
+@pytest.fixture
+def aws(proxy: FaultProxy) -> AwsProvider:
+    return AwsProvider(
+        REGION,
+        session=dummy_session(),
+        endpoint_url=proxy.url,
+        image=AMI,
+        mutate_budget=FAST_MUTATE,
+        describe_budget=FAST_DESCRIBE,
+    )
+
+
+@pytest.fixture
+def job(moto_url: str) -> Iterator[str]:
+    """A fresh job id; whatever a test leaves of it is terminated afterwards (directly at moto, past any fault)."""
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    try:
+        yield job_id
+    finally:
+        AwsProvider(REGION, session=dummy_session(), endpoint_url=moto_url).release_job(job_id)
+
+
+def assert_nothing_running(provider: AwsProvider, job_id: str) -> None:
+    """Every test that launches ends here: release the job, then AWS must show none of its instances alive."""
+    provider.release_job(job_id)
+    left = [(i.instance_id, i.state) for i in provider.describe(job_id=job_id) if i.state not in NOT_RUNNING]
+    assert left == [], f"instances leaked by {job_id}: {left}"
+
+
+def free_closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+
+def test_on_demand_launch_tags_instances_and_volumes_and_is_found_by_job(
+    aws: AwsProvider, proxy: FaultProxy, job: str, moto_url: str
+) -> None:
+    launched = aws.launch(LaunchRequest(job, "standby", "p5.48xlarge", count=2, tags={"team": "llm"}))
+
+    assert len(launched) == 2
+    assert {(i.job_id, i.role, i.market, i.instance_type) for i in launched} == {
+        (job, "standby", "on-demand", "p5.48xlarge")
+    }
+    [run] = proxy.seen("RunInstances")
+    assert (run.params["MinCount"], run.params["MaxCount"]) == ("2", "2")
+    assert run.params["ClientToken"]
+    ec2 = dummy_session().client("ec2", endpoint_url=moto_url)
+    volumes = ec2.describe_volumes(Filters=[{"Name": f"tag:{JOB_TAG}", "Values": [job]}])["Volumes"]
+    assert len(volumes) == 2
+    volume_tags = {t["Key"]: t["Value"] for t in volumes[0]["Tags"]}
+    assert (volume_tags[ROLE_TAG], volume_tags["team"]) == ("standby", "llm")
+
+    seen = aws.describe(job_id=job)
+    assert sorted(i.instance_id for i in seen) == sorted(i.instance_id for i in launched)
+    assert {(i.state, i.health) for i in seen} == {("running", "ok")}
+    assert all(i.zone and i.private_ip and i.launched_at for i in seen)
+    assert_nothing_running(aws, job)
+
+
+def test_spot_launch_goes_into_the_placement_group_and_zone(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    [spot] = aws.launch(
+        LaunchRequest(job, "worker", "p4d.24xlarge", market="spot", placement_group="pg-train", zone="us-east-1b")
+    )
+
+    assert (spot.market, spot.zone) == ("spot", "us-east-1b")
+    [run] = proxy.seen("RunInstances")
+    assert run.params["InstanceMarketOptions.MarketType"] == "spot"
+    assert run.params["InstanceMarketOptions.SpotOptions.SpotInstanceType"] == "one-time"
+    assert run.params["Placement.GroupName"] == "pg-train"
+    assert run.params["Placement.AvailabilityZone"] == "us-east-1b"
+    tag_specs = {v for k, v in run.params.items() if k.startswith("TagSpecification.") and k.endswith("ResourceType")}
+    assert tag_specs == {"instance", "volume"}
+    assert_nothing_running(aws, job)
+
+
+def test_capacity_reservation_is_targeted_and_refused_for_spot(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    with pytest.raises(InvalidRequestError, match="on-demand"):
+        aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", market="spot", capacity_reservation="cr-0abc"))
+    assert proxy.seen("RunInstances") == []
+
+    aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", capacity_reservation="cr-0abc"))
+    [run] = proxy.seen("RunInstances")
+    assert run.params["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
+    assert_nothing_running(aws, job)
+
+
+def test_unknown_instance_type_is_refused_before_launching(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    with pytest.raises(InvalidRequestError, match=r"unknown instance type 'p5\.48xlargee'.*did you mean p5\.48xlarge"):
+        aws.launch(LaunchRequest(job, "standby", "p5.48xlargee"))
+
+    assert proxy.seen("RunInstances") == []
+    assert_nothing_running(aws, job)
+
+
+# ------------------------------------------------------------------------------------------------ park / wake
+
+
+def test_park_wake_and_terminate_round_trip(aws: AwsProvider, job: str) -> None:
+    [standby] = aws.launch(LaunchRequest(job, "standby", "g6.12xlarge"))
+    ids = [standby.instance_id]
+    assert aws.capabilities().can_park("on-demand")
+
+    aws.stop(ids)
+    [parked] = aws.wait_for_state(ids, ["stopped"], timeout_s=10, poll_s=0.05)
+    assert parked.parked and parked.health == "unknown"
+
+    aws.start(ids)
+    [woken] = aws.wait_for_state(ids, ["running"], timeout_s=10, poll_s=0.05)
+    assert woken.health == "ok"
+
+    aws.terminate(ids)
+    aws.terminate(ids)  # terminating twice is not an error
+    assert aws.describe(job_id=job) == []
+    assert_nothing_running(aws, job)
+
+
+def test_parking_a_one_time_spot_instance_is_refused_before_calling_aws(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    [spot] = aws.launch(LaunchRequest(job, "standby", "g5.xlarge", market="spot"))
+    assert not aws.capabilities().can_park("spot")
+
+    with pytest.raises(UnsupportedError, match="persistent spot"):
+        aws.stop([spot.instance_id])
+
+    assert proxy.seen("StopInstances") == []  # moto would have stopped it; real AWS refuses
+    assert [i.state for i in aws.describe([spot.instance_id])] == ["running"]
+    assert_nothing_running(aws, job)
+
+
+def test_insufficient_capacity_on_start_is_a_capacity_error_not_retried(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    [standby] = aws.launch(LaunchRequest(job, "standby", "p5.48xlarge"))
+    aws.stop([standby.instance_id])
+    proxy.fail("StartInstances", "InsufficientInstanceCapacity", status=500, times=5)
+
+    with pytest.raises(CapacityError, match="Fall back") as raised:
+        aws.start([standby.instance_id])
+
+    assert raised.value.code == "InsufficientInstanceCapacity"
+    assert len(proxy.seen("StartInstances")) == 1
+    assert [i.state for i in aws.describe([standby.instance_id])] == ["stopped"]
+    assert_nothing_running(aws, job)
+
+
+def test_terminate_skips_instances_already_gone(aws: AwsProvider, job: str) -> None:
+    [worker] = aws.launch(LaunchRequest(job, "worker", "m5.large"))
+
+    aws.terminate(["i-0123456789abcdef0", worker.instance_id])
+
+    assert [i.state for i in aws.describe([worker.instance_id])] == ["terminated"]
+    assert_nothing_running(aws, job)
+
+
+# ------------------------------------------------------------------------------------------------ health
+
+
+def _status_xml(instance_id: str, instance_status: str, system_status: str) -> str:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<DescribeInstanceStatusResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+        "<requestId>r-1</requestId><instanceStatusSet><item>"
+        f"<instanceId>{instance_id}</instanceId><availabilityZone>us-east-1a</availabilityZone>"
+        "<instanceState><code>16</code><name>running</name></instanceState>"
+        f"<systemStatus><status>{system_status}</status></systemStatus>"
+        f"<instanceStatus><status>{instance_status}</status></instanceStatus>"
+        "</item></instanceStatusSet></DescribeInstanceStatusResponse>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("instance_status", "system_status", "health"),
+    [("impaired", "ok", "impaired"), ("ok", "initializing", "initializing"), ("insufficient-data", "ok", "unknown")],
+)
+def test_health_comes_from_the_status_checks(
+    aws: AwsProvider, proxy: FaultProxy, job: str, instance_status: str, system_status: str, health: str
+) -> None:
+    [worker] = aws.launch(LaunchRequest(job, "worker", "g5.xlarge"))
+    proxy.answer("DescribeInstanceStatus", _status_xml(worker.instance_id, instance_status, system_status))
+
+    assert [i.health for i in aws.describe(job_id=job)] == [health]
+    assert [i.health for i in aws.describe(job_id=job)] == ["ok"]  # moto's own answer once the canned one is used
+    assert_nothing_running(aws, job)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_throttled_launch_is_retried_with_the_same_client_token(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    proxy.fail("RunInstances", "RequestLimitExceeded", status=503, times=2)
+
+    launched = aws.launch(LaunchRequest(job, "worker", "m5.large", count=2))
+
+    runs = proxy.seen("RunInstances")
+    assert len(runs) == 3  # two throttled (each a single HTTP attempt: botocore does not retry), one served
+    assert len({r.params["ClientToken"] for r in runs}) == 1
+    assert len(launched) == 2
+    assert_nothing_running(aws, job)
+
+
+def test_throttling_that_outlasts_the_budget_raises_throttled_error(aws: AwsProvider, proxy: FaultProxy) -> None:
+    proxy.fail("DescribeInstances", "RequestLimitExceeded", status=503, times=100)
+
+    with pytest.raises(ThrottledError, match="rate limit") as raised:
+        aws.describe(job_id="any")
+
+    assert len(proxy.seen("DescribeInstances")) == FAST_DESCRIBE.attempts
+    assert raised.value.transient and raised.value.code == "RequestLimitExceeded"
+    assert type(raised.value.__cause__).__name__ == "ClientError"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error", "says"),
+    [
+        ("InsufficientInstanceCapacity", 500, CapacityError, "Fall back"),
+        ("InstanceLimitExceeded", 400, QuotaError, "Service Quotas"),
+        ("VcpuLimitExceeded", 400, QuotaError, "Service Quotas"),
+        ("AuthFailure", 401, CredentialsError, "AWS_PROFILE"),
+        ("UnauthorizedOperation", 403, PermissionDeniedError, "ec2:RunInstances"),
+        ("InvalidParameterCombination", 400, InvalidRequestError, "invalid"),
+        ("Unsupported", 400, InvalidRequestError, "invalid"),
+        ("InvalidAMIID.NotFound", 400, NotFoundError, "not found"),
+        ("InternalError", 500, ServiceUnavailableError, "failed on its side"),
+    ],
+)
+def test_ec2_errors_become_one_clear_cloud_error(
+    aws: AwsProvider, proxy: FaultProxy, job: str, code: str, status: int, error: type[CloudError], says: str
+) -> None:
+    proxy.fail("RunInstances", code, status=status, times=100)
+
+    with pytest.raises(error, match=says) as raised:
+        aws.launch(LaunchRequest(job, "worker", "m5.large"))
+
+    assert raised.value.code == code and raised.value.provider == "aws"
+    assert "not-a-real-secret" not in str(raised.value)
+    assert len(proxy.seen("RunInstances")) == (FAST_MUTATE.attempts if raised.value.transient else 1)
+    assert_nothing_running(aws, job)
+
+
+def test_unreachable_endpoint_is_service_unavailable() -> None:
+    provider = AwsProvider(
+        REGION,
+        session=dummy_session(),
+        endpoint_url=f"http://127.0.0.1:{free_closed_port()}",
+        describe_budget=FAST_DESCRIBE,
+    )
+    with pytest.raises(ServiceUnavailableError, match="did not answer"):
+        provider.describe(job_id="any")
+
+
+def test_unknown_region_names_valid_ones() -> None:
+    with pytest.raises(InvalidRequestError, match=r"'us-est-1': did you mean .*us-east-1") as raised:
+        AwsProvider("us-est-1", session=dummy_session())
+    assert "us-west-2" in str(raised.value)
+    with pytest.raises(InvalidRequestError, match="describe-regions"):
+        AwsProvider("moon-base-1", session=dummy_session())
+
+
+@pytest.fixture
+def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An environment where boto3's standard chain finds nothing (and does not wait for an instance role)."""
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", f"{tmp_path}/no-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", f"{tmp_path}/no-credentials")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.usefixtures("no_credentials")
+def test_missing_credentials_give_one_clear_message(proxy: FaultProxy) -> None:
+    provider = AwsProvider(REGION, endpoint_url=proxy.url, image=AMI, describe_budget=FAST_DESCRIBE)
+
+    with pytest.raises(CredentialsError) as raised:
+        provider.describe(job_id="any")
+
+    message = str(raised.value)
+    assert "AWS_PROFILE" in message and "AwsCredentials" in message
+    assert "botocore" not in message and "Traceback" not in message
+    assert type(raised.value.__cause__).__name__ == "NoCredentialsError"
+    [credentials] = provider.check()
+    assert (credentials.name, credentials.ok) == ("credentials", False)
+    assert "AWS_PROFILE" in credentials.detail
+    assert proxy.seen() == []  # signing failed before anything was sent
+
+
+# ------------------------------------------------------------------------------------------------ check
+
+
+def test_check_against_moto_allows_everything_and_creates_nothing(aws: AwsProvider, proxy: FaultProxy) -> None:
+    results = aws.check()
+
+    assert [r for r in results if not r.ok] == []
+    assert {r.name for r in results} == {
+        "credentials",
+        "ec2:RunInstances",
+        "ec2:StartInstances",
+        "ec2:StopInstances",
+        "ec2:TerminateInstances",
+        "ec2:CreateTags",
+        "ec2:DescribeInstances",
+        "ec2:DescribeInstanceStatus",
+        "ec2:DescribeInstanceTypes",
+        "ec2:DescribeSpotPriceHistory",
+    }
+    mutating = {"RunInstances", "StartInstances", "StopInstances", "TerminateInstances", "CreateTags"}
+    assert all(s.dry_run for s in proxy.seen() if s.action in mutating)
+
+
+def test_check_names_a_denied_permission(aws: AwsProvider, proxy: FaultProxy) -> None:
+    proxy.fail("StopInstances", "UnauthorizedOperation", status=403, dry_run=True)
+
+    results = {r.name: r for r in aws.check()}
+
+    assert not results["ec2:StopInstances"].ok
+    assert "ec2:StopInstances" in results["ec2:StopInstances"].detail
+    assert "trainmover-aws-policy.json" in results["ec2:StopInstances"].detail
+    assert all(r.ok for name, r in results.items() if name != "ec2:StopInstances")
+
+
+# ------------------------------------------------------------------------------------------------ prices
+
+
+def test_prices_spot_from_history_on_demand_from_the_table(
+    aws: AwsProvider, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert aws.hourly_price_usd("p5.48xlarge") == pytest.approx(55.04)
+    assert aws.hourly_price_usd("p5.48xlarge", "spot") == pytest.approx(0.00001)  # moto's fixed spot price
+
+    proxy.answer(
+        "DescribeSpotPriceHistory",
+        '<DescribeSpotPriceHistoryResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+        "<requestId>r-2</requestId><spotPriceHistorySet/></DescribeSpotPriceHistoryResponse>",
+    )
+    with caplog.at_level(logging.WARNING, logger="cloud.aws"):
+        assert aws.hourly_price_usd("g6.xlarge", "spot") == pytest.approx(0.8048)
+    assert "no spot price history for g6.xlarge" in caplog.text
+
+    overridden = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, prices_usd_per_h={"x1.big": 3.0})
+    assert overridden.hourly_price_usd("x1.big") == 3.0
+    with pytest.raises(InvalidRequestError, match="prices_usd_per_h"):
+        aws.hourly_price_usd("x1.big")
+
+
+# ------------------------------------------------------------------------------------------------ notices
+
+
+def _event(detail_type: str, source: str, detail: dict[str, object], **extra: object) -> dict[str, object]:
+    return {"Source": source, "DetailType": detail_type, "Detail": json.dumps(detail), **extra}
+
+
+def test_eventbridge_notices_arrive_through_sqs(
+    proxy: FaultProxy, moto_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    session = dummy_session()
+    queue_url = ensure_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url)
+    try:
+        assert ensure_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url) == queue_url
+        events = session.client("events", endpoint_url=moto_url)
+        _, rules = notice_resource_names(job_id)
+        assert {r["Name"] for r in events.list_rules(NamePrefix=f"trainmover-{job_id}")["Rules"]} == set(rules.values())
+        provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, notice_queue_url=queue_url)
+        assert provider.poll_notices() == []
+
+        events.put_events(
+            Entries=[
+                _event(
+                    "EC2 Spot Instance Interruption Warning",
+                    "aws.ec2",
+                    {"instance-id": "i-0aaa", "instance-action": "stop"},
+                    Time=datetime(2026, 3, 1, 12, 0, tzinfo=UTC),
+                ),
+                _event("EC2 Instance Rebalance Recommendation", "aws.ec2", {"instance-id": "i-0bbb"}),
+                _event(
+                    "AWS Health Event",
+                    "aws.health",
+                    {
+                        "service": "EC2",
+                        "eventTypeCategory": "scheduledChange",
+                        "eventTypeCode": "AWS_EC2_INSTANCE_REBOOT_MAINTENANCE_SCHEDULED",
+                        "startTime": "Sat, 05 Jun 2027 15:10:09 GMT",
+                        "affectedEntities": [{"entityValue": "i-0ccc"}],
+                    },
+                ),
+                # Not for EC2: the rule does not match, so it never reaches the queue.
+                _event("AWS Health Event", "aws.health", {"service": "RDS", "eventTypeCategory": "scheduledChange"}),
+            ]
+        )
+        sqs = session.client("sqs", endpoint_url=moto_url)
+        sqs.send_message(QueueUrl=queue_url, MessageBody="{not json")
+
+        with caplog.at_level(logging.WARNING, logger="cloud.aws"):
+            notices = provider.poll_notices(timeout_s=5)
+
+        by_kind = {n.kind: n for n in notices}
+        assert sorted(by_kind) == ["rebalance_recommendation", "scheduled_maintenance", "spot_interruption"]
+        assert len(notices) == 3
+        spot = by_kind["spot_interruption"]
+        assert spot.instance_id == "i-0aaa" and spot.source == "eventbridge"
+        assert spot.deadline_at == datetime(2026, 3, 1, 12, 2, tzinfo=UTC).timestamp()
+        assert "instance-action=stop" in spot.detail
+        assert by_kind["rebalance_recommendation"].instance_id == "i-0bbb"
+        maintenance = by_kind["scheduled_maintenance"]
+        assert maintenance.instance_id == "i-0ccc"
+        assert maintenance.deadline_at == datetime(2027, 6, 5, 15, 10, 9, tzinfo=UTC).timestamp()
+        assert "malformed notice" in caplog.text
+        assert provider.poll_notices() == []  # parsed and malformed messages alike were deleted
+
+        # EventBridge delivers at least once: a second copy of an event is not a second notice.
+        copy = json.dumps(
+            {
+                "id": "evt-1",
+                "detail-type": "EC2 Instance Rebalance Recommendation",
+                "time": "2026-03-01T12:00:00Z",
+                "detail": {"instance-id": "i-0ddd"},
+            }
+        )
+        sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
+        sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
+        assert [n.instance_id for n in provider.poll_notices(timeout_s=2)] == ["i-0ddd"]
+    finally:
+        delete_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url)
+    assert (
+        session.client("sqs", endpoint_url=moto_url)
+        .list_queues(QueueNamePrefix=f"trainmover-notices-{job_id}")
+        .get("QueueUrls", [])
+        == []
+    )
+
+
+def test_poll_notices_without_a_queue_returns_nothing(aws: AwsProvider) -> None:
+    assert aws.poll_notices(timeout_s=0) == []
+
+
+def test_event_parsing_refuses_what_is_not_an_event() -> None:
+    with pytest.raises(ValueError, match="not JSON"):
+        notices_from_event("{", received_at=0.0)
+    with pytest.raises(ValueError, match="detail"):
+        notices_from_event('{"detail-type": "x"}', received_at=0.0)
+    with pytest.raises(ValueError, match="instance id"):
+        notices_from_event('{"detail-type": "EC2 Spot Instance Interruption Warning", "detail": {}}', received_at=0.0)
+    assert notices_from_event('{"detail-type": "Something else", "detail": {}}', received_at=0.0) == []
+    assert parse_time("2026-01-01T00:00:00Z") == parse_time("Thu, 01 Jan 2026 00:00:00 GMT")
+
+
+# ------------------------------------------------------------------------------------------------ IMDS
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsServer]:
+    with imds_server() as server:
+        yield server
+
+
+def test_imds_without_notices_answers_404_and_gives_nothing(imds: ImdsServer) -> None:
+    source = ImdsNoticeSource("i-0abc", endpoint=imds.url, token_ttl_s=300)
+
+    assert source.poll() == []
+    assert source.poll() == []
+    assert imds.token_requests == [300]  # one token, reused
+    assert imds.gets(SPOT_ACTION_PATH) == 2 and imds.gets(REBALANCE_PATH) == 2
+    assert "token" not in repr(source).lower()
+
+
+def test_imds_notice_posted_while_polling_is_seen_once(imds: ImdsServer) -> None:
+    source = ImdsNoticeSource("i-0abc", endpoint=imds.url)
+    seen: list[list[Notice]] = []
+    found = threading.Event()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            notices = source.poll()
+            if notices:
+                seen.append(list(notices))
+                found.set()
+            stop.wait(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert imds.wait_for_gets(SPOT_ACTION_PATH, 2, timeout_s=5), "the watcher never polled"
+        assert not found.is_set()
+        imds.post_spot_action("terminate", "2026-03-01T12:02:00Z")
+        assert found.wait(timeout=5), "the posted notice was never seen"
+        polled = imds.gets(SPOT_ACTION_PATH)
+        assert imds.wait_for_gets(SPOT_ACTION_PATH, polled + 3, timeout_s=5)  # still posted, polled again...
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    assert len(seen) == 1  # ...but returned only once
+    [notice] = seen[0]
+    assert notice.kind == "spot_interruption" and notice.instance_id == "i-0abc" and notice.source == "imds"
+    assert notice.deadline_at == datetime(2026, 3, 1, 12, 2, tzinfo=UTC).timestamp()
+
+
+def test_imds_token_refused_with_401_is_refreshed(imds: ImdsServer) -> None:
+    source = ImdsNoticeSource("i-0abc", endpoint=imds.url)
+    assert source.poll() == []
+    imds.revoke_tokens()
+    imds.post_rebalance("2026-03-01T11:00:00Z")
+
+    [notice] = source.poll()
+
+    assert notice.kind == "rebalance_recommendation" and notice.deadline_at is None
+    assert len(imds.token_requests) == 2
+
+
+def test_imds_deduplicates_but_reports_a_new_notice(imds: ImdsServer) -> None:
+    source = ImdsNoticeSource("i-0abc", endpoint=imds.url)
+    imds.post_rebalance("2026-03-01T11:00:00Z")
+    assert [n.kind for n in source.poll()] == ["rebalance_recommendation"]
+    assert source.poll() == []
+
+    imds.post_spot_action("stop", "2026-03-01T12:02:00Z")
+    imds.post_rebalance("2026-03-01T11:30:00Z")
+    assert sorted(n.kind for n in source.poll()) == ["rebalance_recommendation", "spot_interruption"]
+    assert source.poll() == []
+
+
+def test_imds_unreachable_is_service_unavailable() -> None:
+    source = ImdsNoticeSource("i-0abc", endpoint=f"http://127.0.0.1:{free_closed_port()}", timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="unreachable"):
+        source.poll()
+    assert time.monotonic() - started < 5
+
+
+# ------------------------------------------------------------------------------------------------ packaging
+
+
+def test_importing_cloud_aws_needs_no_boto3_and_launching_says_how_to_install() -> None:
+    script = (
+        "import sys; sys.modules['boto3'] = None\n"
+        "import cloud.aws, cloud.aws_notices\n"
+        "try:\n"
+        "    cloud.aws.AwsProvider('us-east-1')\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert "pip install 'trainmover[aws]'" in done.stdout
+
+
+# ------------------------------------------------------------------------------------------------ IAM policy
+
+POLICY = Path(__file__).resolve().parents[2] / "docs" / "iam" / "trainmover-aws-policy.json"
+# API calls whose IAM permission has another name, and permissions a call needs beyond its own name.
+_PERMISSION_OF = {"sqs:DeleteMessageBatch": "sqs:DeleteMessage"}
+_IMPLIED = {
+    "ec2:RunInstances": {"ec2:CreateTags"},
+    "sqs:CreateQueue": {"sqs:TagQueue"},
+    "events:PutRule": {"events:TagResource"},
+}
+
+
+def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
+    proxy: FaultProxy, moto_url: str, job: str
+) -> None:
+    session = dummy_session()
+    queue_url = ensure_notice_queue(job, region=REGION, session=session, endpoint_url=proxy.url)
+    try:
+        provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, image=AMI, notice_queue_url=queue_url)
+        [standby] = provider.launch(LaunchRequest(job, "standby", "g5.xlarge"))
+        provider.stop([standby.instance_id])
+        provider.start([standby.instance_id])
+        provider.hourly_price_usd("g5.xlarge", "spot")
+        # Straight to moto, past the proxy: only the provider's own calls are counted.
+        session.client("sqs", endpoint_url=moto_url).send_message(QueueUrl=queue_url, MessageBody="{}")
+        provider.poll_notices(timeout_s=1)
+        assert all(r.ok for r in provider.check())
+        assert_nothing_running(provider, job)
+    finally:
+        delete_notice_queue(job, region=REGION, session=session, endpoint_url=proxy.url)
+
+    called = {_PERMISSION_OF.get(f"{s.service}:{s.action}", f"{s.service}:{s.action}") for s in proxy.seen()}
+    called |= {implied for action in list(called) for implied in _IMPLIED.get(action, set())}
+    called.discard("sts:GetCallerIdentity")  # needs no permission and cannot be denied
+    statements = json.loads(POLICY.read_text())["Statement"]
+    granted = {a for st in statements for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    assert granted == called

@@ -1,0 +1,545 @@
+"""AzureProvider and ScheduledEventsSource against local servers: the real azure-mgmt-compute SDK speaks HTTPS to
+tests/cloud/arm_server.py (long-running operations included), and the notice source speaks http to a local IMDS.
+
+Every test that launches VMs ends by checking that the server holds none.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.core.credentials import AccessToken
+from azure.identity import CredentialUnavailableError
+
+from cloud.azure import REQUIRED_ACTIONS, AzureProvider, action_allowed
+from cloud.azure_notices import ScheduledEventsSource
+from cloud.base import (
+    JOB_TAG,
+    ROLE_TAG,
+    CapacityError,
+    CredentialsError,
+    InvalidRequestError,
+    LaunchRequest,
+    Notice,
+    PermissionDeniedError,
+    QuotaError,
+    RetryBudget,
+    ServiceUnavailableError,
+    ThrottledError,
+)
+from tests.cloud.arm_server import ArmServer, Fault, ImdsServer
+
+SUBSCRIPTION = "00000000-0000-0000-0000-00000000cafe"
+RG = "rg-trainmover"
+LOCATION = "eastus"
+GPU = "Standard_ND96isr_H100_v5"
+CPU = "Standard_D2s_v5"
+SUBNET = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/{RG}/providers/Microsoft.Network/virtualNetworks/vnet/subnets/s"
+TOKEN = "fake-bearer-token-do-not-log"
+FAST = RetryBudget("test", attempts=4, base_delay_s=0.01, max_delay_s=0.02, deadline_s=10.0)
+
+
+class FakeCredential:
+    """A TokenCredential (azure.core's protocol): hands out a fixed token and counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        self.calls += 1
+        return AccessToken(TOKEN, int(time.time()) + 3600)
+
+
+class UnavailableCredential:
+    """A credential that finds nothing to authenticate with, raising azure-identity's own error."""
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        raise CredentialUnavailableError(message="EnvironmentCredential authentication unavailable. No env vars set.")
+
+
+@pytest.fixture
+def arm(tmp_path: Path) -> Iterator[ArmServer]:
+    server = ArmServer(
+        tmp_path,
+        subscription_id=SUBSCRIPTION,
+        resource_groups=[RG],
+        locations={LOCATION: [CPU, GPU, "Standard_NC24ads_A100_v4"], "westus3": [CPU]},
+        polls_per_operation=2,
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def make_provider(arm: ArmServer, *, location: str = LOCATION, credential: Any = None, **kwargs: Any) -> AzureProvider:
+    return AzureProvider(
+        SUBSCRIPTION,
+        RG,
+        location,
+        credential=credential or FakeCredential(),
+        base_url=arm.url,
+        subnet_id=SUBNET,
+        ssh_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAItest trainmover@test",
+        # The server's throw-away CA; tiny polling interval since the server sends no Retry-After on operations.
+        client_kwargs={"connection_verify": str(arm.ca_path), "polling_interval": 0.01},
+        mutate_budget=FAST,
+        describe_budget=FAST,
+        lro_timeout_s=20.0,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def provider(arm: ArmServer) -> AzureProvider:
+    return make_provider(arm)
+
+
+def release_and_assert_empty(provider: AzureProvider, arm: ArmServer, job_id: str) -> None:
+    provider.release_job(job_id)
+    assert arm.vm_names() == [], "VMs leaked"
+
+
+def puts(arm: ArmServer) -> list[Any]:
+    return arm.calls("PUT", r"/virtualMachines/")
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+
+def test_launch_on_demand_puts_tagged_vms_with_their_own_nic(provider: AzureProvider, arm: ArmServer) -> None:
+    request = LaunchRequest("job-a", "worker", GPU, count=2, zone="2", tags={"team": "llm"})
+    launched = provider.launch(request)
+
+    assert [i.state for i in launched] == ["running", "running"]
+    assert {i.job_id for i in launched} == {"job-a"} and {i.market for i in launched} == {"on-demand"}
+    assert all(i.instance_id.startswith("tm-job-a-worker-") for i in launched)
+    assert [i.zone for i in launched] == ["2", "2"]
+    body = puts(arm)[0].body
+    assert body["tags"] == {"team": "llm", JOB_TAG: "job-a", ROLE_TAG: "worker"}
+    assert body["zones"] == ["2"]
+    props = body["properties"]
+    assert "priority" not in props and "evictionPolicy" not in props
+    network = props["networkProfile"]
+    assert network["networkApiVersion"]
+    nic = network["networkInterfaceConfigurations"][0]["properties"]
+    assert nic["ipConfigurations"][0]["properties"]["subnet"]["id"] == SUBNET
+    assert nic["deleteOption"] == "Delete" and props["storageProfile"]["osDisk"]["deleteOption"] == "Delete"
+    release_and_assert_empty(provider, arm, "job-a")
+
+
+def test_launch_spot_asks_for_deallocate_on_eviction(provider: AzureProvider, arm: ArmServer) -> None:
+    launched = provider.launch(
+        LaunchRequest("job-s", "standby", GPU, market="spot", placement_group="/ppg/id", tags={"tier": "warm"})
+    )
+
+    assert [(i.market, i.role) for i in launched] == [("spot", "standby")]
+    props = puts(arm)[0].body["properties"]
+    assert props["priority"] == "Spot"
+    assert props["evictionPolicy"] == "Deallocate"
+    assert props["billingProfile"] == {"maxPrice": -1}
+    assert props["proximityPlacementGroup"] == {"id": "/ppg/id"}
+    assert arm.vm(launched[0].instance_id, RG)["tags"][ROLE_TAG] == "standby"
+    release_and_assert_empty(provider, arm, "job-s")
+
+
+def test_spot_with_capacity_reservation_is_refused_before_any_call(provider: AzureProvider, arm: ArmServer) -> None:
+    with pytest.raises(InvalidRequestError, match="capacity reservation"):
+        provider.launch(LaunchRequest("job-x", "standby", GPU, market="spot", capacity_reservation="/crg/id"))
+    assert arm.requests == []
+
+
+def test_long_running_operations_are_polled_until_they_succeed(arm: ArmServer, tmp_path: Path) -> None:
+    arm.polls_per_operation = 3
+    provider = make_provider(arm)
+    [vm] = provider.launch(LaunchRequest("job-p", "worker", CPU))
+
+    # The PUT answered 201 + Azure-AsyncOperation; the SDK polled it 3 times, then read the VM (final GET).
+    assert len(arm.calls("GET", r"/operations/")) == 3
+    assert vm.state == "running" and vm.health == "ok"
+    release_and_assert_empty(provider, arm, "job-p")
+    assert len(arm.calls("GET", r"/operations/")) == 6
+
+
+def test_describe_by_job_sees_only_that_job(provider: AzureProvider, arm: ArmServer) -> None:
+    mine = provider.launch(LaunchRequest("job-1", "worker", CPU, count=2))
+    other = provider.launch(LaunchRequest("job-2", "standby", CPU))
+
+    described = provider.describe(job_id="job-1")
+    assert sorted(i.instance_id for i in described) == sorted(i.instance_id for i in mine)
+    assert provider.describe([other[0].instance_id])[0].role == "standby"
+    assert provider.describe(["no-such-vm"]) == []
+    provider.release_job("job-2")
+    release_and_assert_empty(provider, arm, "job-1")
+
+
+def test_park_deallocates_and_wakes_never_powers_off(provider: AzureProvider, arm: ArmServer) -> None:
+    [vm] = provider.launch(LaunchRequest("job-park", "standby", CPU))
+
+    parked = provider.stop([vm.instance_id])
+    assert parked[0].parked and arm.vm(vm.instance_id, RG)["power"] == "deallocated"
+    woken = provider.start([vm.instance_id])
+    assert woken[0].running
+
+    assert len(arm.calls("POST", r"/deallocate$")) == 1
+    assert len(arm.calls("POST", r"/start$")) == 1
+    assert arm.calls("POST", r"/powerOff$") == [], "powerOff keeps the host and keeps billing"
+    release_and_assert_empty(provider, arm, "job-park")
+
+
+def test_terminate_deletes_and_gone_vms_are_fine(provider: AzureProvider, arm: ArmServer) -> None:
+    [vm] = provider.launch(LaunchRequest("job-del", "worker", CPU))
+
+    provider.terminate([vm.instance_id])
+    assert arm.vm_names() == []
+    provider.terminate([vm.instance_id, "never-existed"])  # already gone: no error
+    assert len(arm.calls("DELETE")) == 3
+    assert provider.describe(job_id="job-del") == []
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_allocation_failed_on_start_is_a_capacity_error(provider: AzureProvider, arm: ArmServer) -> None:
+    [vm] = provider.launch(LaunchRequest("job-cap", "standby", GPU))
+    provider.stop([vm.instance_id])
+    arm.inject(
+        Fault("start", "AllocationFailed", message="Allocation failed. Please try another size.", in_operation=True)
+    )
+
+    with pytest.raises(CapacityError, match="AllocationFailed") as caught:
+        provider.start([vm.instance_id])
+
+    assert caught.value.code == "AllocationFailed" and caught.value.__cause__ is not None
+    assert len(arm.calls("POST", r"/start$")) == 1, "capacity is an outcome, not retried"
+    assert provider.describe([vm.instance_id])[0].parked
+    release_and_assert_empty(provider, arm, "job-cap")
+
+
+def test_throttling_is_retried_within_the_budget(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(Fault("create", "TooManyRequests", status=429, times=2, retry_after_s=0))
+
+    [vm] = provider.launch(LaunchRequest("job-429", "worker", CPU))
+
+    assert vm.running
+    assert len(puts(arm)) == 3
+    release_and_assert_empty(provider, arm, "job-429")
+
+
+def test_throttling_beyond_the_budget_raises_throttled(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(Fault("create", "TooManyRequests", status=429, times=100, retry_after_s=0))
+
+    with pytest.raises(ThrottledError, match="throttled") as caught:
+        provider.launch(LaunchRequest("job-429x", "worker", CPU))
+
+    assert caught.value.transient
+    assert len(puts(arm)) == FAST.attempts, "only our budget retries: the SDK's own retries are off"
+    release_and_assert_empty(provider, arm, "job-429x")
+
+
+def test_retry_after_is_a_lower_bound_on_the_delay(arm: ArmServer) -> None:
+    provider = make_provider(arm)
+    provider.describe_budget = RetryBudget("slow-ok", attempts=3, base_delay_s=0.001, max_delay_s=5.0)
+    arm.inject(Fault("get", "TooManyRequests", status=429, times=1, retry_after_s=1))
+
+    started = time.monotonic()
+    assert provider.describe(["missing"]) == []
+    assert time.monotonic() - started >= 1.0
+
+
+def test_server_errors_are_retried(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(Fault("list", "InternalServerError", status=500, times=2))
+    assert provider.describe(job_id="nobody") == []
+    assert len(arm.calls("GET", r"/virtualMachines$")) == 3
+
+
+def test_forbidden_names_the_action(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(
+        Fault(
+            "create",
+            "AuthorizationFailed",
+            status=403,
+            message="The client does not have authorization to perform action "
+            "'Microsoft.Compute/virtualMachines/write'",
+        )
+    )
+    with pytest.raises(PermissionDeniedError, match=r"Microsoft\.Compute/virtualMachines/write") as caught:
+        provider.launch(LaunchRequest("job-403", "worker", CPU))
+    assert "trainmover-azure-role.json" in str(caught.value)
+    assert len(puts(arm)) == 1
+    release_and_assert_empty(provider, arm, "job-403")
+
+
+def test_quota_is_a_quota_error(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(
+        Fault(
+            "create",
+            "OperationNotAllowed",
+            status=409,
+            message="Operation could not be completed as it results in exceeding approved standardNDSH100v5Family "
+            "Cores quota.",
+        )
+    )
+    with pytest.raises(QuotaError, match="quota"):
+        provider.launch(LaunchRequest("job-quota", "worker", GPU))
+    release_and_assert_empty(provider, arm, "job-quota")
+
+
+def test_unknown_location_is_invalid_before_any_put(arm: ArmServer) -> None:
+    provider = make_provider(arm, location="atlantis")
+    with pytest.raises(InvalidRequestError, match="unknown location 'atlantis'") as caught:
+        provider.launch(LaunchRequest("job-loc", "worker", CPU))
+    assert "eastus" in str(caught.value)
+    assert puts(arm) == []
+    assert arm.vm_names() == []
+
+
+def test_unknown_size_is_invalid_before_any_put(provider: AzureProvider, arm: ArmServer) -> None:
+    with pytest.raises(InvalidRequestError, match="Standard_ND96isr_H100_v5") as caught:
+        provider.launch(LaunchRequest("job-size", "worker", "Standard_ND96isr_H200_v9"))
+    assert "'Standard_ND96isr_H200_v9' is not offered in 'eastus'" in str(caught.value)
+    assert puts(arm) == []
+    assert arm.vm_names() == []
+
+
+@pytest.mark.parametrize("in_operation", [True, False], ids=["fails-while-provisioning", "refused-at-put"])
+def test_failed_launch_leaves_no_vm(provider: AzureProvider, arm: ArmServer, in_operation: bool) -> None:
+    fault = Fault("create", "AllocationFailed", status=409, skip=1, in_operation=in_operation)
+    arm.inject(fault)
+
+    with pytest.raises(CapacityError):
+        provider.launch(LaunchRequest("job-3", "worker", GPU, count=3))
+
+    assert arm.vm_names() == []
+    # Refused at PUT: the 3rd VM is never asked for. Failed while provisioning: all 3 were asked for in parallel.
+    assert len(puts(arm)) == (3 if in_operation else 2)
+    assert len(arm.calls("DELETE")) == (3 if in_operation else 2)
+    release_and_assert_empty(provider, arm, "job-3")
+
+
+# ------------------------------------------------------------------------------------------------ credentials, check
+
+
+def test_missing_credentials_say_how_to_log_in(arm: ArmServer) -> None:
+    provider = make_provider(arm, credential=UnavailableCredential())
+
+    with pytest.raises(CredentialsError, match="az login") as caught:
+        provider.describe(job_id="any")
+
+    message = str(caught.value)
+    assert "AZURE_CLIENT_ID" in message and "managed identity" in message
+    assert isinstance(caught.value.__cause__, CredentialUnavailableError)
+    assert arm.requests == [], "nothing may leave without a token"
+    [result] = provider.check()
+    assert result.name == "credentials" and not result.ok
+
+
+def test_token_never_appears_in_errors_or_reprs(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(Fault("list", "AuthorizationFailed", status=403))
+    with pytest.raises(PermissionDeniedError) as caught:
+        provider.describe(job_id="any")
+    assert TOKEN not in str(caught.value) and TOKEN not in repr(provider)
+    assert arm.calls("GET")[0].headers["authorization"] == f"Bearer {TOKEN}"
+
+
+def test_check_with_full_permissions(provider: AzureProvider, arm: ArmServer) -> None:
+    results = provider.check()
+
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    assert {r.name for r in results} >= {"credentials", *REQUIRED_ACTIONS}
+    assert [r.method for r in arm.requests if r.method != "GET"] == [], "check creates nothing"
+    [perm] = arm.calls("GET", r"/Microsoft\.Authorization/permissions$")
+    assert perm.query["api-version"] == "2022-04-01"
+
+
+def test_check_reports_what_is_missing(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.permissions = [
+        {"actions": ["Microsoft.Compute/*/read", "Microsoft.Compute/virtualMachines/*"], "notActions": ["*/delete"]},
+        {"actions": ["Microsoft.Network/*"], "notActions": []},
+    ]
+    missing = {r.name for r in provider.check() if not r.ok}
+
+    assert missing == {
+        "Microsoft.Compute/virtualMachines/delete",
+        "Microsoft.Compute/disks/write",
+        "Microsoft.Compute/disks/delete",
+    }
+
+
+def test_check_when_permissions_cannot_be_read(provider: AzureProvider, arm: ArmServer) -> None:
+    arm.inject(Fault("permissions", "AuthorizationFailed", status=403))
+    results = {r.name: r for r in provider.check()}
+    assert not results["Microsoft.Authorization/permissions/read"].ok
+    assert results["Microsoft.Compute/virtualMachines/read"].ok
+
+
+def test_action_wildcards_are_case_insensitive() -> None:
+    from cloud.azure import _Permission
+
+    grants = [_Permission(("microsoft.compute/*",), ("Microsoft.Compute/virtualMachines/delete",))]
+    assert action_allowed("Microsoft.Compute/virtualMachines/start/action", grants)
+    assert not action_allowed("Microsoft.Compute/virtualMachines/delete", grants)
+    assert not action_allowed("Microsoft.Network/networkInterfaces/write", grants)
+    assert action_allowed("Anything/at/all", [_Permission(("*",), ())])
+
+
+# ------------------------------------------------------------------------------------------------ prices, capabilities
+
+
+def test_prices_from_the_table_overrides_and_spot(provider: AzureProvider, arm: ArmServer) -> None:
+    on_demand = provider.hourly_price_usd(GPU)
+    assert on_demand > 50
+    assert 0 < provider.hourly_price_usd(GPU, "spot") < on_demand
+    custom = make_provider(arm, prices_usd_per_h={GPU: 60.0, f"{GPU}:spot": 20.0})
+    assert custom.hourly_price_usd(GPU) == 60.0 and custom.hourly_price_usd(GPU, "spot") == 20.0
+    with pytest.raises(InvalidRequestError, match="prices_usd_per_h"):
+        provider.hourly_price_usd("Standard_Unknown_v1")
+    assert provider.poll_notices(timeout_s=0.1) == []
+    caps = provider.capabilities()
+    assert caps.can_park("spot") and caps.can_park("on-demand") and caps.spot_notice_s == 30.0
+
+
+# ------------------------------------------------------------------------------------------------ Scheduled Events
+
+
+@pytest.fixture
+def imds() -> Iterator[ImdsServer]:
+    server = ImdsServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def event(event_id: str, event_type: str, resources: list[str], not_before_s: float | None = 30.0) -> dict[str, Any]:
+    not_before = "" if not_before_s is None else email.utils.formatdate(time.time() + not_before_s, usegmt=True)
+    return {
+        "EventId": event_id,
+        "EventStatus": "Scheduled",
+        "EventType": event_type,
+        "ResourceType": "VirtualMachine",
+        "Resources": resources,
+        "NotBefore": not_before,
+        "Description": "",
+        "EventSource": "Platform",
+        "DurationInSeconds": -1,
+    }
+
+
+def test_scheduled_events_none(imds: ImdsServer) -> None:
+    source = ScheduledEventsSource("vm-1", endpoint=imds.url)
+    assert source.poll() == []
+    assert imds.bad_requests == [], "the Metadata: true header must be sent"
+
+
+def test_preempt_appearing_between_polls_is_reported_once(imds: ImdsServer) -> None:
+    source = ScheduledEventsSource("vm-1", endpoint=imds.url)
+    found: list[Notice] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 10
+        while not stop.is_set() and time.monotonic() < deadline:
+            found.extend(source.poll())
+            if found:
+                return
+            stop.wait(0.005)  # pacing of the watcher loop, not synchronization
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert imds.served.wait(5), "the watcher never polled"
+        imds.add_event(event("ev-preempt", "Preempt", ["vm-1"], not_before_s=30))
+        watcher.join(10)
+        assert not watcher.is_alive()
+    finally:
+        stop.set()
+        watcher.join(10)
+
+    [notice] = found
+    assert (notice.kind, notice.instance_id, notice.event_id, notice.source) == (
+        "eviction",
+        "vm-1",
+        "ev-preempt",
+        "scheduled-events",
+    )
+    assert notice.lead_s is not None and 25 <= notice.lead_s <= 31
+    assert source.poll() == [], "the same EventId is reported once"
+
+
+def test_freeze_terminate_and_other_vms(imds: ImdsServer) -> None:
+    imds.add_event(event("ev-freeze", "Freeze", ["vm-1", "vm-2"], not_before_s=900))
+    imds.add_event(event("ev-other", "Preempt", ["vm-2"]))
+    imds.add_event(event("ev-term", "Terminate", ["VM-1"], not_before_s=None))
+    source = ScheduledEventsSource("vm-1", endpoint=imds.url)
+
+    notices = {n.event_id: n for n in source.poll()}
+
+    assert set(notices) == {"ev-freeze", "ev-term"}, "events of other VMs are ignored"
+    assert notices["ev-freeze"].kind == "scheduled_maintenance"
+    assert notices["ev-freeze"].lead_s is not None and notices["ev-freeze"].lead_s > 800
+    assert notices["ev-term"].kind == "eviction" and notices["ev-term"].deadline_at is None
+    assert source.poll() == []
+
+
+def test_acknowledge_approves_the_event(imds: ImdsServer) -> None:
+    imds.add_event(event("ev-reboot", "Reboot", ["vm-1"], not_before_s=900))
+    source = ScheduledEventsSource("vm-1", endpoint=imds.url)
+    [notice] = source.poll()
+    assert notice.event_id is not None
+
+    source.acknowledge(notice.event_id)
+
+    assert imds.acked.wait(5)
+    assert imds.acknowledged == ["ev-reboot"]
+    assert json.loads(json.dumps(imds.events)) == []
+
+
+def test_unreachable_metadata_service_is_one_clear_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    source = ScheduledEventsSource("vm-1", endpoint=f"http://127.0.0.1:{port}", timeout_s=0.5)
+    with pytest.raises(ServiceUnavailableError, match="only on an Azure VM"):
+        source.poll()
+
+
+# ------------------------------------------------------------------------------------------------ packaging
+
+
+def test_sdk_is_imported_lazily_and_its_absence_is_explained() -> None:
+    # A fresh interpreter where the Azure SDK cannot be imported (None in sys.modules blocks an import).
+    script = (
+        "import sys\n"
+        "import cloud.azure, cloud.azure_notices\n"
+        "assert not [m for m in sys.modules if m.startswith('azure')], 'cloud.azure imported the SDK eagerly'\n"
+        "sys.modules['azure.mgmt.compute'] = None\n"
+        "from cloud.base import CloudError\n"
+        "try:\n"
+        "    cloud.azure.AzureProvider('sub', 'rg', 'eastus', credential=object())\n"
+        "except CloudError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'trainmover[azure]'" in done.stdout
+
+
+def test_custom_role_grants_exactly_what_the_provider_needs() -> None:
+    role = json.loads((Path(__file__).parents[2] / "docs/iam/trainmover-azure-role.json").read_text())
+    assert set(role) >= {"Name", "IsCustom", "Actions", "NotActions", "AssignableScopes"}
+    assert role["IsCustom"] is True and role["NotActions"] == []
+    assert sorted(role["Actions"]) == sorted([*REQUIRED_ACTIONS, "Microsoft.Authorization/permissions/read"])
+    assert all("*" not in action for action in role["Actions"]), "least privilege: no wildcards"

@@ -1,0 +1,238 @@
+"""`trainmover cloud ...` through the real dispatcher, and `cloud.registry.make_provider`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cloud.base import InvalidRequestError, LaunchRequest
+from cloud.cli import format_checks, format_instances
+from cloud.local import LocalProvider
+from cloud.registry import PROVIDER_NAMES, make_provider
+from trainmover.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINMOVER = ROOT / ".venv" / "bin" / "trainmover"
+
+
+def test_check_of_the_local_provider_passes_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "check.json"
+    assert main(["cloud", "check", "--provider", "local", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out.splitlines()
+    assert stdout[-1] == "local: all 4 checks passed"
+    assert stdout[0].split()[:2] == ["ok", "slots"]
+    payload = json.loads(out.read_text())
+    assert payload["provider"] == "local" and payload["ok"] is True
+    assert [c["name"] for c in payload["checks"]] == ["slots", "state-machine", "prices", "notices"]
+
+
+def test_the_installed_command_checks_the_local_provider() -> None:
+    result = subprocess.run(
+        [str(TRAINMOVER), "cloud", "check", "--provider", "local"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "local: all 4 checks passed" in result.stdout
+    assert result.stderr == ""
+
+
+def test_an_unknown_aws_region_is_one_clear_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "check", "--provider", "aws", "--region", "nowhere-1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("trainmover cloud check: error: unknown AWS region 'nowhere-1'")
+    assert "us-east-1" in lines[0] and "Traceback" not in captured.err
+
+
+def test_a_near_miss_region_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "describe", "--provider", "aws", "--region", "eu-west-1x", "--job", "j"]) == 2
+    assert "did you mean eu-west-1" in capsys.readouterr().err
+
+
+def test_aws_without_a_region_says_how_to_give_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    assert main(["cloud", "check", "--provider", "aws"]) == 2
+    assert capsys.readouterr().err == "trainmover cloud check: error: no AWS region: pass --region or set AWS_REGION\n"
+
+
+def test_azure_without_a_subscription_names_every_missing_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZURE_LOCATION"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["cloud", "check", "--provider", "azure", "--location", "eastus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--subscription (or AZURE_SUBSCRIPTION_ID)" in err and "--resource-group" in err
+    assert "--location" not in err
+
+
+def test_an_unwritable_json_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "check", "--provider", "local", "--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path}: cannot write" in capsys.readouterr().err
+
+
+def test_describe_and_release_of_a_job_without_instances(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "describe", "--provider", "local", "--job", "j1"]) == 0
+    assert capsys.readouterr().out == "local: 0 instance(s) of job j1\n"
+    assert main(["cloud", "release", "--provider", "local", "--job", "j1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "local: terminated 0 instance(s) of job j1\n"
+
+
+def test_the_instance_table_and_the_check_verdict_read_well() -> None:
+    cloud = LocalProvider(slots=2)
+    instances = cloud.launch(LaunchRequest(job_id="j", role="worker", instance_type="g5.xlarge", count=2))
+    cloud.stop([instances[1].instance_id])
+    table = format_instances(cloud.describe(job_id="j")).splitlines()
+    assert table[0].split() == ["instance", "role", "type", "market", "state", "health", "zone", "private", "ip"]
+    assert table[1].split()[:5] == ["local-000001", "worker", "g5.xlarge", "on-demand", "running"]
+    assert table[2].split()[4] == "stopped"
+    assert cloud.release_job("j") == ["local-000001", "local-000002"]
+    assert cloud.describe(job_id="j") == []
+
+    from cloud.base import CheckResult
+
+    verdict = format_checks("aws", [CheckResult("credentials", True), CheckResult("ec2:RunInstances", False, "denied")])
+    assert verdict.splitlines()[-1] == "aws: 1 of 2 checks failed: ec2:RunInstances"
+    assert "FAIL  ec2:RunInstances  denied" in verdict
+
+
+def test_make_provider_builds_the_local_provider_with_its_options() -> None:
+    cloud = make_provider("local", slots=2, start_delay_s=1.0)
+    assert isinstance(cloud, LocalProvider) and cloud.slots == 2 and cloud.start_delay_s == 1.0
+
+
+def test_make_provider_refuses_unknown_names_and_options() -> None:
+    with pytest.raises(InvalidRequestError, match="unknown provider 'gcp'; choose one of local, aws, azure"):
+        make_provider("gcp")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="accepts: slots, prices_usd_per_h, start_delay_s, clock"):
+        make_provider("local", region="us-east-1")
+    assert PROVIDER_NAMES == ("local", "aws", "azure")
+
+
+@pytest.mark.parametrize(("provider", "blocked", "extra"), [("aws", "boto3", "aws"), ("azure", "azure", "azure")])
+def test_a_missing_sdk_is_one_message_naming_the_extra(provider: str, blocked: str, extra: str) -> None:
+    # A fresh interpreter where the SDK cannot be imported (None in sys.modules makes `import` fail), as on a
+    # machine installed without the extra.
+    code = (
+        "import sys\n"
+        f"for name in [m for m in sys.modules if m == {blocked!r} or m.startswith({blocked!r} + '.')]:\n"
+        "    del sys.modules[name]\n"
+        f"sys.modules[{blocked!r}] = None\n"
+        "from cloud.registry import make_provider\n"
+        "from cloud.base import UnsupportedError\n"
+        "try:\n"
+        f"    make_provider({provider!r}, **{_options(provider)!r})\n"
+        "except UnsupportedError as err:\n"
+        "    print(err)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(f"pip install 'trainmover[{extra}]'"), result.stdout
+    assert f"the {provider} provider needs its cloud SDK" in result.stdout
+
+
+def _options(provider: str) -> dict[str, str]:
+    if provider == "aws":
+        return {"region": "us-east-1"}
+    return {"subscription_id": "00000000-0000-0000-0000-000000000000", "resource_group": "rg", "location": "eastus"}
+
+
+# ------------------------------------------------------------------------------------ against a real EC2 API (moto)
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Fake keys for the local server; no profile files or instance metadata of this machine may leak in.
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _an_ami(url: str) -> str:
+    import boto3
+
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=url)
+    return str(ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"])
+
+
+def test_aws_check_describe_and_release_through_the_cli(
+    moto_url: str, aws_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AWS_REGION", "us-east-1")  # the region comes from the environment
+    ami = _an_ami(moto_url)
+    aws = ["--provider", "aws", "--endpoint-url", moto_url]
+
+    assert main(["cloud", "check", *aws, "--image", ami]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("aws: all ")
+
+    provider = make_provider("aws", region="us-east-1", endpoint_url=moto_url, image=ami)
+    job = "job-cli-aws"
+    try:
+        launched = sorted(i.instance_id for i in provider.launch(
+            LaunchRequest(job_id=job, role="standby", instance_type="g5.xlarge", count=2)
+        ))
+        assert main(["cloud", "describe", *aws, "--job", job]) == 0
+        out = capsys.readouterr().out
+        assert all(i in out for i in launched) and out.endswith(f"aws: 2 instance(s) of job {job}\n")
+
+        assert main(["cloud", "release", *aws, "--job", job]) == 0
+        captured = capsys.readouterr()
+        assert sorted(captured.out.split()) == launched
+        assert captured.err.endswith(f"aws: terminated 2 instance(s) of job {job}\n")
+    finally:
+        provider.release_job(job)
+    assert provider.describe(job_id=job) == []
+
+
+def test_aws_check_without_an_image_fails_the_launch_check_with_exit_1(
+    moto_url: str, aws_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["cloud", "check", "--provider", "aws", "--region", "us-east-1", "--endpoint-url", moto_url]) == 1
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith("aws: 1 of ") and verdict.endswith("checks failed: ec2:RunInstances")
+
+
+def test_missing_aws_credentials_fail_check_and_stop_describe_with_one_line(
+    moto_url: str, aws_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    aws = ["--provider", "aws", "--region", "us-east-1", "--endpoint-url", moto_url]
+
+    assert main(["cloud", "check", *aws]) == 1  # a failed check, reported as such
+    out = capsys.readouterr().out
+    assert "FAIL  credentials" in out and "AWS_ACCESS_KEY_ID" in out
+
+    assert main(["cloud", "describe", *aws, "--job", "j"]) == 2  # an operation that cannot run at all
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "credentials" in err and "Traceback" not in err
