@@ -1,7 +1,9 @@
-"""`trainmover policy ...`: simulate standby policies on a fault trace, tune them, and generate synthetic traces.
+"""`trainmover policy ...`: simulate standby policies on a fault trace, tune them, generate synthetic traces,
+train the failure predictor on synthetic fleets and evaluate it (and the learned policy) on a fresh fleet.
 
 The dispatcher calls `add_policy_parser(subparsers)` and then `policy_command(namespace)`. Errors a user can
-cause (a missing or malformed trace, a negative price) print one line on stderr and return exit code 2.
+cause (a missing or malformed trace, a negative price, a file that is not a model) print one line on stderr
+and return exit code 2.
 """
 
 from __future__ import annotations
@@ -9,13 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+import zipfile
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from policy.costs import StandbyCosts
 from policy.traces import FaultRecord, FaultTrace
+
+if TYPE_CHECKING:
+    from policy.predictor import FailurePredictor, ModelScore
+    from policy.synthetic import SyntheticFleetConfig
 
 _EXIT_USAGE = 2
 _COST_FLAGS = {
@@ -26,6 +36,13 @@ _COST_FLAGS = {
     "hysteresis": "--hysteresis",
     "min_hold_s": "--min-hold-s",
 }
+_FLEET_FLAGS = {
+    "n_nodes": "--nodes",
+    "days": "--days",
+    "seed": "--seed",
+    "precursor_fraction": "--precursor-fraction",
+    "false_alarms_per_node_year": "--false-alarms-per-node-year",
+}
 
 
 class PolicyUsageError(Exception):
@@ -33,18 +50,26 @@ class PolicyUsageError(Exception):
 
 
 def _add_trace_and_costs(p: argparse.ArgumentParser) -> None:
-    defaults = StandbyCosts()
     p.add_argument("--trace", required=True, help="'infinitehbd' (the shipped trace) or a CSV file (see load_csv)")
     p.add_argument(
         "--nodes", type=int, help="fleet size incl. nodes that never failed (required for a CSV; 400 for infinitehbd)"
     )
     p.add_argument("--job-nodes", type=int, help="nodes the job runs on (default: the whole fleet)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    _add_cost_flags(p)
+
+
+def _add_cost_flags(p: argparse.ArgumentParser, *, job_price_from_nodes: bool = False) -> None:
+    """The StandbyCosts knobs (see `_COST_FLAGS`). With `job_price_from_nodes` the job price defaults to None,
+    which `_costs` turns into --nodes x the node price (a job that spans the whole fleet)."""
+    defaults = StandbyCosts()
     p.add_argument(
         "--job-price-usd-per-h",
         type=float,
-        default=defaults.job_price_usd_per_h,
-        help="whole-job price per hour (default: %(default)s)",
+        default=None if job_price_from_nodes else defaults.job_price_usd_per_h,
+        help="whole-job price per hour (default: "
+        + ("--nodes x the node price" if job_price_from_nodes else "%(default)s")
+        + ")",
     )
     p.add_argument(
         "--lead-time-h",
@@ -63,8 +88,25 @@ def _add_trace_and_costs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-hold-s", type=float, default=defaults.min_hold_s, help="(default: %(default)s)")
 
 
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """Size and calibration of the synthetic fleets (`pipeline.fleet_config`)."""
+    p.add_argument("--nodes", type=int, default=256, help="nodes per fleet (default: %(default)s)")
+    p.add_argument("--days", type=float, default=180.0, help="window length in days (default: %(default)s)")
+    p.add_argument(
+        "--horizon-h",
+        type=float,
+        default=24.0,
+        help="a row is positive if its node faults within this many hours (default: %(default)s); "
+        "evaluate with the horizon the model was trained with",
+    )
+    p.add_argument("--precursor-fraction", type=float, help="share of faults preceded by telemetry precursors")
+    p.add_argument(
+        "--false-alarms-per-node-year", type=float, help="precursor-like bursts per node-year that no fault follows"
+    )
+
+
 def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("policy", help="standby policies: simulate, tune, generate traces")
+    p = sub.add_parser("policy", help="standby policies: simulate, tune, generate traces, train, evaluate")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = actions.add_parser("simulate", help="compare the baseline policies on a trace (ETTR, cost, regret)")
     _add_trace_and_costs(s)
@@ -77,11 +119,35 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     g.add_argument("--days", type=float, default=365.0, help="window length in days (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     g.add_argument("--out", required=True, metavar="FILE.csv", help="where to write the CSV")
+    g.add_argument("--json", metavar="FILE", help="also write a summary (faults, merged overlaps, ...) as JSON")
+    tr = actions.add_parser("train", help="fit the failure predictor on synthetic fleets and save it (skops)")
+    tr.add_argument("--seeds", required=True, help="comma-separated seeds of the training fleets, e.g. 1,2,3")
+    _add_fleet_flags(tr)
+    tr.add_argument("--max-iter", type=int, default=100, help="boosting iterations (default: %(default)s)")
+    tr.add_argument("--out", required=True, metavar="MODEL.skops", help="where to write the model")
+    tr.add_argument("--json", metavar="FILE", help="also write the training report as JSON")
+    ev = actions.add_parser(
+        "evaluate", help="score a saved model on a fresh fleet and compare the learned policy with the baselines"
+    )
+    ev.add_argument("--model", required=True, metavar="MODEL.skops", help="a model written by `policy train`")
+    ev.add_argument("--seed", type=int, default=9001, help="seed of the evaluation fleet (default: %(default)s)")
+    _add_fleet_flags(ev)
+    ev.add_argument(
+        "--multiplier", type=float, default=1.0, help="scales the learned policy's hazards (default: %(default)s)"
+    )
+    ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON")
+    _add_cost_flags(ev, job_price_from_nodes=True)
 
 
 def _costs(ns: argparse.Namespace) -> StandbyCosts:
+    values = {field: getattr(ns, field) for field in _COST_FLAGS}
     try:
-        return StandbyCosts(**{field: getattr(ns, field) for field in _COST_FLAGS})
+        if values["job_price_usd_per_h"] is None:  # evaluate: a job that spans the whole --nodes fleet
+            from policy.pipeline import job_costs
+
+            del values["job_price_usd_per_h"]
+            return job_costs(ns.nodes, **values)
+        return StandbyCosts(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = err["loc"][0] if err["loc"] else ""
@@ -199,6 +265,158 @@ def _generate(ns: argparse.Namespace) -> int:
         f"wrote {len(trace.records)} faults of {config.n_nodes} nodes over {config.days:g} days to {ns.out}"
         f" ({merged} faults that struck a node already down were merged into the earlier one)"
     )
+    _write_json(
+        ns.json,
+        {
+            "faults": len(trace.records),
+            "merged_overlaps": merged,
+            "nodes": config.n_nodes,
+            "days": config.days,
+            "seed": config.seed,
+            "path": str(ns.out),
+        },
+    )
+    return 0
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PolicyUsageError(f"--seeds {text}: expected comma-separated integers, e.g. 1,2,3") from None
+    if len(set(seeds)) != len(seeds):
+        raise PolicyUsageError(f"--seeds {text}: each seed may appear once (a repeated seed repeats its fleet)")
+    return seeds
+
+
+def _fleet_configs(ns: argparse.Namespace, seeds: Sequence[int]) -> list[SyntheticFleetConfig]:
+    """One `pipeline.fleet_config` per seed, with the calibration flags the user set; bad values name their flag."""
+    from policy.pipeline import fleet_config
+
+    if ns.nodes < 1:
+        raise PolicyUsageError(f"--nodes {ns.nodes}: the fleet needs at least 1 node")
+    if not ns.days > 0:
+        raise PolicyUsageError(f"--days {ns.days:g}: the window must be longer than 0 days")
+    if not ns.horizon_h > 0:
+        raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: must be > 0 hours, e.g. 24")
+    overrides = {
+        field: getattr(ns, field)
+        for field in ("precursor_fraction", "false_alarms_per_node_year")
+        if getattr(ns, field) is not None
+    }
+    try:
+        return [fleet_config(seed, ns.nodes, ns.days, **overrides) for seed in seeds]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"][0] if err["loc"] else ""
+        flag = _FLEET_FLAGS.get(str(loc), "fleet")
+        if flag == "--seed" and ns.action == "train":
+            flag = "--seeds"
+        raise PolicyUsageError(f"{flag}: {err['msg']}") from None
+
+
+def _train(ns: argparse.Namespace) -> int:
+    from policy.pipeline import train_predictor
+    from policy.predictor import FailurePredictor
+
+    seeds = _seeds(ns.seeds)
+    if ns.max_iter < 1:
+        raise PolicyUsageError(f"--max-iter {ns.max_iter}: needs at least 1 boosting iteration, e.g. 100")
+    configs = _fleet_configs(ns, seeds)
+    try:
+        model, report = train_predictor(
+            configs, horizon_h=ns.horizon_h, predictor=FailurePredictor(max_iter=ns.max_iter)
+        )
+    except ValueError as exc:  # e.g. no fault at all in the training fleets
+        raise PolicyUsageError(f"{exc}; train on more --seeds or a larger --nodes / --days") from None
+    try:
+        model.save(ns.out)
+    except OSError as exc:
+        raise PolicyUsageError(f"--out {ns.out}: cannot write ({exc.strerror})") from None
+    print(
+        f"trained on {len(seeds)} fleet(s) of {ns.nodes} nodes x {ns.days:g} days (seeds {ns.seeds}): "
+        f"{report.rows} rows, {report.positives} positive; features {report.features_s:.2f} s, "
+        f"fit {report.fit_s:.2f} s"
+    )
+    print(f"wrote the model to {ns.out}")
+    _write_json(
+        ns.json,
+        {
+            **asdict(report),
+            "model": str(ns.out),
+            "parameters": {
+                "nodes": ns.nodes,
+                "days": ns.days,
+                "horizon_h": ns.horizon_h,
+                "max_iter": ns.max_iter,
+                "precursor_fraction": configs[0].precursor_fraction,
+                "false_alarms_per_node_year": configs[0].false_alarms_per_node_year,
+            },
+        },
+    )
+    return 0
+
+
+def _load_model(path: str) -> FailurePredictor:
+    from policy.predictor import FailurePredictor, UntrustedModelError
+
+    if not Path(path).is_file():
+        raise PolicyUsageError(f"--model {path}: no such file; write one with `trainmover policy train --out`")
+    if Path(path).stat().st_size == 0:
+        raise PolicyUsageError(f"--model {path}: empty, not a model file written by `trainmover policy train`")
+    try:
+        return FailurePredictor.load(path)
+    except UntrustedModelError as exc:
+        raise PolicyUsageError(f"--model {path}: {exc}") from None
+    # skops reports a file that is not one of its archives in several ways (an empty file is a ValueError).
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise PolicyUsageError(
+            f"--model {path}: not a model file written by `trainmover policy train` ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _score_line(name: str, score: ModelScore) -> str:
+    brier = "-" if score.brier is None else f"{score.brier:.5f}"
+    lead = "-" if score.mean_lead_h is None else f"{score.mean_lead_h:.1f}"
+    return (
+        f"{name:<10} {score.pr_auc:>7.4f} {score.precision_at_recall:>12.4f} {brier:>8} {lead:>12} "
+        f"{score.alarmed_faults:>5d}/{score.test_faults:<5d}"
+    )
+
+
+def _evaluate(ns: argparse.Namespace) -> int:
+    from policy.pipeline import evaluate_fleet
+    from policy.simulator import format_table
+
+    if not ns.multiplier > 0:
+        raise PolicyUsageError(f"--multiplier {ns.multiplier:g}: must be > 0, e.g. 1.0")
+    (config,) = _fleet_configs(ns, [ns.seed])
+    costs = _costs(ns)
+    model = _load_model(ns.model)
+    try:
+        with warnings.catch_warnings():
+            # A test period without faults makes sklearn warn per metric; the note below says it once.
+            warnings.filterwarnings("ignore", message="No positive class found", category=UserWarning)
+            result = evaluate_fleet(model, config, costs, multiplier=ns.multiplier, horizon_h=ns.horizon_h)
+    except ValueError as exc:  # too few rows or faults to split, or a model fitted on other features
+        raise PolicyUsageError(f"{exc}; evaluate on a larger --nodes / --days or retrain the model") from None
+    pred = result.prediction
+    print(f"prediction on fleet {result.seed} ({result.faults} faults; {pred.n_train} train / {pred.n_test} test rows)")
+    print(f"{'scorer':<10} {'pr_auc':>7} {'prec@recall':>12} {'brier':>8} {'mean_lead_h':>12} {'alarmed/faults':>14}")
+    for name, score in (("predictor", pred.predictor), ("rule", pred.rule), ("logistic", pred.logistic)):
+        print(_score_line(name, score))
+    print(f"base rate {pred.base_rate:.5f} (PR-AUC of a coin), its Brier {pred.base_rate_brier:.5f}")
+    if pred.predictor.test_faults == 0:
+        print("note: the test period holds no fault, so these metrics mean little; use a larger --nodes / --days")
+    print()
+    print(format_table(result.rows))
+    v = result.verdict
+    print(
+        f"{v.learned}: {v.learned_usd_per_useful_h:.2f} USD/useful h at ETTR {v.learned_ettr:.5f} "
+        f"vs best static {v.best_static} {v.best_static_usd_per_useful_h:.2f} at ETTR {v.best_static_ettr:.5f}: "
+        f"ratio {v.cost_ratio:.3f}; oracle {v.oracle_usd_per_useful_h:.2f}, regret {v.regret_usd_per_useful_h:.2f}"
+    )
+    _write_json(ns.json, result.to_dict())
     return 0
 
 
@@ -224,7 +442,13 @@ def _merge_overlaps(trace: FaultTrace) -> tuple[FaultTrace, int]:
 
 def policy_command(ns: argparse.Namespace) -> int:
     """Run `trainmover policy ACTION`; 0 on success, 2 with one line on stderr for a user's mistake."""
-    handlers = {"simulate": _simulate, "tune": _tune, "generate": _generate}
+    handlers = {
+        "simulate": _simulate,
+        "tune": _tune,
+        "generate": _generate,
+        "train": _train,
+        "evaluate": _evaluate,
+    }
     try:
         return handlers[ns.action](ns)
     except PolicyUsageError as exc:

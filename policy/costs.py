@@ -14,8 +14,9 @@ TierName = Literal["stopped", "warm", "hot"]
 TIER_NAMES: tuple[TierName, ...] = ("stopped", "warm", "hot")
 
 # --- Defaults (assumptions, not measurements) -------------------------------------------------------------------
-# AWS p5.48xlarge (8x H100) on-demand list price in us-east-1, USD per hour.
-NODE_PRICE_USD_PER_H = 98.32
+# AWS p5.48xlarge (8x H100) on-demand list price in us-east-1, USD per hour, after AWS's June 2025 cut of up to
+# 45% on P4/P5 (it was 98.32); the same figure as cloud/aws.py's price table.
+NODE_PRICE_USD_PER_H = 55.04
 # A job of 64 such nodes (512 GPUs); the whole job idles while one node is being replaced.
 DEFAULT_JOB_NODES = 64
 # A stopped instance pays only for its EBS volumes (root + image/cache, ~2-4 TB gp3 at 0.08 USD/GB-month),

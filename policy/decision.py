@@ -119,12 +119,46 @@ class StandbyPlan(BaseModel):
 Counts = dict[TierName, int]
 
 
+def poisson_binomial_tails(p: npt.ArrayLike, k_max: int) -> npt.NDArray[np.float64]:
+    """Row-wise `poisson_binomial_tail` for a (times, nodes) matrix, truncated at `k_max` failures.
+
+    Returns (times, k_max + 1) with t[i, k] = P(at least k failures at time i). The dynamic programme runs over
+    nodes with all times at once, keeping only k <= k_max (exact there: mass above k_max is never needed to
+    compute the pmf below it), so a year of hourly decisions for a thousand nodes costs well under a second.
+    """
+    probs = np.asarray(p, dtype=np.float64)
+    if probs.ndim != 2:
+        raise ValueError(f"failure probabilities must be a (times, nodes) matrix, got shape {probs.shape}")
+    if not np.all(np.isfinite(probs)) or np.any((probs < 0.0) | (probs > 1.0)):
+        raise ValueError("failure probabilities must be finite numbers in [0, 1]")
+    n_times, n_nodes = probs.shape
+    k_max = max(0, min(k_max, n_nodes))
+    pmf = np.zeros((n_times, k_max + 1), dtype=np.float64)
+    pmf[:, 0] = 1.0
+    for j in range(n_nodes):
+        pj = probs[:, j : j + 1]
+        shifted = pmf[:, :-1] * pj
+        pmf *= 1.0 - pj
+        pmf[:, 1:] += shifted
+    tail = np.empty_like(pmf)
+    tail[:, 0] = 1.0
+    tail[:, 1:] = 1.0 - np.cumsum(pmf[:, :-1], axis=1)
+    return np.clip(tail, 0.0, 1.0)
+
+
 def decide_standby(hazards: NodeHazards, costs: StandbyCosts, fleet: FleetState, now_s: float) -> StandbyPlan:
     """Decide the standbys to hold: the threshold rule, then hysteresis, the minimum hold time and the budget.
 
     The budget is applied last because it is the cost owner's hard cap: it overrides hysteresis and the hold time.
     """
-    tail = poisson_binomial_tail(np.asarray(hazards.p_fail, dtype=np.float64))
+    return decide_from_tail(poisson_binomial_tail(np.asarray(hazards.p_fail, dtype=np.float64)), costs, fleet, now_s)
+
+
+def decide_from_tail(
+    tail: npt.NDArray[np.float64], costs: StandbyCosts, fleet: FleetState, now_s: float
+) -> StandbyPlan:
+    """`decide_standby` from the failure-count tail P(failures >= k), k = 0.. (possibly truncated: a missing k
+    counts as probability 0). The simulator computes tails for many decision times at once and calls this."""
     order = _speed_order(costs)
     reasons: list[str] = []
 
@@ -212,22 +246,40 @@ def _apply_hysteresis(
     order: list[TierName],
     reasons: list[str],
 ) -> Counts:
-    """Keep a standby the rule would release while its probability stays above (1 - hysteresis) x threshold.
+    """Keep a held standby that the rule would release or downgrade while it is nearly worth it.
 
-    Tiers are walked fastest first; a held standby's position counts the standbys already kept in faster tiers.
+    Tiers are walked fastest first. A held standby of tier t beyond the rule's count takes the next position k.
+    If the plan has a slower standby there, keeping t is a *downgrade avoided*: it stays while P(>=k) exceeds
+    (1 - hysteresis) x the break-even probability between the two tiers, (c_t - c_s) L / (C_avoid_t - C_avoid_s),
+    and replaces the plan's last (slowest) standby. Otherwise it is a *release avoided*: it stays while P(>=k)
+    exceeds (1 - hysteresis) x its own threshold.
     """
     counts = dict(target)
     factor = 1.0 - costs.hysteresis
-    offset = 0
-    for tier in order:
-        for j in range(target[tier] + 1, fleet.count(tier) + 1):
-            k = offset + j
+    for ti, tier in enumerate(order):
+        while counts[tier] < fleet.count(tier):
+            k = sum(counts[t] for t in order[: ti + 1]) + 1
             q = _q(tail, k)
-            if not q > factor * costs.threshold(tier):
-                break
-            counts[tier] = j
-            reasons.append(f"{tier} #{j} kept (hysteresis, failure #{k}): {_why(tier, k, q, costs, factor)}")
-        offset += counts[tier]
+            slower = [s for s in order[ti + 1 :] if counts[s] > 0]
+            if slower:
+                s = slower[0]
+                gain_usd = costs.avoided_usd(tier) - costs.avoided_usd(s)
+                extra_usd = (costs.tiers[tier].price_usd_per_h - costs.tiers[s].price_usd_per_h) * costs.lead_time_h
+                even = extra_usd / gain_usd if gain_usd > 0 else math.inf
+                if not q > factor * even:
+                    break
+                counts[slower[-1]] -= 1
+                reasons.append(
+                    f"{tier} #{counts[tier] + 1} kept instead of a {s} (hysteresis, failure #{k}): P = {q:.3g} > "
+                    f"{factor:g} x break-even {even:.3g}"
+                )
+            else:
+                if not q > factor * costs.threshold(tier):
+                    break
+                reasons.append(
+                    f"{tier} #{counts[tier] + 1} kept (hysteresis, failure #{k}): {_why(tier, k, q, costs, factor)}"
+                )
+            counts[tier] += 1
     return counts
 
 

@@ -92,8 +92,13 @@ def build_features(
     *,
     horizon_h: float = 24.0,
     bin_h: float = 1.0,
+    drop_censored: bool = True,
 ) -> FeatureSet:
-    """Build rolling-window features and horizon labels from telemetry chunks and the fleet's fault trace."""
+    """Build rolling-window features and horizon labels from telemetry chunks and the fleet's fault trace.
+
+    With `drop_censored=False` the rows of the last horizon are kept (for scoring, not training): their labels
+    only say whether a fault starts before the window ends.
+    """
     if horizon_h <= 0 or bin_h <= 0:
         raise ValueError(f"horizon_h and bin_h must be positive, got {horizon_h} and {bin_h}")
     n_nodes = len(node_ids)
@@ -198,7 +203,7 @@ def build_features(
     down = (
         (prev >= 0) & (f_node[prev_c] == nodes) & (f_end[prev_c] > times) if keys.size else np.zeros(q.size, dtype=bool)
     )
-    keep = ~down & (times + horizon_h <= trace.duration_h)
+    keep = ~down & ((times + horizon_h <= trace.duration_h) | (not drop_censored))
     order_rows = np.lexsort((nodes[keep], times[keep]))
     return FeatureSet(
         X=X[keep][order_rows],

@@ -10,13 +10,22 @@ Model, in the order the simulator applies it:
   job does not hurt it. A fault that starts while the same node is still down from an earlier fault is not a new
   failure of the job (that node was already replaced).
 - A policy is a schedule of target standby counts per tier, piecewise constant in time (`StandbySchedule`).
-  A change of target takes effect at once: the policy is assumed to order ahead, the same for every policy.
+  The targets at hour 0 are provisioned with the job and available at once. After that, a standby is *ordered*:
+  it is billed from the order and available `lead_time_h` (L) later, the same lead time a consumed standby's
+  replacement takes. So no policy can conjure a standby the instant before a failure: foresight must reach at
+  least L ahead to pay off, which is what makes a predictor's lead time worth something.
+- When a target falls, pending orders are cancelled first (latest first), then available standbys released.
 - A job failure takes the fastest available standby ("covered": downtime = that tier's `takeover_s`); with none
-  available it is "uncovered" (downtime = `restart_downtime_s`). A consumed standby leaves a hole in its tier
-  for `lead_time_h` (replenishment): available = max(0, target - holes), so re-deciding cannot skip the lead time.
-- Standby hours accrue for available standbys only; a replacement still on its way is not yet paid for.
+  available it is "uncovered" (downtime = `restart_downtime_s`). The consumed standby is reordered at once
+  while the target still asks for it.
+- Standby hours accrue for available and ordered standbys (the cloud bills a launching instance too).
 - Downtimes add up (a failure during another failure's downtime adds its own); productive time is the wall time
   minus the total downtime, floored at zero.
+- The oracle knows every failure time. Each covered failure costs any policy at least min(its start, L) hours
+  of the covering standby (it was ordered at least L before, or held from hour 0) and each standby covers one
+  failure, so choosing per failure between "uncovered" and "a standby of tier t ordered exactly L before"
+  is optimal; the oracle makes that choice for the ratio cost_per_useful_hour itself (Dinkelbach's method), so
+  its cost is a lower bound for every policy on the same job.
 
 The simulation is event-driven: schedule changes, failures and replenishment arrivals are merged in time order
 (a heap for arrivals), so its cost grows with the number of events, never with nodes x hours.
@@ -24,8 +33,8 @@ The simulation is event-driven: schedule changes, failures and replenishment arr
 
 from __future__ import annotations
 
-import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,13 +43,16 @@ import numpy as np
 import numpy.typing as npt
 
 from policy.costs import TIER_NAMES, StandbyCosts, TierName
-from policy.decision import FleetState, NodeHazards, decide_standby, poisson_binomial_tail
+from policy.decision import FleetState, decide_from_tail, poisson_binomial_tail, poisson_binomial_tails
 from policy.traces import FaultTrace
 
 _SECONDS_PER_HOUR = 3600.0
-# Event kinds at equal times: a new target applies first, then a replacement arrives, then a failure strikes,
-# so a failure exactly at a window start or at a replenishment sees the standbys meant for that instant.
-_SCHEDULE, _ARRIVAL, _FAILURE = 0, 1, 2
+# Event kinds at equal times: an ordered standby arrives first, then a failure strikes, then a new target
+# applies, so a standby ordered exactly L before a failure covers it and a target that falls at a failure's
+# instant does not release the standby that failure needs.
+_ARRIVAL, _FAILURE, _SCHEDULE = 0, 1, 2
+# Orders placed this much earlier than L before a failure arrive no later than it despite binary rounding.
+_ORDER_SLACK_H = 1e-9
 
 HazardFn = Callable[[float, tuple[str, ...]], "npt.ArrayLike"]
 """(time in hours, job node ids) -> P(each node fails within the lead time L), one per node."""
@@ -71,13 +83,31 @@ class JobView:
         return self.trace.duration_h
 
 
-def job_view(trace: FaultTrace, costs: StandbyCosts, job_nodes: int | None = None, seed: int = 0) -> JobView:
-    """Place the job on `job_nodes` of the fleet's nodes (a seeded random choice; all of them by default)."""
+def job_view(
+    trace: FaultTrace,
+    costs: StandbyCosts,
+    job_nodes: int | None = None,
+    seed: int = 0,
+    node_ids: Sequence[str] | None = None,
+) -> JobView:
+    """Place the job on `job_nodes` of the fleet's nodes (a seeded random choice; all of them by default).
+
+    `node_ids` names every node of the fleet (a synthetic fleet knows them, so a predictor's hazards can be
+    looked up by node); without it, nodes that never failed are named `never-failed-<i>`.
+    """
     n = trace.n_nodes if job_nodes is None else job_nodes
     if not 1 <= n <= trace.n_nodes:
         raise ValueError(f"job_nodes={job_nodes} must lie in [1, {trace.n_nodes}] (the trace's n_nodes)")
-    affected = sorted(trace.affected_nodes())
-    fleet = affected + [f"never-failed-{i}" for i in range(trace.n_nodes - len(affected))]
+    if node_ids is not None:
+        fleet = list(node_ids)
+        if len(fleet) != trace.n_nodes or len(set(fleet)) != len(fleet):
+            raise ValueError(f"node_ids must name the trace's {trace.n_nodes} nodes once each, got {len(fleet)}")
+        missing = trace.affected_nodes() - set(fleet)
+        if missing:
+            raise ValueError(f"node_ids lacks nodes that appear in the trace, e.g. {sorted(missing)[:3]}")
+    else:
+        affected = sorted(trace.affected_nodes())
+        fleet = affected + [f"never-failed-{i}" for i in range(trace.n_nodes - len(affected))]
     if n == trace.n_nodes:
         chosen = tuple(fleet)
     else:
@@ -208,42 +238,78 @@ def best_tier(costs: StandbyCosts) -> TierName | None:
 
 @dataclass(frozen=True, slots=True)
 class Oracle:
-    """Perfect foresight, for regret: during each lead-time window [jL, (j+1)L) hold exactly as many standbys of
-    the best tier as failures will hit in that window, plus targets that fill the holes its own consumptions
-    leave, so every failure is covered and no standby is held in a window without failures."""
+    """Perfect foresight, for regret: for each failure, either leave it uncovered or order one standby of the tier
+    that pays best exactly L before it (or hold one from hour 0 when the failure comes earlier than L).
+
+    The choice minimizes cost_per_useful_hour itself, a ratio (standby + downtime cost) / (wall - downtime), by
+    Dinkelbach's iteration: with lambda the current ratio, each failure independently takes the option with the
+    least standby_usd + downtime_h x (job price + lambda); lambda is then recomputed, until it stops moving.
+    """
 
     name: str = "oracle"
 
+    def choices(self, job: JobView) -> list[TierName | None]:
+        """The tier chosen for each failure in `job.failure_times_h` (None: leave it uncovered)."""
+        costs, f = job.costs, job.failure_times_h
+        tiers = sorted(costs.tiers)
+        if f.size == 0:
+            return []
+        held_h = np.minimum(f, costs.lead_time_h)
+        # options[:, 0] is "uncovered"; column 1 + i is tiers[i].
+        standby_usd = np.column_stack([np.zeros(f.size)] + [held_h * costs.tiers[t].price_usd_per_h for t in tiers])
+        down_h = np.array([costs.restart_downtime_s] + [costs.tiers[t].takeover_s for t in tiers]) / _SECONDS_PER_HOUR
+        duration = job.duration_h
+        lam = 0.0
+        pick = np.zeros(f.size, dtype=np.int64)
+        for _ in range(100):
+            pick = np.argmin(standby_usd + down_h[None, :] * (costs.job_price_usd_per_h + lam), axis=1)
+            rows = np.arange(f.size)
+            downtime_h = float(np.sum(down_h[pick]))
+            productive_h = duration - downtime_h
+            if productive_h <= 0:
+                break
+            total = float(np.sum(standby_usd[rows, pick])) + downtime_h * costs.job_price_usd_per_h
+            new_lam = total / productive_h
+            if abs(new_lam - lam) <= 1e-12 * max(1.0, new_lam):
+                break
+            lam = new_lam
+        return [None if k == 0 else tiers[k - 1] for k in pick.tolist()]
+
     def schedule(self, job: JobView) -> StandbySchedule:
-        tier = best_tier(job.costs)
         f = job.failure_times_h
-        if tier is None or f.size == 0:
-            return constant_schedule({})
+        chosen = self.choices(job)
         lead = job.costs.lead_time_h
-
-        def window_of(t_h: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
-            # The epsilon keeps a window start j x L in window j despite binary rounding of (j x L) / L.
-            return np.floor(t_h / lead + 1e-9).astype(np.int64)
-
-        window = window_of(f)
-        starts = np.unique(window) * lead
-        points = np.unique(np.concatenate([[0.0], starts, starts + lead, f, f + lead]))
-        w_of_point = window_of(points)
-        # Failures in each point's window, and holes still open at each point (failures in (t - L, t]).
-        in_window = np.searchsorted(window, w_of_point, side="right") - np.searchsorted(window, w_of_point)
-        holes = np.searchsorted(f, points, side="right") - np.searchsorted(f, points - lead, side="right")
-        target = np.where(in_window > 0, in_window + holes, 0)
-        counts = np.zeros((points.size, len(TIER_NAMES)), dtype=np.int64)
-        counts[:, TIER_NAMES.index(tier)] = target
-        return StandbySchedule(points, counts)
+        # Each covered failure contributes +1 to its tier's target from its order time until its own instant
+        # (the target falls after the failure, see the event order), so the order arrives exactly in time.
+        changes: list[tuple[float, int, int]] = []  # (time, tier index, +1/-1)
+        for t_h, tier in zip(f.tolist(), chosen, strict=True):
+            if tier is None:
+                continue
+            k = TIER_NAMES.index(tier)
+            changes.append((max(0.0, t_h - lead - _ORDER_SLACK_H) if t_h >= lead else 0.0, k, +1))
+            changes.append((t_h, k, -1))
+        if not changes:
+            return constant_schedule({})
+        changes.sort()
+        times = [0.0]
+        rows = [[0] * len(TIER_NAMES)]
+        for t_h, k, d in changes:
+            if t_h > times[-1]:
+                times.append(t_h)
+                rows.append(list(rows[-1]))
+            rows[-1][k] += d
+        return StandbySchedule(np.asarray(times, dtype=np.float64), np.asarray(rows, dtype=np.int64))
 
 
 @dataclass(frozen=True, slots=True)
 class HazardPolicy:
-    """Call `decide_standby` every `every_h` hours with per-node hazards from `hazard_fn(time_h, node_ids)`.
+    """Call the standby decision every `every_h` hours with per-node hazards from `hazard_fn(time_h, node_ids)`.
 
-    The learned predictor plugs in here; the policy carries its own plan forward as the `FleetState`, so the
-    decision's hysteresis and minimum hold time act as they would in production.
+    `hazard_fn` returns P(node fails within the lead time L) per node; the learned predictor plugs in here
+    (`policy.learned`). The policy carries its own plan forward as the `FleetState`, so the decision's hysteresis
+    and minimum hold time act as they would in production. Hazards of all decision times are gathered first and
+    their Poisson-binomial tails computed in one batch (`poisson_binomial_tails`); only the cheap per-decision
+    bookkeeping runs in a Python loop.
     """
 
     hazard_fn: HazardFn
@@ -258,15 +324,27 @@ class HazardPolicy:
         times = np.arange(0.0, max(job.duration_h, self.every_h), self.every_h)
         counts = np.zeros((times.size, len(TIER_NAMES)), dtype=np.int64)
         fleet = FleetState()
-        for i, t_h in enumerate(times):
-            p = np.asarray(self.hazard_fn(float(t_h), job.node_ids), dtype=np.float64)
-            hazards = NodeHazards(node_ids=job.node_ids, p_fail=tuple(float(x) for x in p))
-            plan = decide_standby(hazards, job.costs, fleet, now_s=float(t_h) * _SECONDS_PER_HOUR)
-            counts[i] = [plan.count(t) for t in TIER_NAMES]
-            if any(plan.count(t) != fleet.count(t) for t in TIER_NAMES):
-                fleet = FleetState(
-                    stopped=plan.stopped, warm=plan.warm, hot=plan.hot, last_change_s=float(t_h) * _SECONDS_PER_HOUR
-                )
+        costs = job.costs
+        floor = (1.0 - costs.hysteresis) * min(costs.threshold(t) for t in costs.tiers)
+        batch = 512
+        for b0 in range(0, times.size, batch):
+            chunk = times[b0 : b0 + batch]
+            p = np.stack([np.asarray(self.hazard_fn(float(t_h), job.node_ids), dtype=np.float64) for t_h in chunk])
+            if p.shape != (chunk.size, job.job_nodes):
+                raise ValueError(f"{self.name}: hazard_fn must return one probability per job node ({job.job_nodes})")
+            k_max = 32
+            tails = poisson_binomial_tails(p, k_max)
+            # Widen the truncation until no decision could want more standbys than it covers.
+            while k_max < job.job_nodes and np.any(tails[:, -1] > floor):
+                k_max *= 4
+                tails = poisson_binomial_tails(p, k_max)
+            for i, t_h in enumerate(chunk.tolist()):
+                plan = decide_from_tail(tails[i], costs, fleet, now_s=t_h * _SECONDS_PER_HOUR)
+                counts[b0 + i] = [plan.count(t) for t in TIER_NAMES]
+                if any(plan.count(t) != fleet.count(t) for t in TIER_NAMES):
+                    fleet = FleetState(
+                        stopped=plan.stopped, warm=plan.warm, hot=plan.hot, last_change_s=t_h * _SECONDS_PER_HOUR
+                    )
         return StandbySchedule(times, counts)
 
 
@@ -305,9 +383,10 @@ def simulate(
     policy: StandbyPolicy,
     job_nodes: int | None = None,
     seed: int = 0,
+    node_ids: Sequence[str] | None = None,
 ) -> SimulationResult:
     """Replay `trace` with `policy`'s standbys and report ETTR and costs (model: see the module docstring)."""
-    job = job_view(trace, costs, job_nodes, seed)
+    job = job_view(trace, costs, job_nodes, seed, node_ids)
     return _run(job, policy.name, policy.schedule(job))
 
 
@@ -323,52 +402,68 @@ def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
     s_times, s_counts = sched.times_h[keep], sched.counts[keep]
     f_times = job.failure_times_h
     target = [0] * n_tiers
-    holes = [0] * n_tiers
-    arrivals: list[tuple[float, int]] = []  # (time_h, tier index)
+    avail = [0] * n_tiers
+    # Pending orders per tier, arrival times ascending (orders are placed in time order, all with the same L).
+    orders: list[deque[float]] = [deque() for _ in range(n_tiers)]
     standby_h = [0.0] * n_tiers
     covered = [0] * n_tiers
     uncovered = 0
     downtime_s = 0.0
     now = 0.0
     i_s = i_f = 0
+    if s_times.size:  # the first row holds from hour 0: provisioned with the job, available at once
+        target = [int(c) for c in s_counts[0]]
+        avail = [target[k] if k in offered else 0 for k in range(n_tiers)]
+        i_s = 1
 
     def accrue(until: float) -> None:
         dt = until - now
         if dt > 0:
             for k in offered:
-                standby_h[k] += max(0, target[k] - holes[k]) * dt
+                standby_h[k] += (avail[k] + len(orders[k])) * dt
+
+    def reconcile(k: int, t: float) -> None:
+        excess = avail[k] + len(orders[k]) - target[k]
+        while excess > 0 and orders[k]:
+            orders[k].pop()  # cancel the latest order first
+            excess -= 1
+        if excess > 0:
+            avail[k] -= excess
+        for _ in range(-excess):
+            orders[k].append(t + lead)
 
     while True:
-        candidates: list[tuple[float, int]] = []
-        if i_s < s_times.size:
-            candidates.append((float(s_times[i_s]), _SCHEDULE))
-        if arrivals:
-            candidates.append((arrivals[0][0], _ARRIVAL))
-        if i_f < f_times.size:
-            candidates.append((float(f_times[i_f]), _FAILURE))
-        if not candidates:
-            break
-        t, kind = min(candidates)
-        if t > duration:
+        t, kind = math.inf, -1
+        if i_s < s_times.size and float(s_times[i_s]) < t:
+            t, kind = float(s_times[i_s]), _SCHEDULE
+        for k in offered:
+            if orders[k] and (orders[k][0], _ARRIVAL) < (t, kind if kind >= 0 else 99):
+                t, kind = orders[k][0], _ARRIVAL
+        if i_f < f_times.size and (float(f_times[i_f]), _FAILURE) < (t, kind if kind >= 0 else 99):
+            t, kind = float(f_times[i_f]), _FAILURE
+        if kind < 0 or t > duration:
             break
         accrue(t)
         now = t
         if kind == _SCHEDULE:
             target = [int(c) for c in s_counts[i_s]]
+            for k in offered:
+                reconcile(k, t)
             i_s += 1
         elif kind == _ARRIVAL:
-            _, k = heapq.heappop(arrivals)
-            holes[k] -= 1
+            k = min((k for k in offered if orders[k]), key=lambda k: orders[k][0])
+            orders[k].popleft()
+            avail[k] += 1
         else:
             i_f += 1
-            tier = next((k for k in offered if target[k] - holes[k] > 0), None)
+            tier = next((k for k in offered if avail[k] > 0), None)
             if tier is None:
                 uncovered += 1
                 downtime_s += costs.restart_downtime_s
             else:
                 covered[tier] += 1
-                holes[tier] += 1
-                heapq.heappush(arrivals, (t + lead, tier))
+                avail[tier] -= 1
+                reconcile(tier, t)
                 downtime_s += costs.tiers[TIER_NAMES[tier]].takeover_s
     accrue(duration)
 
@@ -423,9 +518,10 @@ def compare_policies(
     policies: Sequence[StandbyPolicy] | None = None,
     job_nodes: int | None = None,
     seed: int = 0,
+    node_ids: Sequence[str] | None = None,
 ) -> list[ComparisonRow]:
     """Simulate each policy on the same job and return one row per policy, with regret against `Oracle`."""
-    job = job_view(trace, costs, job_nodes, seed)
+    job = job_view(trace, costs, job_nodes, seed, node_ids)
     chosen = list(default_policies() if policies is None else policies)
     results = [_run(job, p.name, p.schedule(job)) for p in chosen]
     oracle = next((r for p, r in zip(chosen, results, strict=True) if isinstance(p, Oracle)), None)

@@ -1,0 +1,89 @@
+"""The learned standby policy: a fitted `FailurePredictor`'s per-node probabilities as the decision's hazards.
+
+This module owns the bridge from prediction to decision. The predictor scores each node at the end of every
+feature slot with P(fault within the horizon H) (`features.build_features`, 24 h by default). The standby rule
+(`decision.decide_standby`) wants P(fault within the lead time L). Assuming a constant hazard over the horizon,
+
+    p_L = 1 - (1 - p_H) ** (L / H)
+
+and the policy decides every hour from each node's latest score. A node with no score yet (the first slot, or a
+node just back from repair) gets the fleet's base rate. `multiplier` scales p_L for cost owners who want more or
+less caution than the calibrated model (the tuning sweep varies it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from policy.features import FeatureSet
+from policy.simulator import HazardFn, HazardPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class HazardTable:
+    """P(fault within `horizon_h`) per feature slot and node, NaN where the node had no row (down, or no data)."""
+
+    node_ids: tuple[str, ...]
+    bin_h: float
+    horizon_h: float
+    p_horizon: npt.NDArray[np.float64]
+    """Shape (slots, nodes): row i holds the scores known at hour (i + 1) x bin_h."""
+    base_p_horizon: float
+    """The fleet's base rate over the horizon, used where a node has no score."""
+    _column: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._column.update({n: i for i, n in enumerate(self.node_ids)})
+
+    def p_within(self, t_h: float, window_h: float, node_ids: Sequence[str]) -> npt.NDArray[np.float64]:
+        """P(fault within `window_h` from `t_h`) for each node, from the latest score known at `t_h`."""
+        slot = math.floor(t_h / self.bin_h + 1e-9) - 1
+        n = len(node_ids)
+        p_h = np.full(n, self.base_p_horizon)
+        if 0 <= slot < self.p_horizon.shape[0]:
+            cols = np.fromiter((self._column.get(x, -1) for x in node_ids), dtype=np.int64, count=n)
+            known = cols >= 0
+            row = self.p_horizon[slot]
+            vals = row[np.where(known, cols, 0)]
+            p_h = np.where(known & np.isfinite(vals), vals, p_h)
+        p_h = np.clip(p_h, 0.0, 1.0 - 1e-12)
+        return -np.expm1(np.log1p(-p_h) * (window_h / self.horizon_h))
+
+    def hazard_fn(self, lead_time_h: float, multiplier: float = 1.0) -> HazardFn:
+        """The simulator's hazard function: P(fault within `lead_time_h`), scaled by `multiplier`, capped at 1."""
+        if not multiplier > 0:
+            raise ValueError(f"multiplier={multiplier} must be > 0")
+
+        def fn(t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+            return np.minimum(1.0, multiplier * self.p_within(t_h, lead_time_h, node_ids))
+
+        return fn
+
+
+def hazard_table(scores: npt.ArrayLike, features: FeatureSet, *, bin_h: float = 1.0) -> HazardTable:
+    """Lay a predictor's scores for `features`' rows out as a (slot, node) table.
+
+    `features` should hold every row, censored ones included (`build_features(..., drop_censored=False)`), so the
+    last horizon of the window has scores too.
+    """
+    p = np.asarray(scores, dtype=np.float64)
+    if p.shape != (features.times.size,):
+        raise ValueError(f"scores must hold one probability per feature row ({features.times.size}), got {p.shape}")
+    n_slots = round(float(features.times.max()) / bin_h) if features.times.size else 0
+    table = np.full((n_slots, len(features.node_ids)), np.nan)
+    slots = np.rint(features.times / bin_h).astype(np.int64) - 1
+    table[slots, features.groups] = p
+    base = float(np.mean(features.y)) if features.y.size else 0.0
+    return HazardTable(features.node_ids, bin_h, features.horizon_h, table, base)
+
+
+def learned_policy(
+    table: HazardTable, lead_time_h: float, *, multiplier: float = 1.0, every_h: float = 1.0, name: str = "learned"
+) -> HazardPolicy:
+    """The standby decision every `every_h` hours, fed by the predictor's scores in `table`."""
+    return HazardPolicy(table.hazard_fn(lead_time_h, multiplier), every_h=every_h, name=name)
