@@ -1,0 +1,149 @@
+"""The parameters of a resilient training run: the form Prefect renders in its UI, validated before anything starts.
+
+`TrainingRun` is a pydantic model, so a Prefect deployment shows every field with its description and limits,
+and a bad value (a negative count, an unknown provider, a script that does not exist, a cloud run without its
+region) is refused with one message that names the field before any instance is launched. It imports neither
+Prefect nor a cloud SDK: the flows, the CLI and the tests all validate with it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policy.costs import NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
+
+_JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,38}[a-z0-9]$")
+
+
+class StandbyLimits(BaseModel):
+    """How many standbys the policy may hold in each tier (see DESIGN.md: stopped, warm, hot)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_warm: int = Field(default=1, ge=0, le=1024, description="Warm standbys held whatever the policy says.")
+    max_warm: int = Field(default=4, ge=0, le=1024, description="Most warm standbys the policy may hold.")
+    max_hot: int = Field(default=0, ge=0, le=1024, description="Most hot standbys (state mirrored every step).")
+    max_stopped: int = Field(default=4, ge=0, le=1024, description="Most parked (stopped/deallocated) standbys.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> StandbyLimits:
+        if self.min_warm > self.max_warm:
+            raise ValueError(f"min_warm={self.min_warm} exceeds max_warm={self.max_warm}; raise max_warm or lower it")
+        return self
+
+
+class TrainingRun(BaseModel):
+    """One resilient training job: where it runs, what it trains, its standbys and the prices behind them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job_id: str = Field(
+        default="trainmover-demo",
+        description="Name of the job; tags every instance it launches (lower-case letters, digits, dashes).",
+    )
+    provider: Literal["local", "aws", "azure"] = Field(
+        default="local", description="Where instances come from: this machine, AWS EC2 or Azure VMs."
+    )
+    region: str | None = Field(
+        default=None, description="AWS region or Azure location (required for aws and azure), e.g. us-east-1."
+    )
+    azure_subscription_id: str | None = Field(default=None, description="Azure subscription (azure only).")
+    azure_resource_group: str | None = Field(default=None, description="Azure resource group (azure only).")
+    instance_type: str = Field(
+        default="p5.48xlarge", min_length=1, description="Instance type / VM size of workers and standbys."
+    )
+    market: Literal["on-demand", "spot"] = Field(default="on-demand", description="On-demand or spot workers.")
+    workers: int = Field(default=2, ge=1, le=4096, description="Data-parallel workers (one per instance).")
+    standby: StandbyLimits = Field(default_factory=StandbyLimits, description="Standby limits per tier.")
+    script: str = Field(
+        default="examples/train_mlp.py", min_length=1, description="The training script that uses `runtime`."
+    )
+    script_args: tuple[str, ...] = Field(default=(), description="Arguments passed to the training script.")
+    backend: Literal["gloo", "nccl"] = Field(default="gloo", description="gloo (CPU) or nccl (one GPU a process).")
+    node_price_usd_per_h: float = Field(
+        default=NODE_PRICE_USD_PER_H, gt=0, le=10_000, description="Hourly price of one instance, USD."
+    )
+    restart_downtime_s: float = Field(
+        default=RESTART_DOWNTIME_S,
+        gt=0,
+        le=604_800,
+        description="Downtime of a failure no standby covers (checkpoint-restart + lost work), seconds.",
+    )
+    lead_time_h: float = Field(default=0.5, gt=0, le=168, description="Hours to obtain a fresh instance.")
+    budget_usd_per_h: float | None = Field(default=None, ge=0, description="Cap on all standbys' hourly cost.")
+    policy_model: str | None = Field(
+        default=None, description="A FailurePredictor saved by `trainmover policy train` (skops); none: fleet rate."
+    )
+    hazard_multiplier: float = Field(
+        default=1.0, gt=0, le=100, description="Scales predicted failure probabilities: above 1 is more cautious."
+    )
+    faults: str | None = Field(
+        default=None, description="Failures to inject for a drill, e.g. 'kill:rank=1,step=8' (see README)."
+    )
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        if not _JOB_ID.match(v):
+            raise ValueError(
+                f"job_id {v!r} must be 2-40 lower-case letters, digits or dashes, starting and ending with a letter "
+                "or digit (it becomes a cloud tag and part of instance names)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainingRun:
+        if self.provider in ("aws", "azure") and not self.region:
+            raise ValueError(f"provider {self.provider!r} needs a region (e.g. us-east-1 or eastus)")
+        if self.provider == "azure" and not (self.azure_subscription_id and self.azure_resource_group):
+            raise ValueError("provider 'azure' needs azure_subscription_id and azure_resource_group")
+        if self.provider == "aws" and self.market == "spot" and self.standby.max_stopped > 0:
+            raise ValueError(
+                "AWS cannot park (stop) one-time spot instances: set standby.max_stopped to 0 or use on-demand"
+            )
+        if self.policy_model is not None and not Path(self.policy_model).is_file():
+            raise ValueError(
+                f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"
+            )
+        return self
+
+    def check_script(self, root: str | Path = ".") -> Path:
+        """The training script as a path, or ValueError if it does not exist (checked before anything launches)."""
+        path = Path(root) / self.script
+        if not path.is_file():
+            raise ValueError(
+                f"script {self.script!r} does not exist under {Path(root).resolve()}; pass a path to a file"
+            )
+        return path
+
+    def costs(self) -> StandbyCosts:
+        """The policy's prices for this job: the whole job costs workers x the node price per hour."""
+        tiers = default_tiers()
+        tiers["warm"] = tiers["warm"].model_copy(update={"price_usd_per_h": self.node_price_usd_per_h})
+        tiers["hot"] = tiers["hot"].model_copy(update={"price_usd_per_h": self.node_price_usd_per_h + 1.0})
+        offered = {
+            t: c
+            for t, c in tiers.items()
+            if {"stopped": self.standby.max_stopped, "warm": self.standby.max_warm, "hot": self.standby.max_hot}[t] > 0
+        } or {"warm": tiers["warm"]}
+        return StandbyCosts(
+            job_price_usd_per_h=self.workers * self.node_price_usd_per_h,
+            restart_downtime_s=self.restart_downtime_s,
+            lead_time_h=self.lead_time_h,
+            tiers=offered,
+            budget_usd_per_h=self.budget_usd_per_h,
+        )
+
+
+def describe_error(exc: ValidationError) -> str:
+    """One line per problem, each naming the field, for the UI and the CLI."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "run"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,76 @@
+"""TrainingRun: the UI form of a resilient training run refuses bad parameters before anything launches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from flows.models import StandbyLimits, TrainingRun, describe_error
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def refused(**fields: object) -> str:
+    with pytest.raises(ValidationError) as info:
+        TrainingRun.model_validate(fields)
+    return describe_error(info.value)
+
+
+def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
+    run = TrainingRun()
+    assert (run.provider, run.workers, run.standby.min_warm) == ("local", 2, 1)
+    assert run.check_script(ROOT).is_file()
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"workers": -1}, "workers: Input should be greater than or equal to 1"),
+        ({"provider": "gcp"}, "provider: Input should be 'local', 'aws' or 'azure'"),
+        ({"standby": {"max_warm": -2}}, "standby.max_warm"),
+        ({"standby": {"min_warm": 3, "max_warm": 1}}, "min_warm=3 exceeds max_warm=1"),
+        ({"provider": "aws"}, "needs a region"),
+        ({"provider": "azure", "region": "eastus"}, "azure_subscription_id and azure_resource_group"),
+        ({"provider": "aws", "region": "us-east-1", "market": "spot"}, "cannot park (stop) one-time spot"),
+        ({"job_id": "Bad_Name"}, "job_id 'Bad_Name' must be"),
+        ({"policy_model": "/nonexistent/model.skops"}, "train one with `trainmover policy train`"),
+        ({"hazard_multiplier": 0}, "hazard_multiplier"),
+        ({"surprise": 1}, "surprise: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_parameters_are_refused_with_the_field_named(fields: dict[str, object], needle: str) -> None:
+    assert needle in refused(**fields)
+
+
+def test_a_script_that_does_not_exist_is_refused_before_launch(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        TrainingRun(script="no_such_script.py").check_script(tmp_path)
+
+
+def test_costs_follow_the_run_prices_and_offer_only_allowed_tiers() -> None:
+    run = TrainingRun(workers=64, node_price_usd_per_h=50.0, standby=StandbyLimits(max_stopped=0, max_hot=0))
+    c = run.costs()
+    assert c.job_price_usd_per_h == pytest.approx(3200.0)
+    assert set(c.tiers) == {"warm"}
+    assert c.tiers["warm"].price_usd_per_h == 50.0
+    assert set(TrainingRun(standby=StandbyLimits(max_hot=2)).costs().tiers) == {"stopped", "warm", "hot"}
+
+
+def test_the_json_schema_has_a_description_for_every_field() -> None:
+    schema = TrainingRun.model_json_schema()
+    assert all("description" in p for p in schema["properties"].values())
+
+
+def test_flows_models_import_no_prefect_torch_or_cloud_sdk() -> None:
+    code = (
+        "import sys, flows.models\n"
+        "bad = {'prefect', 'torch', 'boto3', 'azure', 'sklearn'} & {m.split('.')[0] for m in sys.modules}\n"
+        "print(sorted(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
