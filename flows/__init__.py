@@ -1,5 +1,8 @@
-"""flows/: Prefect flows that run a resilient training end to end (issue 5, in progress).
+"""flows/: Prefect flows that run a resilient training end to end, train the failure model and tune the policy.
 
-Built so far: `models.TrainingRun`, the validated parameters of a run (the form the Prefect UI renders). The flows
-themselves (`resilient_training`, `train_failure_model`, `tune_standby_policy`) and `prefect.yaml` are to come.
+- `models`: `TrainingRun`, the validated parameters of a run (the form the Prefect UI renders);
+- `supervisor`: one job's life without Prefect: provision, start, steer standbys by the policy, report, release;
+- `training`: the `resilient_training` flow around the supervisor (events, artifacts, logs);
+- `policy_flows`: `train_failure_model` and `tune_standby_policy`;
+- `drill`, `demo`: the scripted telemetry and kills of `trainmover demo`.
 """

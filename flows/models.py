@@ -58,11 +58,21 @@ class TrainingRun(BaseModel):
     )
     market: Literal["on-demand", "spot"] = Field(default="on-demand", description="On-demand or spot workers.")
     workers: int = Field(default=2, ge=1, le=4096, description="Data-parallel workers (one per instance).")
+    job_nodes: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Price the job as this many nodes (default: workers); a drill on a few local processes can "
+        "stand for a large job so the policy weighs real stakes.",
+    )
     standby: StandbyLimits = Field(default_factory=StandbyLimits, description="Standby limits per tier.")
     script: str = Field(
         default="examples/train_mlp.py", min_length=1, description="The training script that uses `runtime`."
     )
     script_args: tuple[str, ...] = Field(default=(), description="Arguments passed to the training script.")
+    steps: int | None = Field(
+        default=None, ge=1, le=100_000_000, description="Total training steps, passed to the script as --steps."
+    )
     backend: Literal["gloo", "nccl"] = Field(default="gloo", description="gloo (CPU) or nccl (one GPU a process).")
     node_price_usd_per_h: float = Field(
         default=NODE_PRICE_USD_PER_H, gt=0, le=10_000, description="Hourly price of one instance, USD."
@@ -105,6 +115,8 @@ class TrainingRun(BaseModel):
             raise ValueError(
                 "AWS cannot park (stop) one-time spot instances: set standby.max_stopped to 0 or use on-demand"
             )
+        if self.job_nodes is not None and self.job_nodes < self.workers:
+            raise ValueError(f"job_nodes={self.job_nodes} is below workers={self.workers}; leave it unset or raise it")
         if self.policy_model is not None and not Path(self.policy_model).is_file():
             raise ValueError(
                 f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"
@@ -131,7 +143,7 @@ class TrainingRun(BaseModel):
             if {"stopped": self.standby.max_stopped, "warm": self.standby.max_warm, "hot": self.standby.max_hot}[t] > 0
         } or {"warm": tiers["warm"]}
         return StandbyCosts(
-            job_price_usd_per_h=self.workers * self.node_price_usd_per_h,
+            job_price_usd_per_h=(self.job_nodes or self.workers) * self.node_price_usd_per_h,
             restart_downtime_s=self.restart_downtime_s,
             lead_time_h=self.lead_time_h,
             tiers=offered,

@@ -27,7 +27,9 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    help="start training only once every standby is warm")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default cores/nproc)")
     p.add_argument("--faults", default="", help="fault-injection plan, e.g. 'kill:rank=1,step=5,phase=exchange'")
-    p.add_argument("--port", type=int, default=0, help="coordinator store port (default: a free one)")
+    p.add_argument("--port", type=int, default=0,
+                   help="coordinator store port, where an orchestrator steers the job with runtime.control.JobControl "
+                        "(default: a free one, named in the job_started event)")
     p.add_argument("--quiet", action="store_true", help="log errors only")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

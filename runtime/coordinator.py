@@ -4,6 +4,11 @@ It hosts the job's store, watches every process (exit status and heartbeat), fen
 members dead, promotes warm standbys into their logical ranks by publishing a new generation, orders
 replacement standbys, and turns the members' reports into `recovered` events. Processes come from a
 `ProcessPool` (local subprocesses here; cloud instances behind the same small interface later).
+
+An orchestrator steers a running job through control keys in the store (`runtime.control`): a standby target
+(more or fewer warm standbys) and planned moves (a rank's process leaves on purpose and a standby takes the
+rank, exactly as after a failure). They are read in the health tick, so steering costs no thread; a value the
+coordinator cannot apply is answered with a `control_rejected` event, never with a crash.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from runtime import store as keys
 from runtime.auth import verify
+from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.events import EventLog
 from runtime.faults import parse_plan
 from runtime.membership import Generation
@@ -73,7 +79,7 @@ class CoordinatorSettings:
     standby_wait_s: float = 30.0
     """With no standby ready, how long to wait for one (a replacement warming up) before stopping the job."""
     replenish: bool = True
-    """Start a new standby whenever one is promoted or lost, keeping the pool at `standby`."""
+    """Start a new standby whenever one is promoted or lost, keeping the pool at the standby target."""
     exit_grace_s: float = 60.0
     """After training completes, how long processes may take to exit before they are killed."""
     faults: str = ""
@@ -157,6 +163,11 @@ class Coordinator:
         self.next_standby = 0
         self.spawned_standbys = 0
         self.fault_count = len(parse_plan(settings.faults))
+        self.standby_target = settings.standby
+        """Unpromoted standbys to keep: `settings.standby` until an orchestrator sets another."""
+        self._max_standby_target = settings.standby
+        self._control_seen: dict[str, bytes] = {}
+        self._last_move_seq = 0
         self.started = False
         self._selector = selectors.DefaultSelector()
         self._exit_fds: dict[str, int] = {}
@@ -165,8 +176,9 @@ class Coordinator:
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
         t0 = time.time()
-        keys.set_json(self.store, "job/config", {"nproc": self.s.nproc, "job_id": self.s.job_id})
-        self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby)
+        keys.set_json(self.store, keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
+        self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
+                         port=self.store.port)
         for name in self.gen.members:
             self._spawn(name, "worker")
         for _ in range(self.s.standby):
@@ -190,6 +202,7 @@ class Coordinator:
                     next_health = now + HEALTH_EVERY_S
                     if self.completing_since is None:
                         self._poll_health(now)
+                        self._poll_control()
                 if due or busy or exited:
                     result = self._progress(now)
                     if result is not None:
@@ -289,8 +302,8 @@ class Coordinator:
                 return
             self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause)
             log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
-            if self.s.replenish and self.spawned_standbys < self.s.standby * 10 + 10:
-                self._spawn_standby()
+            if self.s.replenish and self.spawned_standbys < self._max_standby_target * 10 + 10:
+                self._top_up("replace a lost standby")
             return
         now_wall = time.time()
         fault = self._fault_for(name)
@@ -359,10 +372,124 @@ class Coordinator:
         m.handle.wait(5.0)
         self._declare_dead(name, cause, m.handle.poll(), failure_at)
 
+    # -- the standby pool ----------------------------------------------------------------------------
+    def _unpromoted_standbys(self) -> list[str]:
+        """Live standbys that hold no rank, warm or still warming up."""
+        return [n for n, m in self.procs.items() if m.handle.role == "standby" and not m.dead
+                and m.assigned_gen is None]
+
+    def _ready_standbys(self) -> list[str]:
+        return [n for n in self._unpromoted_standbys() if self.procs[n].ready and self.procs[n].hello_ok]
+
+    def _top_up(self, reason: str) -> None:
+        """Start standbys until the unpromoted ones (warming up included) reach the target."""
+        for _ in range(self.standby_target - len(self._unpromoted_standbys())):
+            self.events.emit("standby_spawned", proc=self._spawn_standby(), reason=reason)
+
+    def _release_surplus(self, reason: str) -> None:
+        """Stop unpromoted standbys beyond the target, never one that a pending death is waiting for."""
+        spare = self._unpromoted_standbys()
+        surplus = len(spare) - max(self.standby_target, len(self.pending_deaths))
+        # Those still warming up go first (newest first): the warm ones are what covers the next failure.
+        for name in sorted(spare, key=lambda n: (self.procs[n].ready, -self.procs[n].started_at))[:max(0, surplus)]:
+            m = self.procs[name]
+            m.dead = True  # released, not lost: nothing replaces it
+            m.handle.kill()
+            m.exit_code = m.handle.wait(5.0)
+            self.events.emit("standby_released", proc=name, pid=m.handle.pid, was_ready=m.ready, reason=reason)
+            log.info("released standby %s (pid %d): %s", name, m.handle.pid, reason)
+
+    # -- control (runtime.control) --------------------------------------------------------------------
+    def _poll_control(self) -> None:
+        """Apply what an orchestrator wrote since the last tick; each value is acted on once."""
+        for key in (keys.k_control_standby_target(), keys.k_control_move()):
+            if not self.store.check([key]):
+                continue
+            raw = self.store.get(key)
+            if raw == self._control_seen.get(key):
+                continue
+            self._control_seen[key] = raw
+            if key == keys.k_control_standby_target():
+                self._apply_standby_target(raw)
+            else:
+                self._apply_move(raw)
+
+    def _reject(self, control: str, reason: str, **fields: Any) -> None:
+        log.warning("ignored a %s request: %s", control, reason)
+        self.events.emit("control_rejected", control=control, reason=reason, **fields)
+
+    def _apply_standby_target(self, raw: bytes) -> None:
+        try:
+            target = parse_standby_target(raw)
+        except ControlValueError as exc:
+            self._reject("standby_target", str(exc), value=raw.decode(errors="replace")[:40])
+            return
+        old, self.standby_target = self.standby_target, target
+        self._max_standby_target = max(self._max_standby_target, target)
+        if target == old:
+            return
+        self.events.emit("standby_target_changed", old=old, new=target)
+        log.info("standby target changed from %d to %d", old, target)
+        if target > old:
+            self._top_up(f"standby target raised to {target}")
+        else:
+            self._release_surplus(f"standby target lowered to {target}")
+
+    def _apply_move(self, raw: bytes) -> None:
+        try:
+            request = parse_move(raw)
+        except ControlValueError as exc:
+            self._reject("move", str(exc), seq=exc.seq)
+            self._answer_move(exc.seq, str(exc))
+            return
+        refusal = self._move_refusal(request)
+        if request.seq > self._last_move_seq:
+            self._last_move_seq = request.seq
+        if refusal is not None:
+            self._reject("move", refusal, seq=request.seq, ranks=list(request.ranks))
+            self._answer_move(request.seq, refusal)
+            return
+        procs = [self.gen.members[r] for r in request.ranks]
+        self.events.emit("move_accepted", seq=request.seq, ranks=list(request.ranks), procs=procs,
+                         reason=request.reason)
+        self._answer_move(request.seq, None)
+        log.warning("moving rank(s) %s (%s) to standbys: %s", list(request.ranks), ", ".join(procs), request.reason)
+        # Leaving on purpose takes the failure path: after a SIGKILL the survivors' recovery is the one that is
+        # tested bit for bit, and a hand-over at a step boundary would save only the replay of one step.
+        for proc in procs:
+            self._fence(proc, f"planned_move:{request.reason}")
+
+    def _move_refusal(self, request: MoveRequest) -> str | None:
+        """Why a move cannot happen now, or None. A move must never cost more than it saves: no restarts."""
+        if request.seq <= self._last_move_seq:
+            return f"seq {request.seq} is not newer than {self._last_move_seq}, the last request handled"
+        if not self.started:
+            return "training has not started yet"
+        if self._all_done():
+            return "training has finished"
+        world = self.gen.world_size
+        if any(r >= world for r in request.ranks):
+            return f"ranks {list(request.ranks)} are not all worker ranks (0..{world - 1})"
+        if len(request.ranks) == world:
+            return "moving every rank at once would lose the training state; move them in turns"
+        if self.pending_deaths or self.recoveries:
+            return "a recovery is in progress; ask again once it is reported"
+        ready = len(self._ready_standbys())
+        if ready == 0:
+            return "no standby ready"
+        if ready < len(request.ranks):
+            return f"only {ready} standbys ready for {len(request.ranks)} ranks"
+        return None
+
+    def _answer_move(self, seq: int | None, refusal: str | None) -> None:
+        if seq is not None:
+            keys.set_json(self.store, keys.k_control_move_result(),
+                          {"seq": seq, "accepted": refusal is None, "reason": refusal or ""})
+
     # -- membership ----------------------------------------------------------------------------------
     def _progress(self, now: float) -> JobResult | None:
         if not self.started:
-            if sum(m.ready for m in self.procs.values()) >= self.s.standby:
+            if len(self._ready_standbys()) >= self.standby_target:
                 self.started = True
                 self._publish(self.gen)
                 self._emit_generation(self.gen)
@@ -429,15 +556,12 @@ class Coordinator:
             self._emit_generation(new)
 
     def _replace(self, now: float) -> None:
-        ready = [n for n, m in self.procs.items() if m.handle.role == "standby" and m.ready and m.hello_ok
-                 and not m.dead and m.assigned_gen is None]
+        ready = self._ready_standbys()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
         if len(ready) < len(deaths):
             if self.s.replenish:
-                live = [n for n, m in self.procs.items() if m.handle.role == "standby" and not m.dead
-                        and m.assigned_gen is None]
-                for _ in range(len(deaths) - len(live)):
-                    self._spawn_standby()
+                for _ in range(len(deaths) - len(self._unpromoted_standbys())):
+                    self.events.emit("standby_spawned", proc=self._spawn_standby(), reason="cover a lost worker")
             assert self.waiting_since is not None
             if now - self.waiting_since > self.s.standby_wait_s:
                 lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
@@ -463,8 +587,7 @@ class Coordinator:
         self.pending_deaths.clear()
         self.waiting_since = None
         if self.s.replenish:
-            for _ in assignment:
-                self.events.emit("standby_spawned", proc=self._spawn_standby(), reason="replace a promoted standby")
+            self._top_up("replace a promoted standby")
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
         keys.set_json(self.store, keys.k_gen(gen.gen), gen.to_json())
@@ -527,7 +650,7 @@ class Coordinator:
             causes=[d.cause for d in rec.deaths], recovery_s=recovery_s,
             handoff_bytes=sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
             sources=sorted(r["rank"] for r in reports if r["role"] == "source"), **components,
-            reconfigure_split=split,
+            reconfigure_split=split, tier="warm",
         )
         for d in rec.deaths:
             new = rec.gen.members[d.rank]

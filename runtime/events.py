@@ -1,7 +1,8 @@
 """The job's event stream: membership changes and recoveries as JSON lines, with DESIGN.md's metric names.
 
 Every event has `event` (its kind) and `time` (wall clock, seconds). Kinds: job_started, generation,
-member_failed, standby_ready, standby_spawned, recovered, job_finished, job_failed.
+member_failed, standby_spawned, standby_ready, standby_lost, standby_released, standby_target_changed,
+move_accepted, control_rejected, recovered, job_finished, job_failed.
 """
 
 from __future__ import annotations

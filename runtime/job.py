@@ -41,6 +41,9 @@ class Heartbeat(threading.Thread):
         self.cfg = cfg
         self.latest_gen = -1
         self.stopping = False
+        self.committed_step = 0
+        """The last step this process committed; the trainer sets it, the beat publishes it (progress)."""
+        self._published_step = 0
         self.on_new_generation: list[Callable[[int], None]] = []
         self._halt = threading.Event()
 
@@ -62,6 +65,11 @@ class Heartbeat(threading.Thread):
                     for callback in self.on_new_generation:
                         callback(latest)
                 self.stopping = client.check([keys.k_stop()])
+                step = self.committed_step
+                if step != self._published_step:
+                    # Progress for orchestrators, off the training thread: one store write per beat at most.
+                    client.set(keys.k_progress(), str(step))
+                    self._published_step = step
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > COORDINATOR_LOST_S:
@@ -109,7 +117,7 @@ class Job:
         return self.cfg.role == "standby"
 
     def num_workers(self) -> int:
-        return int(keys.get_json(self.store, "job/config")["nproc"])
+        return int(keys.get_json(self.store, keys.k_job_config())["nproc"])
 
     def fatal(self, message: str) -> None:
         """Tell the coordinator the script itself failed, so it stops the job instead of swapping in a standby."""

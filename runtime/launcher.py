@@ -64,7 +64,8 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     """Address the coordinator's store listens on."""
     port: int = 0
-    """Port of the coordinator's store; 0 picks a free one."""
+    """Port of the coordinator's store, where an orchestrator connects to steer the job (`runtime.control`);
+    0 picks a free one (the `job_started` event names it)."""
     recovery_timeout_s: float = 120.0
     """Longest a member waits for a new generation or for its peers to join one."""
     chunk_bytes: int = 64 << 20
@@ -90,6 +91,8 @@ class LaunchConfig:
                 f"--hang-timeout ({self.hang_timeout_s} s) must exceed two heartbeats ({2 * self.heartbeat_s} s), "
                 "or healthy workers would be declared hung"
             )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be a TCP port (0 picks a free one), got {self.port}")
         if self.standby_wait_s < 0:
             raise ConfigError(f"--standby-wait must be 0 or more seconds, got {self.standby_wait_s}")
         try:
@@ -179,8 +182,12 @@ def launch(cfg: LaunchConfig) -> JobResult:
     configure_logging(cfg.quiet)
     import datetime
 
-    server = dist.TCPStore(cfg.host, cfg.port, None, True, timeout=datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
+    try:
+        server = dist.TCPStore(cfg.host, cfg.port, None, True, timeout=datetime.timedelta(seconds=60),
+                               wait_for_workers=False)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port} ({str(exc).splitlines()[0]}); "
+                          "pick another --port, or 0 for a free one") from None
     token = new_token()
     events = EventLog(cfg.events_path)
     pool = LocalProcessPool(cfg, server.port, token)

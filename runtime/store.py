@@ -28,6 +28,10 @@ class Interrupted(Exception):
 
 
 # Key names: one function each, so that writer and reader cannot disagree.
+def k_job_config() -> str:
+    return "job/config"
+
+
 def k_current_gen() -> str:
     return "gen/current"
 
@@ -84,12 +88,38 @@ def k_assign(proc: str) -> str:
     return f"proc/{proc}/assign"
 
 
+def k_progress() -> str:
+    """The last step committed, as the members' heartbeats publish it (for orchestrators' progress bars)."""
+    return "progress/step"
+
+
 def k_stop() -> str:
     return "job/stop"
 
 
 def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
+
+
+# Control keys: written by an orchestrator through `runtime.control.JobControl`, read by the coordinator.
+def k_control_standby_target() -> str:
+    """How many unpromoted standbys to keep (an integer as text)."""
+    return "control/standby_target"
+
+
+def k_control_move() -> str:
+    """The latest planned-move request: JSON `{"seq": n, "ranks": [...], "reason": "..."}`."""
+    return "control/move"
+
+
+def k_control_move_seq() -> str:
+    """A counter that hands out move sequence numbers, so that concurrent clients never reuse one."""
+    return "control/move_seq"
+
+
+def k_control_move_result() -> str:
+    """The coordinator's answer to the latest move request: JSON `{"seq", "accepted", "reason"}`."""
+    return "control/move_result"
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:

@@ -175,6 +175,7 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.committed = step
+        self.job.heartbeat.committed_step = step
         step_s = time.perf_counter() - t0
         self._after_commit(step_s)
         return StepResult(step, float(loss.detach()), self.rank, self.world_size, self.gen, step_s)

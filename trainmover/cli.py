@@ -14,12 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainmover", description="Keep long PyTorch training runs alive.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     command = argv[0] if argv else ""
+    if command == "demo" and "--runtime" not in argv:
+        return _flow_demo(parser, sub, argv)
     if command in ("run", "demo"):
         from runtime.cli import add_demo_parser, add_run_parser, demo_command, run_command
 
         add_run_parser(sub)
         add_demo_parser(sub)
-        ns = parser.parse_args(argv)
+        ns = parser.parse_args([a for a in argv if a != "--runtime"])
         return run_command(ns) if ns.command == "run" else demo_command(ns)
     if command == "policy":
         from policy.cli import add_policy_parser, policy_command
@@ -37,9 +39,34 @@ def main(argv: list[str] | None = None) -> int:
         add_bench_parser(sub)
         return bench_command(parser.parse_args(argv))
     sub.add_parser("run", help="run a training script with N workers and K warm standbys")
-    sub.add_parser("demo", help="the local demo: one injected failure, what it cost")
+    sub.add_parser("demo", help="the main job on this machine: a resilient training flow with two failures")
     sub.add_parser("bench", help="benchmarks (recovery)")
     sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")
     sub.add_parser("cloud", help="cloud providers: check permissions, list or release a job's instances")
     parser.parse_args(argv or ["--help"])
     return 2
+
+
+def _flow_demo(
+    parser: argparse.ArgumentParser, sub: argparse._SubParsersAction[argparse.ArgumentParser], argv: list[str]
+) -> int:
+    p = sub.add_parser("demo", help="the main job on this machine: a resilient training flow with two failures")
+    p.add_argument("--steps", type=int, default=1500, help="training steps (default: %(default)s)")
+    p.add_argument("--runtime", action="store_true", help="the runtime alone, without Prefect (one failure)")
+    ns = parser.parse_args(argv)
+    try:
+        import prefect  # noqa: F401
+    except ImportError:
+        print(
+            "trainmover demo: Prefect is not installed. Install the flows extra (pip install -e '.[flows]'), "
+            "or run the runtime alone with `trainmover demo --runtime`.",
+            file=sys.stderr,
+        )
+        return 2
+    from flows.demo import run_demo
+
+    return run_demo(steps=ns.steps)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -102,7 +102,7 @@ def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> No
 @pytest.mark.slow
 def test_the_demo_recovers_a_killed_worker_bit_exactly_and_says_what_it_cost(tmp_path: Path) -> None:
     events = tmp_path / "demo.jsonl"
-    result = trainmover("demo", "--steps", "24", "--events", str(events), timeout=240)
+    result = trainmover("demo", "--runtime", "--steps", "24", "--events", str(events), timeout=240)
 
     assert result.returncode == 0, result.stderr
     assert "bit-for-bit identical to the uninterrupted run: yes" in result.stdout

@@ -1,0 +1,574 @@
+"""The supervisor of a resilient training run: where runtime, policy and cloud meet (plain Python, no Prefect).
+
+A `Supervisor` owns one job's life, in the order the flow calls it:
+
+1. `provision`: launch one instance per worker and the standby instances the limits ask for (tagged by job and
+   role, through any `cloud.base.Provider`).
+2. `start`: start the runtime's launcher (`trainmover run --port P --events FILE ...`) as a child process; its
+   coordinator owns membership and recovery, the supervisor steers it through `runtime.control.JobControl`.
+3. `tick`, until `done`: read the coordinator's new events (failures, promotions), feed telemetry to the policy
+   (`policy.online.OnlineScorer` -> `policy.decide_standby`), pre-warm or release standbys to match the plan,
+   turn provider notices into planned moves, and order replacement instances. Each tick returns `Happening`s,
+   which the flow turns into Prefect events and log lines.
+4. `report`: the interruptions table and the cost report (standby hours and dollars, downtime, ETTR, and the
+   same failures priced under checkpoint-restart).
+5. `release`: stop the job and terminate every instance it launched; the flow calls it in `finally`.
+
+Logic lives here, not in the flow body, so it is tested without a Prefect server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from cloud.base import CloudError, Instance, LaunchRequest, Provider
+from flows.models import TrainingRun
+from policy.decision import FleetState, decide_standby
+from policy.online import OnlineScorer
+from policy.telemetry import TelemetrySample
+
+log = logging.getLogger("trainmover.flows")
+
+EVENT_PREFIX = "trainmover"
+
+
+class TelemetryFeed(Protocol):
+    """Where node telemetry comes from: DCGM/node exporters in production, a scripted feed in the demo."""
+
+    def read(self, now_h: float, nodes: dict[int, str]) -> list[TelemetrySample]:
+        """Samples up to `now_h` (hours since the job started) for the nodes holding each rank."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Happening:
+    """Something the flow should announce: a Prefect event `trainmover.<resource>.<action>` and a log line."""
+
+    event: str
+    resource: str
+    message: str
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Interruption:
+    """One recovery, for the interruptions table."""
+
+    cause: str
+    rank: int
+    old_process: str
+    new_process: str
+    step: int | None
+    detect_s: float
+    reconfigure_s: float
+    handoff_s: float
+    replay_s: float
+    lost_time_s: float
+    tier: str
+    predicted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    job_id: str
+    exit_code: int
+    message: str
+    wall_s: float
+    steps: int
+    interruptions: list[Interruption]
+    standby_hours: dict[str, float]
+    standby_cost_usd: float
+    downtime_s: float
+    downtime_cost_usd: float
+    ettr: float
+    restart_downtime_s: float
+    """What the same failures would have cost under checkpoint-restart: one restart each."""
+    restart_cost_usd: float
+    restart_ettr: float
+    final_digest: str | None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Supervisor:
+    """One resilient training job from provisioning to release (see the module docstring)."""
+
+    def __init__(
+        self,
+        run: TrainingRun,
+        provider: Provider,
+        workdir: Path,
+        *,
+        feed: TelemetryFeed | None = None,
+        scorer: OnlineScorer | None = None,
+        policy_every_s: float = 60.0,
+        time_scale: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.run = run
+        self.provider = provider
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.workdir / "events.jsonl"
+        self.feed = feed
+        self.costs = run.costs()
+        self.policy_every_s = policy_every_s
+        self.time_scale = time_scale
+        self.clock = clock
+        self.workers: dict[int, str] = {}  # rank -> instance id
+        self.warm: list[str] = []  # running standby instances (warm processes)
+        self.parked: list[str] = []  # stopped standby instances
+        self.instance_of_proc: dict[str, str] = {}
+        self.scorer = scorer
+        self.fleet = FleetState()
+        self.warm_target = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.control: Any = None
+        self.port = 0
+        self._events_offset = 0
+        self.events: list[dict[str, Any]] = []
+        self.interruptions: list[Interruption] = []
+        self._started_at: float | None = None
+        self._next_policy = 0.0
+        self._hot_nodes: set[str] = set()
+        self._failed: dict[str, dict[str, Any]] = {}
+        self._cold_ranks: set[int] = set()  # ranks waiting for a parked standby woken from the stopped tier
+        self._standby_seconds: dict[str, float] = {"warm": 0.0, "stopped": 0.0}
+        self._last_accrual: float | None = None
+        self.steps_done = 0
+        self._exit: int | None = None
+
+    # -- provisioning --------------------------------------------------------------------------------
+    def provision(self) -> list[Happening]:
+        run = self.run
+        out: list[Happening] = []
+        workers = self._launch("worker", run.workers)
+        self.workers = {rank: inst.instance_id for rank, inst in enumerate(workers)}
+        self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
+        self.warm_target = run.standby.min_warm
+        if self.scorer is None:
+            self.scorer = OnlineScorer(self.workers.values())
+        out.append(
+            Happening(
+                f"{EVENT_PREFIX}.fleet.provisioned",
+                f"{EVENT_PREFIX}.job.{run.job_id}",
+                f"{run.provider}: {run.workers} worker instance(s) and {len(self.warm)} warm standby instance(s) "
+                f"of {run.instance_type} for job {run.job_id}",
+                {"workers": list(self.workers.values()), "standbys": list(self.warm)},
+            )
+        )
+        return out
+
+    def _launch(self, role: str, count: int) -> list[Instance]:
+        if count <= 0:
+            return []
+        req = LaunchRequest(
+            job_id=self.run.job_id,
+            role=role,  # type: ignore[arg-type]
+            instance_type=self.run.instance_type,
+            count=count,
+            market=self.run.market,
+        )
+        return self.provider.launch(req)
+
+    # -- the job -------------------------------------------------------------------------------------
+    def start(self, script: Path) -> None:
+        """Start the runtime's launcher for this job; it hosts the coordinator (and, locally, every process)."""
+        from runtime.control import JobControl
+
+        self.port = _free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainmover.cli",
+            "run",
+            "--nproc",
+            str(self.run.workers),
+            "--standby",
+            str(self.warm_target),
+            "--backend",
+            self.run.backend,
+            "--events",
+            str(self.events_path),
+            "--port",
+            str(self.port),
+            "--threads",
+            "1",
+            "--quiet",
+        ]
+        if self.run.faults:
+            cmd += ["--faults", self.run.faults]
+        cmd += [str(script), *self.run.script_args]
+        if self.run.steps is not None:
+            cmd += ["--steps", str(self.run.steps)]
+        log_file = open(self.workdir / "job.log", "ab")  # noqa: SIM115 - held for the child's life
+        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        log_file.close()
+        self._started_at = self.clock()
+        self._last_accrual = self._started_at
+        self.control = JobControl("127.0.0.1", self.port, timeout_s=60.0)
+
+    def committed_step(self) -> int | None:
+        """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
+        if self.control is None:
+            return None
+        try:
+            step = self.control.committed_step()
+        except Exception:
+            return None
+        if step is not None:
+            self.steps_done = max(self.steps_done, int(step))
+        return step
+
+    def done(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None and self._exit is not None
+
+    # -- one supervision step ------------------------------------------------------------------------
+    def tick(self) -> list[Happening]:
+        out: list[Happening] = []
+        now = self.clock()
+        self._accrue(now)
+        out += self._read_events()
+        if self.proc is not None and self.proc.poll() is not None and self._exit is None:
+            out += self._read_events()  # the last lines, written before the launcher exited
+            self._exit = self.proc.returncode
+            return out
+        out += self._notices()
+        if self.feed is not None and now >= self._next_policy and self._started_at is not None:
+            self._next_policy = now + self.policy_every_s
+            out += self._decide(now)
+        return out
+
+    def elapsed_h(self, now: float | None = None) -> float:
+        start = self._started_at if self._started_at is not None else self.clock()
+        return ((now if now is not None else self.clock()) - start) * self.time_scale / 3600.0
+
+    def _accrue(self, now: float) -> None:
+        if self._last_accrual is not None:
+            dt = now - self._last_accrual
+            self._standby_seconds["warm"] += dt * len(self.warm)
+            self._standby_seconds["stopped"] += dt * len(self.parked)
+        self._last_accrual = now
+
+    def _read_events(self) -> list[Happening]:
+        if not self.events_path.exists():
+            return []
+        with self.events_path.open("rb") as f:
+            f.seek(self._events_offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # only whole lines; a line being written is read next time
+        self._events_offset += end
+        out: list[Happening] = []
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.events.append(ev)
+            out += self._on_event(ev)
+        return out
+
+    def _on_event(self, ev: dict[str, Any]) -> list[Happening]:
+        kind = ev.get("event")
+        job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
+        if kind == "member_failed":
+            rank = int(ev["rank"])
+            node = self.workers.get(rank, f"rank-{rank}")
+            self._failed[ev["proc"]] = {**ev, "node": node, "predicted": node in self._hot_nodes}
+            cause = str(ev.get("cause", "failed"))
+            planned = cause.startswith("planned_move")
+            happenings = [
+                Happening(
+                    f"{EVENT_PREFIX}.node.{'moved' if planned else 'failed'}",
+                    f"{EVENT_PREFIX}.node.{node}",
+                    f"worker {ev['proc']} (rank {rank}, node {node}) {cause}",
+                    {"rank": rank, "process": ev["proc"], "cause": cause, "node": node},
+                )
+            ]
+            happenings += self._replace_instance(rank)
+            return happenings
+        if kind == "recovered":
+            out = []
+            for r in ev.get("ranks", []):
+                rank = int(r["rank"])
+                lost = float(ev.get("recovery_s", 0.0)) + float(ev.get("warmup_penalty_s", 0.0))
+                self.interruptions.append(
+                    Interruption(
+                        cause=", ".join(ev.get("causes", [])),
+                        rank=rank,
+                        old_process=r["old"],
+                        new_process=r["new"],
+                        step=ev.get("step"),
+                        detect_s=float(ev.get("detect_s", 0.0)),
+                        reconfigure_s=float(ev.get("reconfigure_s", 0.0)),
+                        handoff_s=float(ev.get("handoff_s", 0.0)),
+                        replay_s=float(ev.get("replay_s", 0.0)),
+                        lost_time_s=lost,
+                        tier="stopped" if rank in self._cold_ranks else str(ev.get("tier", "warm")),
+                        predicted=bool(self._failed.get(r["old"], {}).get("predicted", False)),
+                    )
+                )
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.promoted",
+                        f"{EVENT_PREFIX}.rank.{rank}",
+                        f"standby {r['new']} took rank {rank} from {r['old']} at step {ev.get('step')}: "
+                        f"{lost:.2f} s lost, no checkpoint reloaded",
+                        {"rank": rank, "old": r["old"], "new": r["new"], "lost_time_s": lost, "step": ev.get("step")},
+                    )
+                )
+                self._cold_ranks.discard(rank)
+            return out
+        if kind == "standby_ready":
+            return [
+                Happening(
+                    f"{EVENT_PREFIX}.standby.ready",
+                    f"{EVENT_PREFIX}.process.{ev['proc']}",
+                    f"standby {ev['proc']} is warm",
+                    {"process": ev["proc"]},
+                )
+            ]
+        if kind == "job_finished":
+            self.steps_done = max(self.steps_done, int(ev.get("step", 0) or 0))
+            return [
+                Happening(
+                    f"{EVENT_PREFIX}.job.finished", job, "training finished", {"final_digest": ev.get("final_digest")}
+                )
+            ]
+        if kind == "job_failed":
+            return [
+                Happening(
+                    f"{EVENT_PREFIX}.job.failed",
+                    job,
+                    f"training failed: {ev.get('reason')}",
+                    {"reason": ev.get("reason")},
+                )
+            ]
+        return []
+
+    def _replace_instance(self, rank: int) -> list[Happening]:
+        """The failed rank's node is gone: release it; the standby's instance now holds the rank; order another."""
+        out: list[Happening] = []
+        old = self.workers.get(rank)
+        if old is not None:
+            try:
+                self.provider.terminate([old])
+            except CloudError as exc:
+                log.warning("could not release %s: %s", old, exc)
+        if self.warm:
+            self.workers[rank] = self.warm.pop(0)
+        elif self.parked:
+            woken = self.parked.pop(0)
+            try:
+                self.provider.start([woken])
+                self.workers[rank] = woken
+                self._cold_ranks.add(rank)
+                # The coordinator is waiting for a standby: one more process starts cold on the woken node.
+                # The next policy decision lowers the target again if the risk does not pay for it.
+                self.warm_target += 1
+                self.control.set_standby_target(self.warm_target)
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.woken",
+                        f"{EVENT_PREFIX}.node.{woken}",
+                        f"woke parked standby {woken} for rank {rank} (cold start)",
+                        {"rank": rank},
+                    )
+                )
+            except CloudError as exc:
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.unavailable",
+                        f"{EVENT_PREFIX}.node.{woken}",
+                        f"could not wake {woken}: {exc}",
+                        {"rank": rank},
+                    )
+                )
+        if self.scorer is not None and old is not None and rank in self.workers:
+            self.scorer.replace_node(old, self.workers[rank])
+        self._hot_nodes.discard(old or "")
+        # Keep the warm count the plan asks for: order a replacement standby instance.
+        missing = self.warm_target - len(self.warm)
+        if missing > 0:
+            try:
+                new = [i.instance_id for i in self._launch("standby", missing)]
+                self.warm += new
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.ordered",
+                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                        f"ordered {missing} replacement standby instance(s): {', '.join(new)}",
+                        {"instances": new},
+                    )
+                )
+            except CloudError as exc:
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.unavailable",
+                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                        f"could not order a replacement standby: {exc}",
+                        {},
+                    )
+                )
+        return out
+
+    def _notices(self) -> list[Happening]:
+        out: list[Happening] = []
+        try:
+            notices = self.provider.poll_notices(0.0)
+        except CloudError as exc:
+            log.warning("notices: %s", exc)
+            return out
+        rank_of = {inst: rank for rank, inst in self.workers.items()}
+        for n in notices:
+            rank = rank_of.get(n.instance_id)
+            if rank is None:
+                continue
+            self.control.move([rank], n.kind)
+            out.append(
+                Happening(
+                    f"{EVENT_PREFIX}.node.notice",
+                    f"{EVENT_PREFIX}.node.{n.instance_id}",
+                    f"{n.kind} for {n.instance_id} (rank {rank}, {n.lead_s or 0:.0f} s ahead): moving it to a standby",
+                    {"rank": rank, "kind": n.kind, "lead_s": n.lead_s},
+                )
+            )
+        return out
+
+    def _decide(self, now: float) -> list[Happening]:
+        assert self.feed is not None and self.scorer is not None
+        now_h = self.elapsed_h(now)
+        self.scorer.observe(self.feed.read(now_h, dict(self.workers)))
+        hazards, scores = self.scorer.hazards(now_h, self.costs.lead_time_h, self.run.hazard_multiplier)
+        plan = decide_standby(hazards, self.costs, self.fleet, now_s=now_h * 3600.0)
+        limits = self.run.standby
+        warm = min(max(plan.warm + plan.hot, limits.min_warm), limits.max_warm)
+        stopped = min(plan.stopped, limits.max_stopped)
+        self._hot_nodes = {s.node_id for s in scores if s.p_horizon >= 0.25}
+        if (warm, stopped) != (self.fleet.warm, self.fleet.stopped):
+            self.fleet = FleetState(stopped=stopped, warm=warm, last_change_s=now_h * 3600.0)
+        out: list[Happening] = []
+        worst = max(scores, key=lambda s: s.p_horizon)
+        if warm > self.warm_target:
+            self.warm += [i.instance_id for i in self._launch("standby", warm - len(self.warm))]
+            self.warm_target = warm
+            self.control.set_standby_target(warm)
+            out.append(
+                Happening(
+                    f"{EVENT_PREFIX}.standby.prewarmed",
+                    f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                    f"pre-warming to {warm} warm standby(s): node {worst.node_id} {worst.why} "
+                    f"(P(fault in 24 h) = {worst.p_horizon:.2f}); {plan.reasons[0] if plan.reasons else ''}",
+                    {"warm": warm, "node": worst.node_id, "p_fault": worst.p_horizon, "reasons": list(plan.reasons)},
+                )
+            )
+        elif warm < self.warm_target:
+            self.warm_target = warm
+            self.control.set_standby_target(warm)
+            surplus = self.warm[warm:]
+            self.warm = self.warm[:warm]
+            if surplus:
+                self.provider.terminate(surplus)
+            out.append(
+                Happening(
+                    f"{EVENT_PREFIX}.standby.released",
+                    f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                    f"released {len(surplus)} warm standby(s): the risk no longer pays for them",
+                    {"warm": warm},
+                )
+            )
+        if stopped > len(self.parked):
+            try:
+                new = [i.instance_id for i in self._launch("standby", stopped - len(self.parked))]
+                self.provider.stop(new)
+                self.parked += new
+                out.append(
+                    Happening(
+                        f"{EVENT_PREFIX}.standby.parked",
+                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                        f"parked {len(new)} stopped standby(s) for cheap cover",
+                        {"instances": new},
+                    )
+                )
+            except CloudError as exc:
+                log.warning("could not park a standby: %s", exc)
+        return out
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return -1
+
+    def report(self) -> RunReport:
+        ev = self.events
+        start = next((e["time"] for e in ev if e.get("event") == "generation"), None)
+        end = next((e["time"] for e in ev if e.get("event") in ("job_finished", "job_failed")), None)
+        wall_s = float(end - start) if start is not None and end is not None else 0.0
+        fin = next((e for e in ev if e.get("event") == "job_finished"), None)
+        failed = next((e for e in ev if e.get("event") == "job_failed"), None)
+        downtime_s = sum(i.lost_time_s for i in self.interruptions)
+        job_usd_per_s = self.costs.job_price_usd_per_h / 3600.0
+        tiers = self.costs.tiers
+        warm_price = tiers["warm"].price_usd_per_h if "warm" in tiers else self.run.node_price_usd_per_h
+        stopped_price = tiers["stopped"].price_usd_per_h if "stopped" in tiers else 0.0
+        hours = {k: v * self.time_scale / 3600.0 for k, v in self._standby_seconds.items()}
+        standby_usd = hours["warm"] * warm_price + hours["stopped"] * stopped_price
+        n = len(self.interruptions)
+        restart_s = n * self.costs.restart_downtime_s
+        scaled_wall = wall_s * self.time_scale
+        return RunReport(
+            job_id=self.run.job_id,
+            exit_code=self.proc.returncode if self.proc is not None and self.proc.returncode is not None else -1,
+            message=str(failed.get("reason")) if failed else "finished",
+            wall_s=wall_s,
+            steps=self.steps_done,
+            interruptions=list(self.interruptions),
+            standby_hours=hours,
+            standby_cost_usd=standby_usd,
+            downtime_s=downtime_s,
+            downtime_cost_usd=downtime_s * job_usd_per_s,
+            ettr=max(0.0, 1.0 - downtime_s / scaled_wall) if scaled_wall > 0 else 0.0,
+            restart_downtime_s=restart_s,
+            restart_cost_usd=restart_s * job_usd_per_s,
+            restart_ettr=max(0.0, 1.0 - restart_s / (scaled_wall + restart_s)) if scaled_wall > 0 else 0.0,
+            final_digest=fin.get("final_digest") if fin else None,
+        )
+
+    def release(self) -> list[str]:
+        """Stop the job if it still runs, then terminate every instance of the job. Safe to call twice."""
+        if self.control is not None:
+            with contextlib.suppress(Exception):
+                self.control.close()
+            self.control = None
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        released = self.provider.release_job(self.run.job_id)
+        self.warm, self.parked = [], []
+        return released

@@ -1,0 +1,205 @@
+"""The control channel: how an orchestrator steers a running job through the job's store.
+
+An orchestrator (a Prefect flow, another process) connects to the coordinator's `TCPStore` as a client and
+writes control keys (`runtime.store`, `control/...`); the coordinator reads them in its health tick and answers
+with events (and, for moves, a result key). This module owns the requests' format: the parsers the coordinator
+applies to what it reads, and `JobControl`, the client that writes them.
+
+    with JobControl("127.0.0.1", port) as job:
+        job.set_standby_target(2)
+        outcome = job.wait_move(job.move([1], "spot_interruption"), timeout_s=10)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from runtime import store as keys
+
+MAX_STANDBY_TARGET = 64
+"""Upper bound of a standby target: a typo (640 instead of 64) must not start hundreds of processes."""
+MAX_REASON_CHARS = 100
+
+
+class ControlValueError(ValueError):
+    """A control value the coordinator cannot apply; the message says why."""
+
+    def __init__(self, message: str, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
+
+
+class JobNotFound(ConnectionError):
+    """No trainmover job answers at the given address."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRequest:
+    """Move these worker ranks to standbys, on purpose (spot notice, maintenance, rebalancing)."""
+
+    seq: int
+    """Sequence number: a request is new when its seq is larger than the last one the coordinator handled."""
+    ranks: tuple[int, ...]
+    """Logical ranks whose current processes leave."""
+    reason: str
+    """Why; recorded as the cause `planned_move:<reason>` in `member_failed` and `recovered`."""
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "ranks": list(self.ranks), "reason": self.reason})
+
+
+@dataclass(frozen=True, slots=True)
+class MoveOutcome:
+    """The coordinator's answer to a move request."""
+
+    seq: int
+    accepted: bool
+    reason: str
+    """Empty when accepted; otherwise why the move was refused (e.g. "no standby ready")."""
+
+
+def parse_standby_target(raw: bytes | str) -> int:
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    try:
+        target = int(text.strip())
+    except ValueError:
+        raise ControlValueError(f"standby target {text[:40]!r} is not an integer") from None
+    if not 0 <= target <= MAX_STANDBY_TARGET:
+        raise ControlValueError(f"standby target {target} is outside 0..{MAX_STANDBY_TARGET}")
+    return target
+
+
+def _check_reason(reason: object) -> str:
+    if not isinstance(reason, str) or not reason or len(reason) > MAX_REASON_CHARS or not reason.isprintable():
+        raise ControlValueError(f"reason must be 1 to {MAX_REASON_CHARS} printable characters, got {reason!r:.60}")
+    return reason
+
+
+def parse_move(raw: bytes | str) -> MoveRequest:
+    """Read a move request; the ranks are checked against the current generation by the coordinator."""
+    try:
+        record: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ControlValueError("move request is not JSON") from None
+    if not isinstance(record, dict):
+        raise ControlValueError('move request must be a JSON object {"seq": n, "ranks": [...], "reason": "..."}')
+    seq = record.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise ControlValueError(f"move request needs a positive integer seq, got {seq!r:.40}")
+    ranks = record.get("ranks")
+    if (
+        not isinstance(ranks, list) or not ranks
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+    ):
+        raise ControlValueError(f"move ranks must be a non-empty list of ranks, got {ranks!r:.60}", seq)
+    if len(set(ranks)) != len(ranks):
+        raise ControlValueError(f"move ranks repeat a rank: {ranks}", seq)
+    try:
+        reason = _check_reason(record.get("reason", "requested"))
+    except ControlValueError as exc:
+        raise ControlValueError(str(exc), seq) from None
+    return MoveRequest(seq, tuple(ranks), reason)
+
+
+class JobControl:
+    """A client of a running job's control channel (`trainmover run --port P`)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+        """Connect, waiting at most `timeout_s` for the job to answer; raises `JobNotFound` otherwise."""
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        deadline = time.monotonic() + timeout_s
+        # Probe with a plain socket first: a TCPStore client that finds nobody prints C++ tracebacks while it
+        # retries, which is noise for the common mistake of a wrong port or a job that has ended.
+        _wait_for_listener(host, port, deadline)
+        try:
+            self._store: dist.TCPStore | None = dist.TCPStore(
+                host, port, None, False, timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            )
+        except (RuntimeError, OSError) as exc:
+            raise JobNotFound(f"{host}:{port} accepts connections but is not a job store ({exc})") from exc
+        try:
+            keys.wait_keys(self._store, [keys.k_job_config()], max(0.0, deadline - time.monotonic()), what="the job")
+        except keys.StoreTimeout:
+            self.close()
+            raise JobNotFound(
+                f"the store at {host}:{port} holds no trainmover job; is `trainmover run --port {port}` running?"
+            ) from None
+
+    @property
+    def store(self) -> dist.TCPStore:
+        if self._store is None:
+            raise RuntimeError("this JobControl is closed")
+        return self._store
+
+    def set_standby_target(self, n: int) -> None:
+        """Keep `n` unpromoted warm standbys from now on (more are started, surplus ones are stopped)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_STANDBY_TARGET:
+            raise ValueError(f"the standby target must be an integer in 0..{MAX_STANDBY_TARGET}, got {n!r}")
+        self.store.set(keys.k_control_standby_target(), str(n))
+
+    def move(self, ranks: list[int] | tuple[int, ...], reason: str = "requested") -> int:
+        """Ask the coordinator to move `ranks` to standbys; returns the request's seq (see `wait_move`)."""
+        if not ranks or len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and r >= 0 for r in ranks):
+            raise ValueError(f"ranks must be distinct non-negative integers, got {ranks!r}")
+        _check_reason(reason)
+        seq = int(self.store.add(keys.k_control_move_seq(), 1))
+        self.store.set(keys.k_control_move(), MoveRequest(seq, tuple(ranks), reason).to_json())
+        return seq
+
+    def move_outcome(self, seq: int) -> MoveOutcome | None:
+        """The answer to request `seq`, or None while it is unanswered (or was overwritten by a newer one)."""
+        result = keys.get_json_or_none(self.store, keys.k_control_move_result())
+        if result is None or result.get("seq") != seq:
+            return None
+        return MoveOutcome(seq, bool(result["accepted"]), str(result.get("reason", "")))
+
+    def wait_move(self, seq: int, timeout_s: float) -> MoveOutcome:
+        """Wait for the answer to request `seq`; raises `TimeoutError` if none comes within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (outcome := self.move_outcome(seq)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not answer move request {seq} within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return outcome
+
+    def committed_step(self) -> int | None:
+        """The last step the job committed (published by the members' heartbeats), None before the first."""
+        s = self.store
+        if not s.check([keys.k_progress()]):
+            return None
+        return int(s.get(keys.k_progress()).decode())
+
+    def close(self) -> None:
+        self._store = None  # a TCPStore client closes its socket when released
+
+    def __enter__(self) -> JobControl:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise JobNotFound(
+                    f"no trainmover job answers at {host}:{port} ({exc.strerror or exc}); start it with "
+                    f"`trainmover run --port {port} ...`, or check the host and port"
+                ) from None
+        time.sleep(0.1)

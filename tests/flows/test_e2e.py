@@ -1,0 +1,263 @@
+"""The deployments end to end, as a user runs them: a Prefect server, the local work pool, a worker, `prefect deploy`
+from prefect.yaml, a run triggered with parameters, then what the user reads back (state, artifacts, events, the UI).
+
+The run is a small local job whose rank 1 is SIGKILLed at step 40 (no drill): the flow must complete with one
+interruption covered by the warm standby. The fast tests need no server: prefect.yaml's parameters (also those of
+its commented cloud variants) are valid, and bad parameters are refused before anything launches.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import FlowRun
+from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+from prefect.exceptions import ParameterTypeError
+from prefect.flows import Flow, load_flow_from_entrypoint
+
+from flows.models import TrainingRun
+from tests.flows.prefect_server import POOL, ROOT, PrefectStack, chromium, chromium_or_fail, poll
+
+JOB = "e2e"
+E2E_PARAMS: dict[str, Any] = {
+    "run": {
+        "job_id": JOB,
+        "workers": 2,
+        "standby": {"min_warm": 1, "max_warm": 1, "max_stopped": 0},
+        "steps": 150,
+        "faults": "kill:rank=1,step=40",
+        "script": "examples/train_mlp.py",
+    },
+    "drill": False,
+    "time_scale": 1.0,
+    "policy_every_s": 60.0,
+    "max_wall_s": 150.0,
+}
+RUN_TIMEOUT_S = 240.0
+FLOWS = {
+    "flows/training.py:resilient_training",
+    "flows/policy_flows.py:train_failure_model",
+    "flows/policy_flows.py:tune_standby_policy",
+}
+
+
+def prefect_yaml() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "prefect.yaml").read_text())
+
+
+def commented_variant(name: str) -> dict[str, Any]:
+    """The deployment between `# --- NAME ---` and `# --- end NAME ---` in prefect.yaml, as it reads uncommented."""
+    text = (ROOT / "prefect.yaml").read_text()
+    block = re.search(rf"^# --- {name} ---\n(.*?)^# --- end {name} ---", text, re.M | re.S)
+    assert block, f"prefect.yaml has no commented {name} variant"
+    lines = [line.removeprefix("# ").removeprefix("#") for line in block.group(1).splitlines()]
+    (deployment,) = yaml.safe_load("\n".join(lines))
+    return dict(deployment)
+
+
+# -- fast: no server ------------------------------------------------------------------------------------
+
+
+def test_prefect_yaml_deploys_the_three_flows_on_the_local_pool_with_valid_defaults() -> None:
+    deployments = prefect_yaml()["deployments"]
+    assert {d["entrypoint"] for d in deployments} == FLOWS
+    for d in deployments:
+        assert d["work_pool"]["name"] == POOL
+        flow: Flow[..., Any] = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
+        flow.validate_parameters(d.get("parameters", {}))
+        if "run" in d["parameters"]:
+            assert TrainingRun.model_validate(d["parameters"]["run"]).check_script(ROOT).is_file()
+
+
+@pytest.mark.parametrize(("variant", "provider"), [("aws", "aws"), ("azure", "azure")])
+def test_the_commented_cloud_variants_are_valid_deployments_once_uncommented(variant: str, provider: str) -> None:
+    d = commented_variant(variant)
+    assert d["entrypoint"] == "flows/training.py:resilient_training"
+    assert d["work_pool"]["name"] == f"trainmover-{variant}"
+    assert "{{ prefect.blocks." in json.dumps(d["work_pool"]["job_variables"]["env"])
+    run = TrainingRun.model_validate(d["parameters"]["run"])
+    assert (run.provider, bool(run.region)) == (provider, True)
+    load_flow_from_entrypoint(str(ROOT / d["entrypoint"])).validate_parameters(d["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("run", "needle"),
+    [
+        ({"workers": -1}, "run.workers: Input should be greater than or equal to 1"),
+        ({"provider": "gcp"}, "run.provider: Input should be 'local', 'aws' or 'azure'"),
+    ],
+)
+def test_bad_parameters_are_refused_before_the_flow_starts(run: dict[str, Any], needle: str) -> None:
+    flow: Flow[..., Any] = load_flow_from_entrypoint(str(ROOT / "flows/training.py:resilient_training"))
+    with pytest.raises(ParameterTypeError) as info:
+        flow.validate_parameters({"run": run})
+    assert needle in str(info.value)
+
+
+# -- slow: a real server, worker and deployment --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    s = PrefectStack(tmp_path_factory.mktemp("prefect"))
+    try:
+        s.start()
+        t0 = time.monotonic()
+        s.cli("deploy", "--all")
+        s.timings["deploy_s"] = time.monotonic() - t0
+        yield s
+    finally:
+        s.close()
+        print(f"\n[e2e timings] {', '.join(f'{k}={v:.1f}' for k, v in s.timings.items())}")
+
+
+def trigger(stack: PrefectStack, params: dict[str, Any], check: bool = True) -> tuple[str | None, str]:
+    done = stack.cli("deployment", "run", "resilient-training/local", "--params", json.dumps(params), check=check)
+    found = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
+    return (found.group(1) if found else None), done.stdout + done.stderr
+
+
+def flow_run_logs(flow_run_id: str) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(flow_run_id)]))
+        logs = client.read_logs(log_filter=of_run, limit=200)
+    return "\n".join(log.message for log in logs)[-6000:]
+
+
+@pytest.fixture(scope="module")
+def e2e_run(stack: PrefectStack) -> Iterator[FlowRun]:
+    """The e2e deployment run, waited for until it reaches a final state (bounded)."""
+    t0 = time.monotonic()
+    flow_run_id, out = trigger(stack, E2E_PARAMS)
+    assert flow_run_id, f"no flow run id in the output of `prefect deployment run`:\n{out}"
+    with stack.settings(), get_client(sync_client=True) as client:
+
+        def final() -> FlowRun | None:
+            fr = client.read_flow_run(uuid.UUID(flow_run_id))
+            return fr if fr.state is not None and fr.state.is_final() else None
+
+        try:
+            fr = poll(f"flow run {flow_run_id} to finish", final, RUN_TIMEOUT_S, every_s=1.0)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{stack.diagnostics()}") from exc
+    stack.timings["flow_run_s"] = time.monotonic() - t0
+    yield fr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize(
+    ("run", "needle"),
+    [
+        ({**E2E_PARAMS["run"], "workers": -1}, "Validation failed for field 'run.workers'"),
+        ({**E2E_PARAMS["run"], "provider": "gcp"}, "Validation failed for field 'run.provider'"),
+    ],
+)
+def test_a_deployment_run_with_bad_parameters_is_refused_and_nothing_runs(
+    stack: PrefectStack, run: dict[str, Any], needle: str
+) -> None:
+    before = len(stack.api("POST", "/flow_runs/filter", {}))
+    flow_run_id, out = trigger(stack, {**E2E_PARAMS, "run": run}, check=False)
+    assert flow_run_id is None and needle in out, out
+    assert len(stack.api("POST", "/flow_runs/filter", {})) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_deployment_run_with_a_killed_worker_completes_and_reports_the_interruption(
+    stack: PrefectStack, e2e_run: FlowRun
+) -> None:
+    with stack.settings():
+        assert e2e_run.state is not None and e2e_run.state.is_completed(), (
+            f"flow run {e2e_run.name} ended {e2e_run.state}:\n{flow_run_logs(str(e2e_run.id))}\n{stack.diagnostics()}"
+        )
+        with get_client(sync_client=True) as client:
+            of_run = FlowRunFilter(id=FlowRunFilterId(any_=[e2e_run.id]))
+            artifacts = {
+                a.key: a
+                for a in client.read_artifacts(
+                    artifact_filter=ArtifactFilter(
+                        key=ArtifactFilterKey(any_=[f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress"])
+                    ),
+                    flow_run_filter=of_run,
+                )
+            }
+            assert set(artifacts) == {f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress"}
+
+            table = artifacts[f"{JOB}-interruptions"]
+            rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+            assert table.type == "table" and isinstance(rows, list) and len(rows) == 1, rows
+            (row,) = rows
+            assert "SIGKILL" in row["cause"] and row["rank"] == 1 and row["step"] == 40 and row["tier"] == "warm", row
+            assert 0 < row["lost_time_s"] < 30, row
+
+            report = artifacts[f"{JOB}-cost-report"]
+            assert report.type == "markdown"
+            assert f"# Cost report: {JOB}" in str(report.data) and "| interruptions | 1 | 1 |" in str(report.data)
+
+            wanted = {"trainmover.node.failed", "trainmover.standby.promoted"}
+            related = f"prefect.flow-run.{e2e_run.id}"
+
+            def events() -> list[Any] | None:
+                only_this_run = EventFilter(
+                    event=EventNameFilter(prefix=["trainmover."]), related=EventRelatedFilter(id=[related])
+                )
+                mine = client.read_events(filter=only_this_run, limit=50).events
+                return mine if wanted <= {e.event for e in mine} else None
+
+            try:
+                mine = poll("the flow run's trainmover.* events", events, 30.0, every_s=0.5)
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}\n{flow_run_logs(str(e2e_run.id))}") from exc
+    failed = next(e for e in mine if e.event == "trainmover.node.failed")
+    promoted = next(e for e in mine if e.event == "trainmover.standby.promoted")
+    assert "SIGKILL" in failed.payload["cause"] and failed.resource["trainmover.job"] == JOB
+    assert promoted.payload["rank"] == 1 and promoted.payload["step"] == 40
+
+
+def page_text(dom: str) -> str:
+    """The visible text of a rendered page: no scripts, styles or tags; whitespace collapsed."""
+    body = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S | re.I)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", body)).split())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_ui_shows_the_flow_run_and_its_interruption_table(
+    stack: PrefectStack, e2e_run: FlowRun, tmp_path: Path
+) -> None:
+    chromium_or_fail()
+    t0 = time.monotonic()
+    run_page = f"{stack.url}/runs/flow-run/{e2e_run.id}"
+    text = page_text(chromium(run_page, tmp_path))
+    assert e2e_run.name in text and "Completed" in text, text[:3000]
+    assert "killed by SIGKILL" in text and "took rank 1" in text, text[:3000]  # the run's logs, the default tab
+
+    # The V1 flow-run page resets ?tab= while the run loads; the V2 page opens its Artifacts tab (cards, no rows).
+    cards = page_text(chromium(f"{stack.url}/v2/runs/flow-run/{e2e_run.id}?tab=Artifacts", tmp_path))
+    assert f"{JOB}-interruptions" in cards and f"{JOB}-cost-report" in cards, cards[:3000]
+
+    # The artifact page renders the table itself.
+    (artifact,) = stack.api("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [f"{JOB}-interruptions"]}}})
+    artifact_page = f"{stack.url}/artifacts/artifact/{artifact['id']}"
+    table = page_text(chromium(artifact_page, tmp_path))
+    assert "lost_time_s" in table and "killed by SIGKILL" in table and e2e_run.name in table, table[:3000]
+
+    for name, url in (("e2e-flow-run.png", run_page), ("e2e-interruptions.png", artifact_page)):
+        png = tmp_path / name
+        chromium(url, tmp_path, screenshot=png)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000, png
+    stack.timings["browser_s"] = time.monotonic() - t0

@@ -1,0 +1,64 @@
+"""The cost owner's flows on Prefect's real engine (the test harness): artifacts, events, Variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _artifact(key: str) -> Any:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key!r}"
+    return found[0]
+
+
+def test_tune_standby_policy_recommends_a_setting_above_the_floor_from_a_variable(tmp_path: Path) -> None:
+    from prefect.variables import Variable
+
+    from flows.policy_flows import MIN_ETTR_VARIABLE, tune_standby_policy
+
+    Variable.set(MIN_ETTR_VARIABLE, 0.995, overwrite=True)
+    plot = tmp_path / "frontier.png"
+    out = tune_standby_policy(trace="infinitehbd", plot_path=str(plot))
+    assert out["recommended"]["ettr"] >= 0.995
+    assert plot.stat().st_size > 1000
+    md = _artifact("standby-recommendation")
+    assert "Standby policy recommendation" in md.data and "data:image/png;base64" in md.data
+    assert _artifact("standby-frontier").type == "table"
+
+
+def test_tune_refuses_a_csv_trace_without_the_fleet_size(tmp_path: Path) -> None:
+    from flows.policy_flows import tune_standby_policy
+
+    csv = tmp_path / "t.csv"
+    csv.write_text("node_id,start_h,end_h,cause\nn1,1.0,2.0,x\n")
+    with pytest.raises(ValueError, match="needs `nodes`"):
+        tune_standby_policy(trace=str(csv), plot_path=str(tmp_path / "p.png"))
+
+
+def test_train_failure_model_saves_a_loadable_model_and_scores_it(tmp_path: Path) -> None:
+    from flows.policy_flows import TrainingData, train_failure_model
+    from policy.predictor import FailurePredictor
+
+    path = tmp_path / "model.skops"
+    data = TrainingData(seeds=(11,), eval_seed=12, nodes=24, days=30.0, max_iter=10)
+    out = train_failure_model(data=data, model_path=str(path))
+    assert FailurePredictor.load(path).predict_proba([[0.0] * 19]).shape == (1, 2)
+    assert out["train"]["rows"] > 1000
+    assert set(out["evaluation"]["verdict"]) >= {"cost_ratio", "best_static"}
+    assert _artifact("failure-model-scores").type == "table"
+
+
+def test_training_on_the_evaluation_seed_is_refused(tmp_path: Path) -> None:
+    from flows.policy_flows import TrainingData, train_failure_model
+
+    with pytest.raises(ValueError, match="never trained on"):
+        train_failure_model(data=TrainingData(seeds=(5,), eval_seed=5, nodes=24, days=30.0), model_path="x")

@@ -1,0 +1,213 @@
+"""Scenarios: an orchestrator in another process steers a running job through `runtime.control.JobControl`.
+
+Each job is the real `trainmover run` command with real worker and standby processes; the test plays the
+orchestrator. Nothing waits on a sleep: every wait polls the events file (or the store) against a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.control import JobControl, JobNotFound
+from tests.runtime.conftest import TINY_JOB
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 1500  # long enough (about 10 s here) to warm a standby mid-training; shares test_cli's reference run
+SHORT = 100  # for scenarios that steer the job as soon as its generation 0 is published
+Event = dict[str, Any]
+
+
+class Job:
+    """A `trainmover run` subprocess and its events file."""
+
+    def __init__(self, tmp_path: Path, *args: str, steps: int = STEPS) -> None:
+        self.events_path = tmp_path / "events.jsonl"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--threads", "1", "--quiet",
+             "--events", str(self.events_path), *args, str(TINY_JOB), "--steps", str(steps)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.stderr = ""
+
+    def events(self, kind: str | None = None) -> list[Event]:
+        if not self.events_path.exists():
+            return []
+        records = [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+        return [e for e in records if kind is None or e["event"] == kind]
+
+    def wait_for(self, kind: str, count: int = 1, timeout_s: float = 120.0,
+                 where: Callable[[Event], bool] = lambda e: True) -> list[Event]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [e for e in self.events(kind) if where(e)]
+            if len(found) >= count:
+                return found
+            assert self.proc.poll() is None, f"the job ended before {count} {kind} event(s): {self.events()}"
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {count} {kind} event(s) within {timeout_s} s: {self.events()}")
+
+    def control(self) -> JobControl:
+        (started,) = self.wait_for("job_started")
+        return JobControl("127.0.0.1", started["port"], timeout_s=10)
+
+    def finish(self, timeout_s: float = 240) -> Event:
+        """Let the job run to its end; returns its job_finished event."""
+        _, self.stderr = self.proc.communicate(timeout=timeout_s)
+        assert self.proc.returncode == 0, self.stderr
+        (finished,) = self.events("job_finished")
+        return finished
+
+
+@contextmanager
+def running(tmp_path: Path, *args: str, steps: int = STEPS) -> Iterator[Job]:
+    job = Job(tmp_path, *args, steps=steps)
+    try:
+        yield job
+    finally:
+        if job.proc.poll() is None:  # a failed scenario: SIGTERM makes the launcher stop what it started
+            job.proc.send_signal(signal.SIGTERM)
+            try:
+                job.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                job.proc.kill()
+                job.proc.communicate()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_raised_standby_target_starts_a_standby_that_then_covers_a_failure(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    port = free_port()
+    # Rank 1 is SIGKILLed at step 1400, long after the new standby is warm (about 8 s in; the run takes 15 s).
+    # On a slower machine the coordinator would wait for the standby still warming: covered either way.
+    kill = f"kill:rank=1,step={STEPS - 100},phase=exchange"
+    with running(tmp_path, "--standby", "0", "--port", str(port), "--standby-wait", "120", "--faults", kill) as job:
+        job.wait_for("job_started")
+        with JobControl("127.0.0.1", port, timeout_s=10) as control:
+            control.set_standby_target(1)
+        (changed,) = job.wait_for("standby_target_changed")
+        assert (changed["old"], changed["new"]) == (0, 1)
+        finished = job.finish()
+
+    assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
+    assert set(finished["digests"]) == {"w0", "s0"}
+    assert [e["proc"] for e in job.events("standby_ready")][:1] == ["s0"]
+    (failed,) = job.events("member_failed")
+    assert (failed["proc"], failed["cause"]) == ("w1", "killed by SIGKILL")
+    (recovered,) = job.events("recovered")
+    assert recovered["ranks"] == [{"rank": 1, "old": "w1", "new": "s0"}] and recovered["tier"] == "warm"
+    # Replenishment aims at the new target: the promoted standby is replaced.
+    assert [e["reason"] for e in job.events("standby_spawned")] == ["standby target raised to 1",
+                                                                   "replace a promoted standby"]
+
+
+def test_a_planned_move_hands_the_rank_to_the_standby_bit_exactly(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    # Generation 0 is published once the standby is warm; the move follows at once and lands while the workers
+    # connect, broadcast the initial model or run their first steps.
+    with running(tmp_path, "--standby", "1", "--wait-for-standbys", steps=SHORT) as job:
+        job.wait_for("generation")
+        with job.control() as control:
+            outcome = control.wait_move(control.move([1], "spot_interruption"), timeout_s=10)
+        assert outcome.accepted, outcome.reason
+        finished = job.finish()
+
+    assert set(finished["digests"].values()) == {reference_digest(2, SHORT)}
+    assert set(finished["digests"]) == {"w0", "s0"}
+    (accepted,) = job.events("move_accepted")
+    assert accepted["ranks"] == [1] and accepted["procs"] == ["w1"] and accepted["reason"] == "spot_interruption"
+    (failed,) = job.events("member_failed")
+    assert (failed["rank"], failed["proc"], failed["cause"]) == (1, "w1", "planned_move:spot_interruption")
+    (recovered,) = job.events("recovered")
+    assert recovered["causes"] == ["planned_move:spot_interruption"]
+    assert recovered["ranks"] == [{"rank": 1, "old": "w1", "new": "s0"}] and recovered["tier"] == "warm"
+
+
+def test_a_move_with_no_standby_ready_is_refused_and_training_goes_on(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    with running(tmp_path, "--standby", "0", steps=SHORT) as job:
+        with job.control() as control:
+            job.wait_for("generation")  # the move is answered within a tick, long before the workers are done
+            outcome = control.wait_move(control.move([1], "maintenance"), timeout_s=10)
+        assert not outcome.accepted and outcome.reason == "no standby ready"
+        finished = job.finish()
+
+    (rejected,) = job.events("control_rejected")
+    assert (rejected["control"], rejected["reason"], rejected["ranks"]) == ("move", "no standby ready", [1])
+    assert not job.events("member_failed") and not job.events("move_accepted")
+    assert set(finished["digests"]) == {"w0", "w1"}
+    assert set(finished["digests"].values()) == {reference_digest(2, SHORT)}
+
+
+def test_a_lowered_standby_target_releases_the_standbys(tmp_path: Path) -> None:
+    # Generation 0 waits for both standbys to be warm, so both are ready when the target drops.
+    with running(tmp_path, "--standby", "2", "--wait-for-standbys", steps=SHORT) as job:
+        with job.control() as control:
+            job.wait_for("generation")
+            control.set_standby_target(0)
+            released = job.wait_for("standby_released", count=2)
+        finished = job.finish()
+
+    assert sorted(e["proc"] for e in released) == ["s0", "s1"]
+    assert {(e["reason"], e["was_ready"]) for e in released} == {("standby target lowered to 0", True)}
+    (changed,) = job.events("standby_target_changed")
+    assert (changed["old"], changed["new"]) == (2, 0)
+    assert not job.events("standby_lost") and not job.events("standby_spawned"), "a released standby stays gone"
+    assert set(finished["digests"]) == {"w0", "w1"}, "releasing standbys leaves the workers alone"
+    for e in released:
+        with pytest.raises(ProcessLookupError):
+            os.kill(e["pid"], 0)  # killed and reaped
+
+
+def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) -> None:
+    bad_targets = ["many", "-1", "65"]
+    bad_moves = ["not json", '{"ranks": [1]}', '{"seq": 1, "ranks": "1"}', '{"seq": 2, "ranks": [7]}',
+                 '{"seq": 3, "ranks": [0, 1]}']
+    with running(tmp_path, "--standby", "0", steps=600) as job:
+        with job.control() as control:
+            job.wait_for("generation")
+            for i, value in enumerate(bad_targets):
+                control.store.set("control/standby_target", value)
+                job.wait_for("control_rejected", count=i + 1)
+            for i, value in enumerate(bad_moves):
+                control.store.set("control/move", value)
+                job.wait_for("control_rejected", count=len(bad_targets) + i + 1)
+            with pytest.raises(ValueError):
+                control.set_standby_target(-1)  # the client refuses before anything is written
+        finished = job.finish()
+
+    reasons = [(e["control"], e["reason"]) for e in job.events("control_rejected")]
+    assert len(reasons) == len(bad_targets) + len(bad_moves), "each bad value is answered once"
+    assert reasons[0] == ("standby_target", "standby target 'many' is not an integer")
+    assert reasons[2] == ("standby_target", "standby target 65 is outside 0..64")
+    assert reasons[3] == ("move", "move request is not JSON")
+    assert reasons[6][1] == "ranks [7] are not all worker ranks (0..1)"
+    assert reasons[7][1].startswith("moving every rank at once would lose the training state")
+    assert not job.events("standby_target_changed") and not job.events("member_failed")
+    assert set(finished["digests"]) == {"w0", "w1"}
+
+
+def test_a_client_of_a_job_that_is_not_there_gets_one_clear_error() -> None:
+    with pytest.raises(JobNotFound, match=r"no trainmover job answers at 127\.0\.0\.1:\d+"):
+        JobControl("127.0.0.1", free_port(), timeout_s=0.5)
