@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from policy.features import FEATURE_NAMES
+from policy.features import FEATURE_NAMES, REPAIR_CAP_H
 from policy.learned import HazardTable, learned_policy
 from policy.pipeline import (
     baseline_policies,
@@ -40,22 +40,29 @@ from policy.traces import FaultTrace, load_infinitehbd
 
 TRAIN_SEEDS = (101, 102)
 HELD_OUT_SEEDS = (9001, 9002, 9003)
-_HISTORY = FEATURE_NAMES.index("failures_last_30d")
+_HISTORY = [FEATURE_NAMES.index(n) for n in ("failures_last_30d", "hours_since_last_repair", "faults_last_7d")]
 
 
 def _history_table(model: FailurePredictor, trace: FaultTrace, horizon_h: float) -> HazardTable:
-    """Scores of a history-only model for every node of `trace` and hour: P(fault within horizon | faults in 30 d)."""
+    """Scores of a history-only model for every node of `trace` and hour, from the node's own fault history:
+    faults in the last 30 days, hours since its last repair ended, faults in the last 7 days."""
     affected = sorted(trace.affected_nodes())
     node_ids = tuple(affected + [f"never-failed-{i}" for i in range(trace.n_nodes - len(affected))])
     n_slots = math.ceil(trace.duration_h)
     hours = np.arange(1, n_slots + 1, dtype=np.float64)
-    counts = np.zeros((n_slots, len(node_ids)), dtype=np.int64)
+    X = np.zeros((n_slots, len(node_ids), 3))
+    X[:, :, 1] = REPAIR_CAP_H
     for j, (_node, faults) in enumerate(sorted(trace.by_node().items())):
         starts = np.array([f.start_h for f in faults])
-        counts[:, j] = np.searchsorted(starts, hours, side="right") - np.searchsorted(starts, hours - 720.0, "right")
-    levels = np.arange(int(counts.max()) + 1, dtype=np.float64)[:, None]
-    p_level = model.predict_proba(levels)[:, 1]
-    return HazardTable(node_ids, 1.0, horizon_h, p_level[counts], float(p_level[0]))
+        ends = np.array([trace.duration_h * 10 if f.end_h is None else f.end_h for f in faults])
+        X[:, j, 0] = np.searchsorted(starts, hours, side="right") - np.searchsorted(starts, hours - 720.0, "right")
+        X[:, j, 2] = np.searchsorted(starts, hours, side="left") - np.searchsorted(starts, hours - 168.0, "left")
+        prev = np.searchsorted(starts, hours, side="left") - 1
+        since = np.where(prev >= 0, hours - ends[np.maximum(prev, 0)], REPAIR_CAP_H)
+        X[:, j, 1] = np.clip(since, 0.0, REPAIR_CAP_H)
+    p = model.predict_proba(X.reshape(-1, 3))[:, 1].reshape(n_slots, len(node_ids))
+    base = float(model.predict_proba(np.array([[0.0, REPAIR_CAP_H, 0.0]]))[0, 1])
+    return HazardTable(node_ids, 1.0, horizon_h, p, base)
 
 
 def _rows_json(rows: Any) -> list[dict[str, Any]]:
@@ -97,7 +104,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     # The real trace: a history-only predictor trained on the same synthetic fleets.
     _, feats = fleet_features(fleet_config(TRAIN_SEEDS[0], n_nodes, days))
-    history_model = FailurePredictor(max_iter=30).fit(feats.X[:, [_HISTORY]], feats.y)
+    history_model = FailurePredictor(max_iter=30).fit(feats.X[:, _HISTORY], feats.y)
     trace = load_infinitehbd()
     costs = job_costs(trace.n_nodes)
     table = _history_table(history_model, trace, feats.horizon_h)

@@ -164,6 +164,11 @@ class Supervisor:
         self.warm_target = run.standby.min_warm
         if self.scorer is None:
             self.scorer = OnlineScorer(self.workers.values())
+        else:  # a scorer made before the instances existed (e.g. with a trained model): key it by them
+            self.scorer = OnlineScorer(
+                self.workers.values(), model=self.scorer.model, horizon_h=self.scorer.horizon_h,
+                base_p_horizon=self.scorer.base_p_horizon, window_h=self.scorer.window_h,
+            )
         out.append(
             Happening(
                 f"{EVENT_PREFIX}.fleet.provisioned",
@@ -226,8 +231,8 @@ class Supervisor:
 
     def committed_step(self) -> int | None:
         """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
-        if self.control is None:
-            return None
+        if self.control is None or self.proc is None or self.proc.poll() is not None:
+            return None  # the job's store is gone with its launcher
         try:
             step = self.control.committed_step()
         except Exception:
@@ -250,7 +255,7 @@ class Supervisor:
             self._exit = self.proc.returncode
             return out
         out += self._notices()
-        if self.feed is not None and now >= self._next_policy and self._started_at is not None:
+        if now >= self._next_policy and self._started_at is not None:
             self._next_policy = now + self.policy_every_s
             out += self._decide(now)
         return out
@@ -454,9 +459,10 @@ class Supervisor:
         return out
 
     def _decide(self, now: float) -> list[Happening]:
-        assert self.feed is not None and self.scorer is not None
+        assert self.scorer is not None
         now_h = self.elapsed_h(now)
-        self.scorer.observe(self.feed.read(now_h, dict(self.workers)))
+        if self.feed is not None:  # without telemetry every node scores the fleet's base rate
+            self.scorer.observe(self.feed.read(now_h, dict(self.workers)))
         hazards, scores = self.scorer.hazards(now_h, self.costs.lead_time_h, self.run.hazard_multiplier)
         plan = decide_standby(hazards, self.costs, self.fleet, now_s=now_h * 3600.0)
         limits = self.run.standby

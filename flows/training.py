@@ -31,6 +31,7 @@ from cloud.base import Provider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import TrainingRun
 from flows.supervisor import Happening, RunReport, Supervisor
+from policy.online import OnlineScorer
 
 TICK_S = 0.2
 
@@ -54,6 +55,17 @@ def make_provider(run: TrainingRun) -> Provider:
         resource_group=run.azure_resource_group,
         location=run.region,
     )
+
+
+def load_scorer(run: TrainingRun) -> OnlineScorer | None:
+    """The policy's scorer with the run's trained FailurePredictor (skops, trusted types only); None: the rule."""
+    if run.policy_model is None:
+        return None
+    from policy.predictor import FailurePredictor
+
+    model = FailurePredictor.load(run.policy_model)
+    # The node ids are set at provisioning; the scorer is re-keyed then (Supervisor.provision).
+    return OnlineScorer(["pending"], model=model)
 
 
 def announce(h: Happening, job_id: str) -> None:

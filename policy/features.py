@@ -8,7 +8,10 @@ telemetry chunks (as `SyntheticFleet.telemetry` yields them), bins each node's s
 - XID presence counts (48/79 and 63/64) over the last 6 h and 24 h,
 - max GPU/HBM temperature over the last 6 h and a temperature slope (mean of the last 6 h minus the mean of
   the 18 h before, 0 when that earlier stretch has no samples),
-- node age and faults in the last 30 days (from the last sample in the slot).
+- node age and faults in the last 30 days (from the last sample in the slot),
+- from the fleet's own fault history: hours since the node's last repair ended (capped at `REPAIR_CAP_H`) and
+  its faults that started in the last 7 days: faults are bursty (Weibull shape about 0.5), so a node that just
+  came back from repair is at far higher risk than its 30-day count says.
 
 Every feature at time `t` uses only samples with `t_h < t`. The label is 1 when the node's next fault starts
 in `[t, t + horizon_h)`; rows whose horizon runs past the trace end are dropped (their label is censored), as
@@ -45,11 +48,16 @@ FEATURE_NAMES: tuple[str, ...] = (
     "nic_errors_24h",
     "node_age_days",
     "failures_last_30d",
+    "hours_since_last_repair",
+    "faults_last_7d",
 )
 """Column names of `FeatureSet.X`, in order."""
 
 RULE_FEATURE = "xid_48_79_24h"
 """The feature the rule baseline reads: any XID 48/79 in the last 24 h means the node will fail."""
+
+REPAIR_CAP_H = 2000.0
+"""`hours_since_last_repair` of a node with no fault yet (or a long time ago)."""
 
 _SUMMED = ("ecc_sbe_count", "ecc_dbe_count", "row_remaps", "nvlink_errors", "pcie_errors", "nic_errors")
 
@@ -203,6 +211,14 @@ def build_features(
     down = (
         (prev >= 0) & (f_node[prev_c] == nodes) & (f_end[prev_c] > times) if keys.size else np.zeros(q.size, dtype=bool)
     )
+    if keys.size:
+        had = (prev >= 0) & (f_node[prev_c] == nodes)
+        since = np.where(had, times - f_end[prev_c], REPAIR_CAP_H)
+        recent = np.searchsorted(keys, q, side="left") - np.searchsorted(keys, q - 168.0, side="left")
+    else:
+        since = np.full(q.size, REPAIR_CAP_H)
+        recent = np.zeros(q.size)
+    X = np.column_stack([X, np.clip(since, 0.0, REPAIR_CAP_H), recent.astype(float)])
     keep = ~down & ((times + horizon_h <= trace.duration_h) | (not drop_censored))
     order_rows = np.lexsort((nodes[keep], times[keep]))
     return FeatureSet(

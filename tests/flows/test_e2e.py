@@ -261,3 +261,43 @@ def test_the_ui_shows_the_flow_run_and_its_interruption_table(
         chromium(url, tmp_path, screenshot=png)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000, png
     stack.timings["browser_s"] = time.monotonic() - t0
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Pids whose command line names the job's work directory (the launcher: `--events /tmp/trainmover-<job>-...`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"trainmover-{job_id}-".encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_cancelled_run_stops_its_job_and_releases_every_instance(stack: PrefectStack) -> None:
+    job = "e2e-cancel"
+    params = {**E2E_PARAMS, "run": {**E2E_PARAMS["run"], "job_id": job, "steps": 1_000_000, "faults": None},
+              "max_wall_s": 600.0}
+    flow_run_id, out = trigger(stack, params)
+    assert flow_run_id, out
+    with stack.settings(), get_client(sync_client=True) as client:
+        poll("the job to start", lambda: True if f"job {job} started" in flow_run_logs(flow_run_id) else None,
+             RUN_TIMEOUT_S, every_s=1.0)
+        assert _job_processes(job), "the job's launcher should be running"
+        stack.cli("flow-run", "cancel", flow_run_id)
+
+        def final() -> FlowRun | None:
+            fr = client.read_flow_run(uuid.UUID(flow_run_id))
+            return fr if fr.state is not None and fr.state.is_final() else None
+
+        fr = poll("the cancelled run to end", final, 120.0, every_s=1.0)
+        assert fr.state is not None and fr.state.is_cancelled(), fr.state
+        poll("the release line", lambda: True if f"of job {job}" in flow_run_logs(flow_run_id) else None, 60.0)
+        assert "released 3 instance(s)" in flow_run_logs(flow_run_id)
+    poll("the job's processes to exit", lambda: True if not _job_processes(job) else None, 60.0)

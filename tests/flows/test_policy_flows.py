@@ -46,15 +46,22 @@ def test_tune_refuses_a_csv_trace_without_the_fleet_size(tmp_path: Path) -> None
 
 def test_train_failure_model_saves_a_loadable_model_and_scores_it(tmp_path: Path) -> None:
     from flows.policy_flows import TrainingData, train_failure_model
+    from policy.features import FEATURE_NAMES
     from policy.predictor import FailurePredictor
 
     path = tmp_path / "model.skops"
     data = TrainingData(seeds=(11,), eval_seed=12, nodes=24, days=30.0, max_iter=10)
     out = train_failure_model(data=data, model_path=str(path))
-    assert FailurePredictor.load(path).predict_proba([[0.0] * 19]).shape == (1, 2)
+    assert FailurePredictor.load(path).predict_proba([[0.0] * len(FEATURE_NAMES)]).shape == (1, 2)
     assert out["train"]["rows"] > 1000
     assert set(out["evaluation"]["verdict"]) >= {"cost_ratio", "best_static"}
     assert _artifact("failure-model-scores").type == "table"
+    # The training flow loads that model for its policy (skops, trusted types only).
+    from flows.models import TrainingRun
+    from flows.training import load_scorer
+
+    scorer = load_scorer(TrainingRun(policy_model=str(path)))
+    assert scorer is not None and isinstance(scorer.model, FailurePredictor)
 
 
 def test_training_on_the_evaluation_seed_is_refused(tmp_path: Path) -> None:
