@@ -31,6 +31,7 @@ from cloud.base import Provider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import TrainingRun
 from flows.supervisor import Happening, RunReport, Supervisor
+from policy.features import DEFAULT_HORIZON_H
 from policy.online import OnlineScorer
 
 TICK_S = 0.2
@@ -65,7 +66,7 @@ def load_scorer(run: TrainingRun) -> OnlineScorer | None:
 
     model = FailurePredictor.load(run.policy_model)
     # The node ids are set at provisioning; the scorer is re-keyed then (Supervisor.provision).
-    return OnlineScorer(["pending"], model=model)
+    return OnlineScorer(["pending"], model=model, horizon_h=DEFAULT_HORIZON_H)
 
 
 def announce(h: Happening, job_id: str) -> None:

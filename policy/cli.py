@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from policy.costs import StandbyCosts
+from policy.features import DEFAULT_HORIZON_H
 from policy.traces import FaultRecord, FaultTrace
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--horizon-h",
         type=float,
-        default=24.0,
+        default=DEFAULT_HORIZON_H,
         help="a row is positive if its node faults within this many hours (default: %(default)s); "
         "evaluate with the horizon the model was trained with",
     )
@@ -298,7 +299,7 @@ def _fleet_configs(ns: argparse.Namespace, seeds: Sequence[int]) -> list[Synthet
     if not ns.days > 0:
         raise PolicyUsageError(f"--days {ns.days:g}: the window must be longer than 0 days")
     if not ns.horizon_h > 0:
-        raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: must be > 0 hours, e.g. 24")
+        raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: must be > 0 hours, e.g. 2")
     overrides = {
         field: getattr(ns, field)
         for field in ("precursor_fraction", "false_alarms_per_node_year")

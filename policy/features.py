@@ -56,6 +56,12 @@ FEATURE_NAMES: tuple[str, ...] = (
 RULE_FEATURE = "xid_48_79_24h"
 """The feature the rule baseline reads: any XID 48/79 in the last 24 h means the node will fail."""
 
+DEFAULT_HORIZON_H = 2.0
+"""Label horizon of the learned policy's predictor: a fault within the next 2 h. Chosen on development seeds 103
+and 104 among 1, 2, 3, 6, 12 and 24 h (docs/benchmarks.md): a short horizon says *when* a node will fail, which
+is what pre-warming needs; P(fault within 24 h) = 0.8 is only 0.033 per half hour, too little to pay for a warm
+standby."""
+
 REPAIR_CAP_H = 2000.0
 """`hours_since_last_repair` of a node with no fault yet (or a long time ago)."""
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from policy.costs import NODE_PRICE_USD_PER_H, StandbyCosts
-from policy.features import FeatureSet, build_features
+from policy.features import DEFAULT_HORIZON_H, FeatureSet, build_features
 from policy.learned import hazard_table, learned_policy
 from policy.predictor import Evaluation, FailurePredictor, evaluate
 from policy.simulator import (
@@ -46,7 +46,7 @@ def fleet_config(seed: int, n_nodes: int = 256, days: float = 180.0, **overrides
 
 
 def fleet_features(
-    config: SyntheticFleetConfig, *, horizon_h: float = 24.0, drop_censored: bool = True
+    config: SyntheticFleetConfig, *, horizon_h: float = DEFAULT_HORIZON_H, drop_censored: bool = True
 ) -> tuple[SyntheticFleet, FeatureSet]:
     fleet = generate_fleet(config)
     features = build_features(
@@ -65,7 +65,10 @@ class TrainReport:
 
 
 def train_predictor(
-    configs: Iterable[SyntheticFleetConfig], *, horizon_h: float = 24.0, predictor: FailurePredictor | None = None
+    configs: Iterable[SyntheticFleetConfig],
+    *,
+    horizon_h: float = DEFAULT_HORIZON_H,
+    predictor: FailurePredictor | None = None,
 ) -> tuple[FailurePredictor, TrainReport]:
     """Fit a predictor on the fleets of `configs`, rows ordered by time so the calibration part is the latest."""
     started = time.perf_counter()
@@ -169,7 +172,7 @@ def evaluate_fleet(
     costs: StandbyCosts | None = None,
     *,
     multiplier: float = 1.0,
-    horizon_h: float = 24.0,
+    horizon_h: float = DEFAULT_HORIZON_H,
 ) -> FleetEvaluation:
     """Score `model` on a fresh fleet and replay that fleet with the baselines, the learned policy and the oracle."""
     fleet, features = fleet_features(config, horizon_h=horizon_h, drop_censored=False)

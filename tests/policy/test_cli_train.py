@@ -14,6 +14,7 @@ from sklearn.linear_model import LogisticRegression
 
 from policy import pipeline
 from policy.costs import NODE_PRICE_USD_PER_H, StandbyCosts
+from policy.features import DEFAULT_HORIZON_H
 from policy.pipeline import PolicyVerdict
 from policy.predictor import FailurePredictor
 from policy.synthetic import SyntheticFleetConfig
@@ -54,7 +55,7 @@ def test_train_writes_a_model_that_loads_and_a_report(trained: tuple[Path, Path]
     assert report["rows"] > report["positives"] > 0
     assert report["features_s"] >= 0 and report["fit_s"] >= 0
     assert report["model"] == str(model_path)
-    expected = {"nodes": 24, "days": 30.0, "horizon_h": 24.0, "max_iter": 10}
+    expected = {"nodes": 24, "days": 30.0, "horizon_h": DEFAULT_HORIZON_H, "max_iter": 10}
     assert {k: report["parameters"][k] for k in expected} == expected
 
 
