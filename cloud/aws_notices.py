@@ -173,6 +173,13 @@ class ImdsNoticeSource(NoticeSource):
     def __repr__(self) -> str:  # never show the token
         return f"ImdsNoticeSource(instance_id={self.instance_id!r}, endpoint={self.endpoint!r})"
 
+    def _unreachable(self, err: BaseException) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
+            f"instance metadata at {self.endpoint} unreachable ({err}); on EC2 check that the metadata service "
+            "is enabled and, in a container, that the hop limit is at least 2",
+            provider="aws",
+        )
+
     def poll(self) -> list[Notice]:
         notices: list[Notice] = []
         spot = self._get_json(SPOT_ACTION_PATH)
@@ -238,11 +245,7 @@ class ImdsNoticeSource(NoticeSource):
                     f"instance metadata answered {err.code} for {path}", provider="aws", code=str(err.code)
                 ) from err
             except (urllib.error.URLError, TimeoutError, OSError) as err:
-                raise ServiceUnavailableError(
-                    f"instance metadata at {self.endpoint} unreachable ({err}); on EC2 check that the metadata "
-                    "service is enabled and, in a container, that the hop limit is at least 2",
-                    provider="aws",
-                ) from err
+                raise self._unreachable(err) from err
             try:
                 body = json.loads(raw)
             except json.JSONDecodeError:
@@ -274,11 +277,7 @@ class ImdsNoticeSource(NoticeSource):
                 f"instance metadata token request failed ({err.code})", provider="aws", code=str(err.code)
             ) from err
         except (urllib.error.URLError, TimeoutError, OSError) as err:
-            raise ServiceUnavailableError(
-                f"instance metadata at {self.endpoint} unreachable ({err}); on EC2 check that the metadata service "
-                "is enabled and, in a container, that the hop limit is at least 2",
-                provider="aws",
-            ) from err
+            raise self._unreachable(err) from err
         self._token = token
         self._token_expires_at = time.monotonic() + max(1.0, self.token_ttl_s - _TOKEN_MARGIN_S)
         return token

@@ -134,7 +134,6 @@ class Supervisor:
         self.workers: dict[int, str] = {}  # rank -> instance id
         self.warm: list[str] = []  # running standby instances (warm processes)
         self.parked: list[str] = []  # stopped standby instances
-        self.instance_of_proc: dict[str, str] = {}
         self.scorer = scorer
         self.fleet = FleetState()
         self.warm_target = 0

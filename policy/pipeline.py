@@ -71,6 +71,7 @@ def train_predictor(
     predictor: FailurePredictor | None = None,
 ) -> tuple[FailurePredictor, TrainReport]:
     """Fit a predictor on the fleets of `configs`, rows ordered by time so the calibration part is the latest."""
+    configs = list(configs)
     started = time.perf_counter()
     parts = [fleet_features(c, horizon_h=horizon_h)[1] for c in configs]
     if not parts:
@@ -85,8 +86,7 @@ def train_predictor(
     started = time.perf_counter()
     model.fit(X, y)
     fit_s = time.perf_counter() - started
-    seeds = tuple(int(c.seed) for c in configs) if isinstance(configs, Sequence) else ()
-    return model, TrainReport(seeds, int(y.size), int(y.sum()), features_s, fit_s)
+    return model, TrainReport(tuple(int(c.seed) for c in configs), int(y.size), int(y.sum()), features_s, fit_s)
 
 
 def job_costs(n_nodes: int, **overrides: object) -> StandbyCosts:

@@ -24,10 +24,12 @@ import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from tests.cloud.loopback import LoopbackServer
 
 # ------------------------------------------------------------------------------------------------------ TLS
 
@@ -182,27 +184,20 @@ class ArmServer:
         self._operations: dict[str, _Operation] = {}
         self._lock = threading.Lock()
         self.ca_path, cert_path, key_path = make_tls_files(tls_dir)
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
-        self._httpd.daemon_threads = True
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert_path, key_path)
-        self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="arm-server", daemon=True
-        )
+        self._server = LoopbackServer(_make_handler(self), "arm-server", tls=context)
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"https://127.0.0.1:{self._server.port}"
 
     def start(self) -> ArmServer:
-        self._thread.start()
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=10)
+        self._server.stop()
 
     # ---------------------------------------------------------------------------------- test-side helpers
 
@@ -533,24 +528,18 @@ class ImdsServer:
             def dispatch(self, method: str) -> None:
                 self.reply(outer._handle(method, self.path, self.lower_headers(), self.read_json()))
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="imds-server", daemon=True
-        )
+        self._server = LoopbackServer(Handler, "imds-server")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self._server.port}"
 
     def start(self) -> ImdsServer:
-        self._thread.start()
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=10)
+        self._server.stop()
 
     def add_event(self, event: Mapping[str, Any]) -> None:
         with self._lock:

@@ -16,11 +16,13 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from moto.server import ThreadedMotoServer
+
+from tests.cloud.loopback import LoopbackServer
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade"}
 
@@ -86,13 +88,12 @@ class FaultProxy:
     _rules: list[_Rule] = field(default_factory=list)
     _seen: list[Seen] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
-    _thread: threading.Thread | None = None
+    _server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
         assert self._server is not None
-        host, port = self._server.server_address[:2]
+        host, port = self._server.httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
     def fail(self, action: str, code: str, *, status: int, times: int = 1, dry_run: bool | None = None) -> None:
@@ -134,17 +135,11 @@ class FaultProxy:
             def do_DELETE(self) -> None:
                 proxy._handle(self)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
-        self._thread.start()
+        self._server = LoopbackServer(Handler, "fault-proxy").start()
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._server.stop()
 
     # request handling ---------------------------------------------------------------------------------------
 
@@ -244,13 +239,12 @@ class ImdsServer:
         self._tokens: set[str] = set()
         self._gets: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
         assert self._server is not None
-        host, port = self._server.server_address[:2]
+        host, port = self._server.httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
     def post_spot_action(self, action: str, when: str) -> None:
@@ -315,17 +309,11 @@ class ImdsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="imds", daemon=True)
-        self._thread.start()
+        self._server = LoopbackServer(Handler, "imds").start()
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._server.stop()
 
 
 @contextmanager

@@ -20,9 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAINMOVER = ROOT / ".venv" / "bin" / "trainmover"
 
 
-def test_check_of_the_local_provider_passes_and_writes_json(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_check_of_the_local_provider_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "check.json"
     assert main(["cloud", "check", "--provider", "local", "--json", str(out)]) == 0
     stdout = capsys.readouterr().out.splitlines()
@@ -198,9 +196,10 @@ def test_aws_check_describe_and_release_through_the_cli(
     provider = make_provider("aws", region="us-east-1", endpoint_url=moto_url, image=ami)
     job = "job-cli-aws"
     try:
-        launched = sorted(i.instance_id for i in provider.launch(
-            LaunchRequest(job_id=job, role="standby", instance_type="g5.xlarge", count=2)
-        ))
+        launched = sorted(
+            i.instance_id
+            for i in provider.launch(LaunchRequest(job_id=job, role="standby", instance_type="g5.xlarge", count=2))
+        )
         assert main(["cloud", "describe", *aws, "--job", job]) == 0
         out = capsys.readouterr().out
         assert all(i in out for i in launched) and out.endswith(f"aws: 2 instance(s) of job {job}\n")

@@ -66,10 +66,22 @@ def cloud() -> Iterator[LocalProvider]:
         provider.release_job(JOB)
 
 
-def notice(kind: str = "spot_interruption", instance: str = "i-1", event_id: str | None = None,
-           deadline: float | None = 2000.0, source: str = "imds", received: float = 1000.0) -> Notice:
-    return Notice(kind=kind, instance_id=instance, received_at=received, source=source,  # type: ignore[arg-type]
-                  deadline_at=deadline, event_id=event_id)
+def notice(
+    kind: str = "spot_interruption",
+    instance: str = "i-1",
+    event_id: str | None = None,
+    deadline: float | None = 2000.0,
+    source: str = "imds",
+    received: float = 1000.0,
+) -> Notice:
+    return Notice(
+        kind=kind,
+        instance_id=instance,
+        received_at=received,
+        source=source,  # type: ignore[arg-type]
+        deadline_at=deadline,
+        event_id=event_id,
+    )
 
 
 def test_a_notice_injected_from_another_thread_reaches_the_callback(cloud: LocalProvider) -> None:
