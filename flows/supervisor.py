@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from cloud.base import CloudError, Instance, LaunchRequest, Provider
 from flows.models import TrainingRun
+from policy.costs import TierName
 from policy.decision import FleetState, decide_standby
 from policy.online import OnlineScorer
 from policy.telemetry import TelemetrySample
@@ -467,7 +468,10 @@ class Supervisor:
         limits = self.run.standby
         warm = min(max(plan.warm + plan.hot, limits.min_warm), limits.max_warm)
         stopped = min(plan.stopped, limits.max_stopped)
-        self._hot_nodes = {s.node_id for s in scores if s.p_horizon >= 0.25}
+        # A failure counts as predicted when its node alone made a running standby worth its price.
+        offered: list[TierName] = list(self.costs.tiers)
+        bar = min(self.costs.threshold(t) for t in ([t for t in offered if t != "stopped"] or offered))
+        self._hot_nodes = {n for n, p in zip(hazards.node_ids, hazards.p_fail, strict=True) if p > bar}
         if (warm, stopped) != (self.fleet.warm, self.fleet.stopped):
             self.fleet = FleetState(stopped=stopped, warm=warm, last_change_s=now_h * 3600.0)
         out: list[Happening] = []
@@ -481,7 +485,8 @@ class Supervisor:
                     f"{EVENT_PREFIX}.standby.prewarmed",
                     f"{EVENT_PREFIX}.job.{self.run.job_id}",
                     f"pre-warming to {warm} warm standby(s): node {worst.node_id} {worst.why} "
-                    f"(P(fault in 24 h) = {worst.p_horizon:.2f}); {plan.reasons[0] if plan.reasons else ''}",
+                    f"(P(fault in {self.scorer.horizon_h:g} h) = {worst.p_horizon:.2f}); "
+                    f"{plan.reasons[0] if plan.reasons else ''}",
                     {"warm": warm, "node": worst.node_id, "p_fault": worst.p_horizon, "reasons": list(plan.reasons)},
                 )
             )

@@ -31,7 +31,6 @@ from cloud.base import Provider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import TrainingRun
 from flows.supervisor import Happening, RunReport, Supervisor
-from policy.features import DEFAULT_HORIZON_H
 from policy.online import OnlineScorer
 
 TICK_S = 0.2
@@ -62,11 +61,12 @@ def load_scorer(run: TrainingRun) -> OnlineScorer | None:
     """The policy's scorer with the run's trained FailurePredictor (skops, trusted types only); None: the rule."""
     if run.policy_model is None:
         return None
-    from policy.predictor import FailurePredictor
+    from policy.predictor import load_policy_model
 
-    model = FailurePredictor.load(run.policy_model)
+    model = load_policy_model(run.policy_model)  # checks that it records its horizon
+    assert model.horizon_h is not None
     # The node ids are set at provisioning; the scorer is re-keyed then (Supervisor.provision).
-    return OnlineScorer(["pending"], model=model, horizon_h=DEFAULT_HORIZON_H)
+    return OnlineScorer(["pending"], model=model, horizon_h=model.horizon_h)
 
 
 def announce(h: Happening, job_id: str) -> None:
@@ -138,6 +138,7 @@ def resilient_training(
     """
     logger = get_run_logger()
     script = Path(validate_run(run))
+    scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
     provider = make_provider(run)
     workdir = Path(tempfile.mkdtemp(prefix=f"trainmover-{run.job_id}-"))
     sup = Supervisor(
@@ -145,6 +146,7 @@ def resilient_training(
         provider,
         workdir,
         feed=DegradingFeed() if drill else None,
+        scorer=scorer,
         policy_every_s=policy_every_s,
         time_scale=time_scale,
     )

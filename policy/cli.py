@@ -22,7 +22,6 @@ from pydantic import ValidationError
 
 from policy.costs import StandbyCosts
 from policy.features import DEFAULT_HORIZON_H
-from policy.traces import FaultRecord, FaultTrace
 
 if TYPE_CHECKING:
     from policy.predictor import FailurePredictor, ModelScore
@@ -96,9 +95,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--horizon-h",
         type=float,
-        default=DEFAULT_HORIZON_H,
-        help="a row is positive if its node faults within this many hours (default: %(default)s); "
-        "evaluate with the horizon the model was trained with",
+        default=None,
+        help=f"a row is positive if its node faults within this many hours (train default: {DEFAULT_HORIZON_H:g}); "
+        "evaluate uses the horizon saved in the model",
     )
     p.add_argument("--precursor-fraction", type=float, help="share of faults preceded by telemetry precursors")
     p.add_argument(
@@ -120,7 +119,7 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     g.add_argument("--days", type=float, default=365.0, help="window length in days (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     g.add_argument("--out", required=True, metavar="FILE.csv", help="where to write the CSV")
-    g.add_argument("--json", metavar="FILE", help="also write a summary (faults, merged overlaps, ...) as JSON")
+    g.add_argument("--json", metavar="FILE", help="also write a summary (faults, nodes, days, seed, path) as JSON")
     tr = actions.add_parser("train", help="fit the failure predictor on synthetic fleets and save it (skops)")
     tr.add_argument("--seeds", required=True, help="comma-separated seeds of the training fleets, e.g. 1,2,3")
     _add_fleet_flags(tr)
@@ -257,20 +256,18 @@ def _generate(ns: argparse.Namespace) -> int:
         err = exc.errors()[0]
         flag = {"n_nodes": "--nodes", "days": "--days", "seed": "--seed"}.get(str(err["loc"][0]), "config")
         raise PolicyUsageError(f"{flag}: {err['msg']}") from None
-    trace, merged = _merge_overlaps(generate_fleet(config).trace)
+    trace = generate_fleet(config).trace  # a node under repair never faults again, so no record overlaps
     try:
         write_csv(trace, ns.out)
     except OSError as exc:
         raise PolicyUsageError(f"--out {ns.out}: cannot write ({exc.strerror})") from None
     print(
         f"wrote {len(trace.records)} faults of {config.n_nodes} nodes over {config.days:g} days to {ns.out}"
-        f" ({merged} faults that struck a node already down were merged into the earlier one)"
     )
     _write_json(
         ns.json,
         {
             "faults": len(trace.records),
-            "merged_overlaps": merged,
             "nodes": config.n_nodes,
             "days": config.days,
             "seed": config.seed,
@@ -298,7 +295,7 @@ def _fleet_configs(ns: argparse.Namespace, seeds: Sequence[int]) -> list[Synthet
         raise PolicyUsageError(f"--nodes {ns.nodes}: the fleet needs at least 1 node")
     if not ns.days > 0:
         raise PolicyUsageError(f"--days {ns.days:g}: the window must be longer than 0 days")
-    if not ns.horizon_h > 0:
+    if ns.horizon_h is not None and not ns.horizon_h > 0:
         raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: must be > 0 hours, e.g. 2")
     overrides = {
         field: getattr(ns, field)
@@ -324,9 +321,10 @@ def _train(ns: argparse.Namespace) -> int:
     if ns.max_iter < 1:
         raise PolicyUsageError(f"--max-iter {ns.max_iter}: needs at least 1 boosting iteration, e.g. 100")
     configs = _fleet_configs(ns, seeds)
+    horizon_h = DEFAULT_HORIZON_H if ns.horizon_h is None else ns.horizon_h
     try:
         model, report = train_predictor(
-            configs, horizon_h=ns.horizon_h, predictor=FailurePredictor(max_iter=ns.max_iter)
+            configs, horizon_h=horizon_h, predictor=FailurePredictor(max_iter=ns.max_iter)
         )
     except ValueError as exc:  # e.g. no fault at all in the training fleets
         raise PolicyUsageError(f"{exc}; train on more --seeds or a larger --nodes / --days") from None
@@ -348,7 +346,7 @@ def _train(ns: argparse.Namespace) -> int:
             "parameters": {
                 "nodes": ns.nodes,
                 "days": ns.days,
-                "horizon_h": ns.horizon_h,
+                "horizon_h": horizon_h,
                 "max_iter": ns.max_iter,
                 "precursor_fraction": configs[0].precursor_fraction,
                 "false_alarms_per_node_year": configs[0].false_alarms_per_node_year,
@@ -359,15 +357,15 @@ def _train(ns: argparse.Namespace) -> int:
 
 
 def _load_model(path: str) -> FailurePredictor:
-    from policy.predictor import FailurePredictor, UntrustedModelError
+    from policy.predictor import IncompatibleModelError, UntrustedModelError, load_policy_model
 
     if not Path(path).is_file():
         raise PolicyUsageError(f"--model {path}: no such file; write one with `trainmover policy train --out`")
     if Path(path).stat().st_size == 0:
         raise PolicyUsageError(f"--model {path}: empty, not a model file written by `trainmover policy train`")
     try:
-        return FailurePredictor.load(path)
-    except UntrustedModelError as exc:
+        return load_policy_model(path)
+    except (UntrustedModelError, IncompatibleModelError) as exc:
         raise PolicyUsageError(f"--model {path}: {exc}") from None
     # skops reports a file that is not one of its archives in several ways (an empty file is a ValueError).
     except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:
@@ -386,7 +384,7 @@ def _score_line(name: str, score: ModelScore) -> str:
 
 
 def _evaluate(ns: argparse.Namespace) -> int:
-    from policy.pipeline import evaluate_fleet
+    from policy.pipeline import evaluate_fleet, model_horizon
     from policy.simulator import format_table
 
     if not ns.multiplier > 0:
@@ -394,6 +392,10 @@ def _evaluate(ns: argparse.Namespace) -> int:
     (config,) = _fleet_configs(ns, [ns.seed])
     costs = _costs(ns)
     model = _load_model(ns.model)
+    try:
+        model_horizon(model, ns.horizon_h)
+    except ValueError as exc:
+        raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: {exc}; leave --horizon-h out") from None
     try:
         with warnings.catch_warnings():
             # A test period without faults makes sklearn warn per metric; the note below says it once.
@@ -419,26 +421,6 @@ def _evaluate(ns: argparse.Namespace) -> int:
     )
     _write_json(ns.json, result.to_dict())
     return 0
-
-
-def _merge_overlaps(trace: FaultTrace) -> tuple[FaultTrace, int]:
-    """Merge each fault that starts while its node is still down into the earlier one.
-
-    The synthetic generator draws fault starts independently of repairs, so a node can fail again "while down";
-    `load_csv` rejects such overlaps, and the simulator never counts them as new job failures anyway.
-    """
-    last: dict[str, int] = {}
-    kept: list[FaultRecord] = []
-    for r in trace.records:  # sorted by start
-        i = last.get(r.node_id)
-        prev = None if i is None else kept[i]
-        if i is not None and prev is not None and (prev.end_h is None or r.start_h < prev.end_h):
-            end = None if prev.end_h is None or r.end_h is None else max(prev.end_h, r.end_h)
-            kept[i] = FaultRecord(prev.node_id, prev.start_h, end, prev.cause)
-            continue
-        last[r.node_id] = len(kept)
-        kept.append(r)
-    return FaultTrace(tuple(kept), trace.n_nodes, trace.duration_h), len(trace.records) - len(kept)
 
 
 def policy_command(ns: argparse.Namespace) -> int:

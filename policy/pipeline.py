@@ -83,6 +83,7 @@ def train_predictor(
     X, y = X[order], y[order]
     features_s = time.perf_counter() - started
     model = predictor if predictor is not None else FailurePredictor(max_iter=100)
+    model.set_params(horizon_h=horizon_h)
     started = time.perf_counter()
     model.fit(X, y)
     fit_s = time.perf_counter() - started
@@ -166,15 +167,30 @@ class FleetEvaluation:
         }
 
 
+def model_horizon(model: FailurePredictor, horizon_h: float | None = None) -> float:
+    """The label horizon to score `model` with: its own, else `horizon_h`, else `DEFAULT_HORIZON_H`."""
+    own = getattr(model, "horizon_h", None)
+    if own is not None and horizon_h is not None and not math.isclose(own, horizon_h):
+        raise ValueError(
+            f"the model predicts faults within {own:g} h, not {horizon_h:g} h; score it with its own horizon"
+        )
+    return float(own if own is not None else horizon_h if horizon_h is not None else DEFAULT_HORIZON_H)
+
+
 def evaluate_fleet(
     model: FailurePredictor,
     config: SyntheticFleetConfig,
     costs: StandbyCosts | None = None,
     *,
     multiplier: float = 1.0,
-    horizon_h: float = DEFAULT_HORIZON_H,
+    horizon_h: float | None = None,
 ) -> FleetEvaluation:
-    """Score `model` on a fresh fleet and replay that fleet with the baselines, the learned policy and the oracle."""
+    """Score `model` on a fresh fleet and replay that fleet with the baselines, the learned policy and the oracle.
+
+    The label horizon is the one the model was trained with (`FailurePredictor.horizon_h`); `horizon_h` is only
+    needed for a model that does not record it, and must agree with one that does.
+    """
+    horizon_h = model_horizon(model, horizon_h)
     fleet, features = fleet_features(config, horizon_h=horizon_h, drop_censored=False)
     costs = costs if costs is not None else job_costs(config.n_nodes)
     uncensored = features.times + horizon_h <= fleet.trace.duration_h

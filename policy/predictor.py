@@ -63,12 +63,20 @@ class UntrustedModelError(ValueError):
     """A model file holds types outside `TRUSTED_TYPES`; it was not written by `save` and is not loaded."""
 
 
+class IncompatibleModelError(ValueError):
+    """A model file was fitted on other features than this version builds, or does not say its horizon."""
+
+
 class FailurePredictor(ClassifierMixin, BaseEstimator):
     """Gradient boosting calibrated on a later hold-out: probabilities that a node faults within the horizon.
 
     Rows of `X` must be in time order: the first `1 - calibration_fraction` of them train the trees and the
     rest calibrate the probabilities, so calibration sees data from after the trees' training period.
     When either part lacks a class (tiny or one-sided data), the trees train on all rows, uncalibrated.
+
+    `horizon_h` is metadata, not a training knob: the label horizon the rows were built with (`features.
+    build_features`), saved with the model so that whoever scores with it converts its probabilities with the
+    right horizon (`pipeline.train_predictor` sets it; None means unknown).
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class FailurePredictor(ClassifierMixin, BaseEstimator):
         calibration: Literal["isotonic", "sigmoid"] | None = "sigmoid",
         calibration_fraction: float = 0.2,
         random_state: int | None = 0,
+        horizon_h: float | None = None,
     ) -> None:
         self.max_iter = max_iter
         self.learning_rate = learning_rate
@@ -91,6 +100,7 @@ class FailurePredictor(ClassifierMixin, BaseEstimator):
         self.calibration = calibration
         self.calibration_fraction = calibration_fraction
         self.random_state = random_state
+        self.horizon_h = horizon_h
 
     def __sklearn_tags__(self) -> Tags:
         tags = super().__sklearn_tags__()
@@ -321,3 +331,20 @@ def evaluate(
         n_train=int(train.size),
         n_test=int(test.size),
     )
+
+
+def load_policy_model(path: str | Path) -> FailurePredictor:
+    """Load a model for the standby policy: `FailurePredictor.load`, then check that it was fitted on this
+    version's `FEATURE_NAMES` and records its label horizon (`IncompatibleModelError` says how to retrain)."""
+    model = FailurePredictor.load(path)
+    check_is_fitted(model)
+    retrain = f"retrain it with `trainmover policy train --out {path}`"
+    if model.n_features_in_ != len(FEATURE_NAMES):
+        raise IncompatibleModelError(
+            f"{path} was fitted on {model.n_features_in_} features but this version of trainmover builds "
+            f"{len(FEATURE_NAMES)} (policy.features.FEATURE_NAMES); {retrain}"
+        )
+    horizon = getattr(model, "horizon_h", None)
+    if horizon is None or not horizon > 0:
+        raise IncompatibleModelError(f"{path} does not record the label horizon it predicts; {retrain}")
+    return model

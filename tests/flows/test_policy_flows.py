@@ -62,6 +62,21 @@ def test_train_failure_model_saves_a_loadable_model_and_scores_it(tmp_path: Path
 
     scorer = load_scorer(TrainingRun(policy_model=str(path)))
     assert scorer is not None and isinstance(scorer.model, FailurePredictor)
+    assert scorer.horizon_h == FailurePredictor.load(path).horizon_h  # the horizon the model was trained with
+
+
+def test_the_training_flow_refuses_a_model_from_an_older_feature_set(tmp_path: Path) -> None:
+    import numpy as np
+
+    from flows.models import TrainingRun
+    from flows.training import load_scorer
+    from policy.predictor import FailurePredictor, IncompatibleModelError
+
+    old = tmp_path / "old.skops"
+    rng = np.random.default_rng(0)
+    FailurePredictor(max_iter=3, horizon_h=2.0).fit(rng.normal(size=(400, 21)), np.arange(400) % 7 == 0).save(old)
+    with pytest.raises(IncompatibleModelError, match="retrain it with `trainmover policy train"):
+        load_scorer(TrainingRun(policy_model=str(old)))
 
 
 def test_training_on_the_evaluation_seed_is_refused(tmp_path: Path) -> None:

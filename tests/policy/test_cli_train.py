@@ -130,15 +130,14 @@ def test_evaluate_prices_the_job_as_the_whole_fleet_unless_told(
 
 def test_generate_json_summarises_what_it_wrote(tmp_path: Path) -> None:
     out, summary = tmp_path / "syn.csv", tmp_path / "syn.json"
-    argv = ["policy", "generate", "--nodes", "32", "--days", "60", "--seed", "1", "--out", str(out)]
+    argv = ["policy", "generate", "--nodes", "32", "--days", "90", "--seed", "2", "--out", str(out)]
     assert main([*argv, "--json", str(summary)]) == 0
     report = json.loads(summary.read_text())
     with out.open(newline="", encoding="utf-8") as f:
         rows = [r for r in csv.reader(f) if r and not r[0].startswith("#")]
     assert report["faults"] == len(rows) - 1  # minus the header
     assert report["faults"] > 0
-    assert isinstance(report["merged_overlaps"], int) and report["merged_overlaps"] >= 0
-    assert (report["nodes"], report["days"], report["seed"], report["path"]) == (32, 60.0, 1, str(out))
+    assert (report["nodes"], report["days"], report["seed"], report["path"]) == (32, 90.0, 2, str(out))
 
 
 @pytest.mark.parametrize(
@@ -189,3 +188,51 @@ def test_evaluate_rejects_a_non_positive_multiplier(
 ) -> None:
     argv = ["policy", "evaluate", "--model", str(trained[0]), *TINY, "--multiplier", "0"]
     _expect_usage_error(argv, "--multiplier", capsys)
+
+
+def test_train_records_its_horizon_in_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "m.skops"
+    argv = ["policy", "train", "--seeds", "3", *TINY, "--max-iter", "5", "--horizon-h", "4", "--out", str(out)]
+    assert main(argv) == 0
+    assert FailurePredictor.load(out).horizon_h == 4.0
+
+
+def test_evaluate_scores_with_the_models_own_horizon(
+    trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float] = []
+
+    def spy(model: FailurePredictor, *args: object, horizon_h: float | None = None, **kw: object) -> None:
+        seen.append(pipeline.model_horizon(model, horizon_h))
+        raise _Stop
+
+    monkeypatch.setattr(pipeline, "evaluate_fleet", spy)
+    with pytest.raises(_Stop):
+        main(["policy", "evaluate", "--model", str(trained[0]), *TINY])
+    assert seen == [DEFAULT_HORIZON_H]
+
+
+def test_evaluate_refuses_a_horizon_other_than_the_models(
+    trained: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["policy", "evaluate", "--model", str(trained[0]), *TINY, "--horizon-h", "24"]
+    _expect_usage_error(argv, "predicts faults within", capsys)
+
+
+def test_evaluate_refuses_a_model_fitted_on_other_features(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(0)
+    old = tmp_path / "old.skops"
+    FailurePredictor(max_iter=3, horizon_h=2.0).fit(rng.normal(size=(400, 5)), np.arange(400) % 7 == 0).save(old)
+    _expect_usage_error(["policy", "evaluate", "--model", str(old), *TINY], "retrain it with", capsys)
+
+
+def test_a_model_without_a_horizon_is_refused_by_the_policy_loader(tmp_path: Path) -> None:
+    from policy.features import FEATURE_NAMES
+    from policy.predictor import IncompatibleModelError, load_policy_model
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "no-horizon.skops"
+    X = rng.normal(size=(400, len(FEATURE_NAMES)))
+    FailurePredictor(max_iter=3).fit(X, np.arange(400) % 7 == 0).save(path)
+    with pytest.raises(IncompatibleModelError, match="label horizon"):
+        load_policy_model(path)

@@ -72,7 +72,7 @@ def test_a_fitted_model_scores_live_samples() -> None:
     from policy.pipeline import fleet_config, train_predictor
     from policy.predictor import FailurePredictor
 
-    model, _ = train_predictor([fleet_config(5, n_nodes=24, days=30.0)], predictor=FailurePredictor(max_iter=10))
+    model, _ = train_predictor([fleet_config(5, n_nodes=64, days=60.0)], predictor=FailurePredictor(max_iter=10))
     scorer = OnlineScorer(["a", "b"], model=model)
     scorer.observe([sample("a", float(h), xid_codes=(48,) if h > 3 else (), ecc_sbe_count=40 * (h > 3))
                     for h in range(1, 7)])

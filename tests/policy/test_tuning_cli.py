@@ -123,7 +123,7 @@ def test_cli_tune_on_a_csv_writes_plot_json_and_meets_floor(
 
 def test_cli_generate_writes_a_loadable_csv(tmp_path: Path) -> None:
     out = tmp_path / "syn.csv"
-    assert main(["generate", "--nodes", "32", "--days", "30", "--seed", "1", "--out", str(out)]) == 0
+    assert main(["generate", "--nodes", "32", "--days", "90", "--seed", "2", "--out", str(out)]) == 0
     assert main(["simulate", "--trace", str(out), "--nodes", "32"]) == 0
 
 
