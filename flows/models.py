@@ -86,7 +86,7 @@ class TrainingRun(BaseModel):
     lead_time_h: float = Field(default=0.5, gt=0, le=168, description="Hours to obtain a fresh instance.")
     budget_usd_per_h: float | None = Field(default=None, ge=0, description="Cap on all standbys' hourly cost.")
     policy_model: str | None = Field(
-        default=None, description="A FailurePredictor saved by `trainmover policy train` (skops); none: an XID/ECC rule."
+        default=None, description="A FailurePredictor saved by `trainmover policy train` (skops); none: XID/ECC rule."
     )
     hazard_multiplier: float = Field(
         default=1.0, gt=0, le=100, description="Scales predicted failure probabilities: above 1 is more cautious."
