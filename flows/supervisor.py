@@ -129,6 +129,9 @@ class Supervisor:
         self.events_path = self.workdir / "events.jsonl"
         self.feed = feed
         self.costs = run.costs()
+        # A failure counts as predicted when its node alone made a running standby worth its price.
+        offered: list[TierName] = list(self.costs.tiers)
+        self._predicted_bar = min(self.costs.threshold(t) for t in ([t for t in offered if t != "stopped"] or offered))
         self.policy_every_s = policy_every_s
         self.time_scale = time_scale
         self.clock = clock
@@ -468,9 +471,7 @@ class Supervisor:
         limits = self.run.standby
         warm = min(max(plan.warm + plan.hot, limits.min_warm), limits.max_warm)
         stopped = min(plan.stopped, limits.max_stopped)
-        # A failure counts as predicted when its node alone made a running standby worth its price.
-        offered: list[TierName] = list(self.costs.tiers)
-        bar = min(self.costs.threshold(t) for t in ([t for t in offered if t != "stopped"] or offered))
+        bar = self._predicted_bar
         self._hot_nodes = {n for n, p in zip(hazards.node_ids, hazards.p_fail, strict=True) if p > bar}
         if (warm, stopped) != (self.fleet.warm, self.fleet.stopped):
             self.fleet = FleetState(stopped=stopped, warm=warm, last_change_s=now_h * 3600.0)

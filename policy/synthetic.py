@@ -300,8 +300,7 @@ def _faults(cfg: SyntheticFleetConfig, rng: np.random.Generator) -> tuple[np.nda
     # A node's mean cycle (up time + repair) is 1 / (rate * frailty), so the fleet's mean rate is the target.
     # The most frail nodes would need a negative up time; they keep at least a tenth of their cycle up.
     cycle_h = 1 / (rate_per_h * frailty)
-    mean_repair_h = cfg.repair_mean_h
-    scale = np.maximum(cycle_h - mean_repair_h, 0.1 * cycle_h) / math.gamma(1 + 1 / k)
+    scale = np.maximum(cycle_h - cfg.repair_mean_h, 0.1 * cycle_h) / math.gamma(1 + 1 / k)
     # Start each node in equilibrium: the up time straddling hour 0 is length-biased ((X/scale)^k ~
     # Gamma(1 + 1/k)), and hour 0 falls uniformly inside it. Without this, every node would "fault" at 0.
     straddle = scale * rng.gamma(1 + 1 / k, 1.0, cfg.n_nodes) ** (1 / k)
