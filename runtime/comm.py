@@ -47,6 +47,12 @@ class Communicator:
         between the store barrier and this call leaves the others waiting that long at most); collectives
         then get the long collective timeout, since hangs are caught by heartbeats instead."""
         self.teardown()
+        if not dist.is_initialized():
+            # torch names each new group after a per-process counter that only destroy_process_group() resets. A
+            # build that failed while connecting leaves the counter raised, and this process's next group would
+            # wait on store keys that no peer writes (a member that joined later counts from 0): start every
+            # generation's group from the same name in every member.
+            dist.distributed_c10d._world.group_count = 0
         kwargs: dict[str, object] = {}
         if self.backend == "nccl":
             # Non-blocking communicators let abort() interrupt a collective stuck on a lost peer.
