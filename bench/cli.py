@@ -1,16 +1,36 @@
-"""`trainmover bench ...`: the benchmarks' subcommands."""
+"""`trainmover bench ...`: the benchmarks' subcommands (each benchmark module is imported only when it runs)."""
 
 from __future__ import annotations
 
 import argparse
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")
-    r = kinds.add_parser("recovery", help="lost time of one killed worker: TrainMover vs checkpoint-restart vs torchft")
-    r.add_argument("--quick", action="store_true", help="a 4M-parameter model, under a minute")
+    r = kinds.add_parser("recovery", help="lost time of killed workers: TrainMover vs checkpoint-restart vs torchft")
+    r.add_argument("--quick", action="store_true",
+                   help="a 4M-parameter model: about 5 minutes with 5 kills (full size: about 20)")
+    r.add_argument("--kills", type=_positive, default=5, help="kills per system (default: %(default)s)")
     r.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
+    c.add_argument("--interruptions", type=_positive, default=100,
+                   help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
+    c.add_argument("--signals", default="kill", metavar="kill|stop",
+                   help="|-separated: kill (SIGKILL, a crash), stop (SIGSTOP, a hang) (default: %(default)s)")
+    c.add_argument("--targets", default="worker", metavar="worker|standby",
+                   help="|-separated: worker (members), standby (unpromoted standbys) (default: %(default)s)")
+    c.add_argument("--every", type=float, default=1.5, metavar="SECONDS",
+                   help="mean gap between injections, exponential (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=1, help="the chaos monkey's seed (default: %(default)s)")
+    c.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     s = kinds.add_parser("policy", help="learned standby policy vs static spares and the oracle; simulator timings")
     s.add_argument("--quick", action="store_true", help="small fleets, about a minute")
     s.add_argument("--json", metavar="FILE", help="write the full report as JSON")
@@ -21,6 +41,21 @@ def bench_command(ns: argparse.Namespace) -> int:
         from bench.policy import main as policy_main
 
         return policy_main(quick=ns.quick, json_path=ns.json)
+    if ns.kind == "chaos":
+        if not ns.every > 0:
+            print(f"trainmover bench chaos: --every must be a positive number of seconds, got {ns.every}")
+            return 2
+        signals, targets = ns.signals.split("|"), ns.targets.split("|")
+        if not signals or any(x not in ("kill", "stop") for x in signals):
+            print(f"trainmover bench chaos: --signals takes kill, stop or kill|stop, got {ns.signals!r}")
+            return 2
+        if not targets or any(x not in ("worker", "standby") for x in targets):
+            print(f"trainmover bench chaos: --targets takes worker, standby or worker|standby, got {ns.targets!r}")
+            return 2
+        from bench.chaos import main as chaos_main
+
+        return chaos_main(ns.interruptions, ns.json, every_s=ns.every, seed=ns.seed, signals=signals,
+                          targets=targets)
     from bench.recovery import main
 
-    return main(quick=ns.quick, json_path=ns.json)
+    return main(quick=ns.quick, json_path=ns.json, kills=ns.kills)

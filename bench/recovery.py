@@ -1,155 +1,161 @@
-"""`trainmover bench recovery`: what one lost worker costs, side by side, on the same model and the same kill.
+"""`trainmover bench recovery`: what one lost worker costs, side by side, on the same model, over several kills.
 
-One invocation measures, on this machine: a plain all-reduce loop (the throughput baseline); TrainMover
-without and with a worker SIGKILLed mid gradient exchange; checkpoint-restart under real torchrun; torchft
-0.2 with its Lighthouse; and the floor (state bytes over the measured point-to-point bandwidth, plus a
-step). Every `lost_time_s` is the wall time of a run with the interruption minus the same run without it.
+One invocation measures, on this machine: a plain all-reduce loop (the throughput baseline); TrainMover without
+and with a worker SIGKILLed mid gradient exchange, several times in one job; checkpoint-restart under real torchrun,
+killed at points spread over its checkpoint interval; torchft 0.2 with its Lighthouse, one kill per job; and the
+floor (state bytes over the measured point-to-point bandwidth, plus a step). Each system is killed ``KILLS`` times;
+the report gives, per system, the median and the spread (min/max) of ``lost_time_s`` over its kills, and the
+ratios of the medians.
+
+A TrainMover kill whose lost time falls below its floor (the handoff at the measured bandwidth plus the part of
+the step it must redo, `bench.peers.trainmover`) is physically impossible here, so it can only be a disturbed
+measurement: it is flagged ``invalid``, kept in the JSON and left out of the median.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from bench.peers.checkpoint_restart import lost_time_checkpoint_restart
-from bench.peers.common import steady_step_s
+from bench.peers.checkpoint_restart import kill_fractions, lost_time_checkpoint_restart
+from bench.peers.common import rounded, spread, steady_step_s
 from bench.peers.p2p import measure_p2p_bandwidth
 from bench.peers.plain import run_plain
 from bench.peers.torchft_peer import lost_time_torchft
-from bench.workload import SPEC_ENV, WorkloadSpec
-from runtime.launcher import LaunchConfig, launch
+from bench.peers.trainmover import AFTER_STEPS, NPROC, JobRun, kill_losses, kill_plan, kill_schedule, run_job
+from bench.workload import WorkloadSpec
 
-NPROC = 2
-TM_SCRIPT = Path(__file__).with_name("tm_worker.py")
+KILLS = 5
+"""Kills per system; the brief of the benchmark: at least 5, so that a median and a spread mean something."""
+
+KILL_SPACING = 8
+"""Steps between TrainMover's kills in its one killed job (see `kill_schedule`)."""
+
+T = TypeVar("T")
 
 
-def run_trainmover(spec: WorkloadSpec, steps: int, faults: str = "") -> dict[str, Any]:
-    """One TrainMover job (2 workers, 1 warm standby); returns rank 0's step times, digest and the events."""
-    with tempfile.TemporaryDirectory(prefix="tm-bench-") as tmp:
-        out = Path(tmp) / "rank0.json"
-        os.environ[SPEC_ENV] = spec.to_env()
-        os.environ["TM_BENCH_OUT"] = str(out)
-        try:
-            # replenish=False: in a fleet the replacement standby starts on another node; here it would steal
-            # one of the two cores from the workers in the middle of the measurement.
-            # wait_for_standbys: the standby's start-up (import torch, model build) must not share the two
-            # cores with the measured steps.
-            result = launch(LaunchConfig(script=str(TM_SCRIPT), args=(str(steps),), nproc=NPROC, standby=1,
-                                         faults=faults, num_threads=1, quiet=True, replenish=False,
-                                         wait_for_standbys=True))
-        finally:
-            os.environ.pop("TM_BENCH_OUT", None)
-        if result.exit_code != 0:
-            raise RuntimeError(f"TrainMover benchmark job failed: {result.message}")
-        record = json.loads(out.read_text())
-    times = record["step_times"]
+def summarize_trainmover(
+    cleans: list[JobRun], killed: JobRun, kill_steps: list[int], handoff_floor_s: float, floor_s: float
+) -> dict[str, Any]:
+    """TrainMover's figures: each kill's lost time (floors and validity included), and their median and spread."""
+    losses = [k.with_floor(handoff_floor_s) for k in kill_losses(killed.commits, killed.events)]
+    if len(losses) != len(kill_steps):
+        raise RuntimeError(f"{len(kill_steps)} kills planned, {len(losses)} recoveries reported")
+    valid = [k for k in losses if not k.invalid]
+    clean_wall = statistics.median(c.loop_wall_s for c in cleans)
+    reference = cleans[-1]
+
+    def med(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    lost = spread([k.lost_time_s for k in valid])
     return {
-        "loop_wall_s": times[-1] - times[0],
-        "step_times": times,
-        "step_s": steady_step_s(times),
-        "digest": record["digest"],
-        "state_bytes": record["state_bytes"],
-        "events": result.events,
-    }
-
-
-def trainmover_lost_time(spec: WorkloadSpec, steps: int, kill_step: int) -> dict[str, Any]:
-    clean = run_trainmover(spec, steps)
-    killed = run_trainmover(spec, steps, faults=f"kill:rank=1,step={kill_step},phase=exchange")
-    return summarize_trainmover(clean, killed, kill_step)
-
-
-AFTER_STEPS = 3
-
-
-def lost_time_in_run(step_times: list[float], kill_step: int, step_s: float) -> float:
-    """Lost time measured inside the killed run, immune to the run-to-run drift of this shared machine.
-
-    Rank 0 (a survivor) committed step k-1 before the kill at step k. Without the failure, step k+m would
-    have committed (m+1) steady steps later; the lost time is how much later it did. m = 3 takes in the
-    slower first steps after the change (the warm-up penalty).
-    """
-    before = step_times[kill_step - 2]  # step_times[i] is the commit of step i+1
-    after = step_times[kill_step - 1 + AFTER_STEPS]
-    return after - before - (AFTER_STEPS + 1) * step_s
-
-
-def summarize_trainmover(clean: dict[str, Any], killed: dict[str, Any], kill_step: int) -> dict[str, Any]:
-    (recovered,) = [e for e in killed["events"] if e["event"] == "recovered"]
-    return {
-        "lost_time_s": lost_time_in_run(killed["step_times"], kill_step, killed["step_s"]),
-        "lost_time_method": f"in the killed run: commit of step k+{AFTER_STEPS} minus commit of step k-1 minus "
-                            f"{AFTER_STEPS + 1} steady steps (k = killed step)",
-        "lost_time_wall_diff_s": killed["loop_wall_s"] - clean["loop_wall_s"],
-        "detect_s": recovered["detect_s"],
-        "reconfigure_s": recovered["reconfigure_s"],
-        "handoff_s": recovered["handoff_s"],
-        "replay_s": recovered["replay_s"],
-        "warmup_penalty_s": recovered["warmup_penalty_s"],
-        "recovery_s": recovered["recovery_s"],
-        "handoff_bytes": recovered["handoff_bytes"],
-        "bitwise_identical": killed["digest"] == clean["digest"],
-        "clean_wall_s": clean["loop_wall_s"],
-        "killed_wall_s": killed["loop_wall_s"],
-        "step_s": clean["step_s"],
-        "state_bytes": clean["state_bytes"],
-        "digest": clean["digest"],
-        "settings": {"workers": NPROC, "standby": 1, "hang_timeout_s": 2.0, "replenish": False,
+        "lost_time_s": lost["median"],
+        "lost_time_min_s": lost["min"],
+        "lost_time_max_s": lost["max"],
+        "kills_valid": len(valid),
+        "kills_invalid": len(losses) - len(valid),
+        "kills_below_step_end_floor": sum(1 for k in losses if k.lost_time_s < floor_s),
+        "lost_time_method": (
+            "per kill, in the killed job, on rank 0 (a survivor): (commit of the replayed step r - commit of step "
+            f"r-1 - one steady step) + max(0, commit of r+{AFTER_STEPS} - commit of r - {AFTER_STEPS} steady steps); "
+            "steady step = median of the undisturbed steps next to the window; median and min/max over the valid "
+            "kills (a kill below its floor, handoff at the measured bandwidth + the work it redoes, is invalid)"
+        ),
+        "lost_time_wall_diff_per_kill_s": (killed.loop_wall_s - clean_wall) / len(losses),
+        # Medians over the valid kills of each part (the coordinator's, and the in-run decomposition).
+        **{key: med([k.components[key] for k in valid])
+           for key in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+        "recovery_s": med([k.recovery_s for k in valid]),
+        "redone_s": med([k.redone_s for k in valid]),
+        "recovery_bound_gap_min_s": min((k.lost_time_s - k.recovery_bound_s for k in losses), default=None),
+        "kills_reconciled": sum(1 for k in losses if k.reconciled),
+        "reconciled": all(k.reconciled for k in losses),
+        "reconciliation": "per kill, lost_time_s = recovery_s - (step_s - redone_s) + max(0, warm-up penalty in the "
+                          "run) (bench.peers.trainmover); reconciled when lost_time_s >= recovery_s - (step_s - "
+                          "redone_s) - COMMIT_SKEW_S",
+        "handoff_bytes": losses[0].handoff_bytes if losses else None,
+        "kills": [k.to_json() for k in losses],
+        "bitwise_identical": killed.digest == reference.digest,
+        "every_member_identical": bool(killed.member_digests)
+        and all(d == reference.digest for d in killed.member_digests.values()),
+        "clean_wall_s": clean_wall,
+        "killed_wall_s": killed.loop_wall_s,
+        "step_s": statistics.median(k.step_s for k in losses) if losses else None,
+        "state_bytes": reference.state_bytes,
+        "digest": reference.digest,
+        "settings": {"workers": NPROC, "standby": len(kill_steps), "hang_timeout_s": 2.0, "replenish": False,
                      "wait_for_standbys": True,
-                     "kill": f"SIGKILL rank 1 at step {kill_step}, mid gradient exchange"},
+                     "kills": f"SIGKILL of whoever holds rank 1, mid gradient exchange, at steps {kill_steps}"},
     }
 
 
-def run_recovery_benchmark(quick: bool) -> dict[str, Any]:
+def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
     spec = WorkloadSpec.quick() if quick else WorkloadSpec.full()
-    steps = 16 if quick else 30
-    kill_step = steps // 2
+    kill_steps, steps = kill_schedule(kills, spacing=KILL_SPACING)
+    # torchft keeps its single-kill job shape (one kill per job; see lost_time_torchft).
+    tft_steps = 16 if quick else 30
     sections: dict[str, float] = {}
     t0 = time.time()
 
-    def timed(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def timed(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         start = time.time()
         value = fn(*args, **kwargs)
         sections[name] = round(sections.get(name, 0.0) + time.time() - start, 2)
         return value
 
-    # Throughput: the plain loop and an uninterrupted TrainMover run alternate (twice in full mode); each
+    # replenish=False with one warm standby per kill: in a fleet a replacement standby starts on another node;
+    # here its start-up (import torch, model build, shadow step) would take one of the two cores from the workers
+    # in the middle of the next kill's measurement. wait_for_standbys: no standby's start-up shares the cores
+    # with a measured step either. The clean runs have the same standbys, so that they differ only by the kills.
+    def tm_job(faults: str = "") -> JobRun:
+        return run_job(spec, steps, faults=faults, standby=kills, replenish=False, wait_for_standbys=True)
+
+    # Throughput: the plain loop and an uninterrupted TrainMover run alternate (three times in full mode); each
     # system's best steady step time is kept, since interference on a shared machine only ever slows a run.
-    plains, cleans = [], []
+    plains: list[dict[str, Any]] = []
+    cleans: list[JobRun] = []
     for _ in range(1 if quick else 3):
         plains.append(timed("plain", run_plain, spec, steps, nproc=NPROC))
-        cleans.append(timed("trainmover", run_trainmover, spec, steps))
+        cleans.append(timed("trainmover", tm_job))
     plain = min(plains, key=lambda r: r["step_s"])
-    ratios = [p["step_s"] / c["step_s"] for p, c in zip(plains, cleans, strict=True)]
-    killed = timed("trainmover", run_trainmover, spec, steps, faults=f"kill:rank=1,step={kill_step},phase=exchange")
-    tm = summarize_trainmover(cleans[-1], killed, kill_step)
-    bandwidth = timed("p2p", measure_p2p_bandwidth, tm["state_bytes"])
-    ckpt = timed("checkpoint_restart", lost_time_checkpoint_restart, spec, quick=quick)
-    tft = timed("torchft", lost_time_torchft, spec, steps, kill_step)
-    floor_s = tm["state_bytes"] / bandwidth + plain["step_s"]
+    clean_step_s = [_steady(c) for c in cleans]
+    ratios = [p["step_s"] / c for p, c in zip(plains, clean_step_s, strict=True)]
+    killed = timed("trainmover", tm_job, kill_plan(kill_steps))
+    state_bytes = cleans[-1].state_bytes
+    bandwidth = timed("p2p", measure_p2p_bandwidth, state_bytes)
+    handoff_floor_s = state_bytes / bandwidth
+    floor_s = handoff_floor_s + plain["step_s"]
+    tm = summarize_trainmover(cleans, killed, kill_steps, handoff_floor_s, floor_s)
+    ckpt = timed("checkpoint_restart", lost_time_checkpoint_restart, spec, quick=quick,
+                 fractions=kill_fractions(kills))
+    tft = timed("torchft", lost_time_torchft, spec, tft_steps, tft_steps // 2, kills=kills)
     report: dict[str, Any] = {
         "mode": "quick" if quick else "full",
         "workload": {"parameters": _parameters(spec), "width": spec.width, "depth": spec.depth,
                      "batch_size_per_worker": spec.batch_size, "optimizer": "AdamW", "workers": NPROC,
-                     "steps": steps, "kill_step": kill_step},
-        "trainmover": tm,
+                     "steps": steps, "kill_steps": kill_steps, "kills_per_system": kills,
+                     "torchft_steps": tft_steps, "torchft_kill_step": tft_steps // 2},
+        "trainmover": rounded(tm),
         "checkpoint_restart": ckpt,
         "torchft": tft,
         "plain": plain,
         "floor_s": floor_s,
+        "floor_method": "state bytes / point-to-point bandwidth + the plain loop's steady step: the floor of a kill "
+                        "at the very end of a step; a kill's own floor counts only the part of the step it redoes "
+                        "(trainmover.kills[].floor_s)",
         "overhead": statistics.median(ratios),
         "overhead_pairs": ratios,
         "overhead_method": f"median over {len(ratios)} alternated pairs of (plain loop's steady step time / "
-                           "TrainMover's, with one idle warm standby)",
-        "step_s": {"plain": [r["step_s"] for r in plains], "trainmover": [r["step_s"] for r in cleans]},
+                           f"TrainMover's, with {kills} idle warm standbys)",
+        "step_s": {"plain": [r["step_s"] for r in plains], "trainmover": clean_step_s},
         "bitwise_identical": tm["bitwise_identical"],
         "bitwise_identical_to_plain_loop": tm["digest"] == plain.get("digest"),
-        "state_bytes": tm["state_bytes"],
+        "state_bytes": state_bytes,
         "p2p_bandwidth_bytes_per_s": bandwidth,
         "benchmark_wall_s": time.time() - t0,
         "section_wall_s": sections,
@@ -158,22 +164,38 @@ def run_recovery_benchmark(quick: bool) -> dict[str, Any]:
     return report
 
 
+def _steady(run: JobRun) -> float:
+    return steady_step_s(run.step_times)
+
+
 def _parameters(spec: WorkloadSpec) -> int:
     return spec.depth * (spec.width * spec.width + spec.width) + spec.width + 1
 
 
 def _ratios(r: dict[str, Any]) -> dict[str, float | None]:
+    """Ratios of the medians over the kills (TrainMover's over the valid kills only)."""
     tm = r["trainmover"]["lost_time_s"]
 
     def ratio(other: dict[str, Any]) -> float | None:
         value = other.get("lost_time_s")
-        return None if value in (None, 0) else tm / value
+        return None if tm is None or value in (None, 0) else tm / value
 
     return {
         "lost_time_vs_checkpoint_restart": ratio(r["checkpoint_restart"]),
         "lost_time_vs_torchft": ratio(r["torchft"]),
-        "lost_time_vs_floor": tm / r["floor_s"],
+        "lost_time_vs_floor": None if tm is None else tm / r["floor_s"],
     }
+
+
+def _each(values: list[Any] | None) -> list[float]:
+    return [float(v) for v in values or []]
+
+
+def _verdict(kill: dict[str, Any]) -> str:
+    words = ["INVALID (below its floor)" if kill["invalid"] else "valid"]
+    if not kill.get("reconciled", True):
+        words.append("NOT RECONCILED (below recovery_s - (step - redone))")
+    return ", ".join(words)
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -182,28 +204,50 @@ def format_report(r: dict[str, Any]) -> str:
     def f(x: Any) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
+    def row(name: str, values: list[float], median: Any, exact: Any, note: str = "") -> str:
+        s = spread(values)
+        return (f"  {name:<20}{len(values):>6}{f(median):>10}{f(s['min']):>9}{f(s['max']):>9}{exact!s:>11}"
+                + (f"   {note}" if note else ""))
+
+    tm_valid = [k["lost_time_s"] for k in tm["kills"] if not k["invalid"]]
+    invalid = tm["kills_invalid"]
     lines = [
         f"recovery benchmark ({r['mode']}): {r['workload']['parameters'] / 1e6:.1f}M parameters + AdamW, "
-        f"{r['state_bytes'] / 1e6:.0f} MB of state, {r['workload']['workers']} workers, kill at step "
-        f"{r['workload']['kill_step']}",
-        f"  {'system':<20}{'lost_time_s':>12}{'bit-exact':>11}",
-        f"  {'TrainMover':<20}{f(tm['lost_time_s']):>12}{tm['bitwise_identical']!s:>11}"
-        f"   (detect {f(tm['detect_s'])}, reconfigure {f(tm['reconfigure_s'])}, handoff {f(tm['handoff_s'])}, "
-        f"replay {f(tm['replay_s'])}, warm-up {f(tm['warmup_penalty_s'])})",
-        f"  {'checkpoint-restart':<20}{f(ck.get('lost_time_s')):>12}{ck.get('bitwise_identical')!s:>11}"
-        f"   (checkpoint every {ck.get('interval_steps')} steps)",
-        f"  {'torchft 0.2':<20}{f(tf.get('lost_time_s')):>12}{tf.get('bitwise_identical')!s:>11}",
-        f"  floor_s {f(r['floor_s'])}  (p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s)   "
+        f"{r['state_bytes'] / 1e6:.0f} MB of state, {r['workload']['workers']} workers, "
+        f"{r['workload']['kills_per_system']} kills per system",
+        f"  {'system':<20}{'kills':>6}{'median':>10}{'min':>9}{'max':>9}{'bit-exact':>11}   lost_time_s",
+        row("TrainMover", tm_valid, tm["lost_time_s"], tm["bitwise_identical"],
+            f"{invalid} invalid (below their floor), left out" if invalid else "none invalid"),
+        f"{'':<24}(medians: detect {f(tm['detect_s'])}, reconfigure {f(tm['reconfigure_s'])}, handoff "
+        f"{f(tm['handoff_s'])}, replay {f(tm['replay_s'])}, warm-up {f(tm['warmup_penalty_s'])}; redone before the "
+        f"failure {f(tm['redone_s'])}, recovery_s {f(tm['recovery_s'])})",
+        row("checkpoint-restart", _each(ck.get("lost_time_s_each")), ck.get("lost_time_s"),
+            ck.get("bitwise_identical"), f"checkpoint every {ck.get('interval_steps')} steps, kills at "
+            + ", ".join(f"{k.get('fraction_of_interval')}" for k in ck.get("kills", [])) + " of it"),
+        row("torchft 0.2", _each(tf.get("lost_time_s_each")), tf.get("lost_time_s"), tf.get("bitwise_identical")),
+        f"  floor_s {f(r['floor_s'])}  (p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; "
+        f"{tm['kills_below_step_end_floor']} TrainMover kills below it, which counts a whole step redone)   "
         f"overhead {r['overhead']:.3f}",
-        "  ratios: " + ", ".join(f"{k} {f(v)}" for k, v in r["ratios"].items()),
+        "  ratios of medians: " + ", ".join(f"{k} {f(v)}" for k, v in r["ratios"].items()),
+        f"  TrainMover per kill (lost = recovery_s - (step - redone) + warm-up; {tm.get('kills_reconciled', '?')} of "
+        f"{len(tm['kills'])} reconciled with the coordinator):",
+        f"    {'step':>5}{'lost_s':>9}{'recovery_s':>12}{'step_s':>9}{'redone_s':>10}{'bound_s':>9}{'floor_s':>9}"
+        f"{'warm-up':>9}  verdict",
+        *(f"    {k['replay_step']:>5}{f(k['lost_time_s']):>9}{f(k['recovery_s']):>12}{f(k['step_s']):>9}"
+          f"{f(k['redone_s']):>10}{f(k['recovery_bound_s']):>9}{f(k['floor_s']):>9}"
+          f"{f(k['warmup_penalty_in_run_s']):>9}  {_verdict(k)}" for k in tm["kills"]),
+        f"  wall {r['benchmark_wall_s']:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["section_wall_s"].items()),
     ]
     return "\n".join(lines)
 
 
-def main(quick: bool, json_path: str | None) -> int:
-    report = run_recovery_benchmark(quick)
+def main(quick: bool, json_path: str | None, kills: int = KILLS) -> int:
+    report = run_recovery_benchmark(quick, kills)
     print(format_report(report))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))
+    if not report["bitwise_identical"]:
+        print("  MISMATCH: TrainMover's final state differs from the uninterrupted run's")
+        return 1
     return 0

@@ -27,6 +27,10 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    help="start training only once every standby is warm")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default cores/nproc)")
     p.add_argument("--faults", default="", help="fault-injection plan, e.g. 'kill:rank=1,step=5,phase=exchange'")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="start standbys as new interpreters instead of forking them from a pre-imported zygote")
+    p.add_argument("--chaos", default="", metavar="SPEC",
+                   help="random faults the coordinator injects, e.g. 'seed=1,every_s=1.5,max=100,signals=kill|stop'")
     p.add_argument("--port", type=int, default=0,
                    help="coordinator store port, where an orchestrator steers the job with runtime.control.JobControl "
                         "(default: a free one, named in the job_started event)")
@@ -40,8 +44,9 @@ def run_command(ns: argparse.Namespace) -> int:
         cfg = LaunchConfig(
             script=ns.script, args=tuple(ns.script_args), nproc=ns.nproc, standby=ns.standby, backend=ns.backend,
             events_path=ns.events, hang_timeout_s=ns.hang_timeout, standby_wait_s=ns.standby_wait,
-            replenish=not ns.no_replenish, num_threads=ns.threads, faults=ns.faults, port=ns.port, quiet=ns.quiet,
-            wait_for_standbys=ns.wait_for_standbys,
+            replenish=not ns.no_replenish, num_threads=ns.threads, faults=ns.faults, chaos=ns.chaos, port=ns.port,
+            quiet=ns.quiet,
+            wait_for_standbys=ns.wait_for_standbys, fork_server=not ns.no_fork_server,
         )
         result = launch(cfg)
     except ConfigError as exc:

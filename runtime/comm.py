@@ -122,6 +122,38 @@ class Communicator:
         self.last_teardown_s = time.perf_counter() - t0
 
 
+    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Make `tensors` equal to rank 0's on every rank (one broadcast per dtype and device)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        failure: str | None = None
+        try:
+            for members in groups.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in members])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for t in members:
+                    t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        except RuntimeError as exc:
+            failure = error_text(exc)
+        if failure is not None:  # raised outside the except block: no traceback may pin the broken group
+            raise CommFailure(f"buffer broadcast failed: {failure}")
+
+    def mean_scalar(self, value: float, world_size: int) -> float:
+        """The mean of one float over the group, computed in float64: the same value on every rank."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        failure: str | None = None
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as exc:
+            failure = error_text(exc)
+        if failure is not None:
+            raise CommFailure(f"loss reduction failed: {failure}")
+        return float(t.item()) / world_size
+
+
 class GradientBuckets:
     """Flat gradient buffers, one or more per (device, dtype), with every `.grad` a view into them."""
 
@@ -184,3 +216,4 @@ class GradientBuckets:
             raise CommFailure(failure)
         for flat in self.flats:
             flat.div_(world_size)
+

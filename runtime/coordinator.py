@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import selectors
 import signal
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from runtime import store as keys
 from runtime.auth import verify
+from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.events import EventLog
 from runtime.faults import parse_plan
@@ -36,6 +39,11 @@ log = logging.getLogger("trainmover.coordinator")
 
 LOOP_S = 0.005
 HEALTH_EVERY_S = 0.2
+SPAWN_WINDOW_S = 10.0
+SPAWN_MIN_PER_WINDOW = 20
+SPAWN_PER_STANDBY = 10
+"""Standbys started in any 10 s: at most max(20, 10 x the largest standby target). Churn beyond it is deferred,
+not dropped; a script whose standbys cannot start at all is stopped by the in-a-row rule instead."""
 
 
 class ProcessHandle(Protocol):
@@ -85,6 +93,10 @@ class CoordinatorSettings:
     faults: str = ""
     start_when_standbys_ready: bool = False
     """Hold the workers at generation 0 until every standby is warm, so that the first failure is covered."""
+    chaos: str = ""
+    """Random faults the coordinator injects itself (runtime.chaos), for soak tests and benchmarks."""
+    max_standby_failures: int = 5
+    """Standbys that die in a row before they are warm, after which the job stops instead of spawning more."""
 
 
 @dataclass
@@ -99,6 +111,8 @@ class Member:
     dead: bool = False
     exit_code: int | None = None
     assigned_gen: int | None = None
+    exit_seen_at: float | None = None
+    """Wall-clock moment its pidfd turned readable: when the process exited, to the loop's latency."""
 
 
 @dataclass
@@ -162,6 +176,7 @@ class Coordinator:
         self.stop_sent = False
         self.next_standby = 0
         self.spawned_standbys = 0
+        self._spawn_times: deque[float] = deque()
         self.fault_count = len(parse_plan(settings.faults))
         self.standby_target = settings.standby
         """Unpromoted standbys to keep: `settings.standby` until an orchestrator sets another."""
@@ -172,13 +187,22 @@ class Coordinator:
         self._selector = selectors.DefaultSelector()
         self._exit_fds: dict[str, int] = {}
         self._fault_records: dict[int, dict[str, Any]] = {}
+        self.holders: set[str] = set(self.gen.members)
+        """Live members known to hold the complete training state (every worker of generation 0)."""
+        self.standby_failures_in_row = 0
+        chaos = parse_chaos(settings.chaos)
+        self.chaos = ChaosMonkey(chaos) if chaos is not None else None
+        self._chaos_hit: dict[str, float] = {}
+        """Processes the chaos monkey signalled, and when: their true moment of failure."""
+        self._chaos_over = False
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
         t0 = time.time()
         keys.set_json(self.store, keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
+        helpers: dict[str, int] = getattr(self.pool, "helpers", dict)()
         self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
-                         port=self.store.port)
+                         port=self.store.port, helpers=helpers)
         for name in self.gen.members:
             self._spawn(name, "worker")
         for _ in range(self.s.standby):
@@ -203,6 +227,7 @@ class Coordinator:
                     if self.completing_since is None:
                         self._poll_health(now)
                         self._poll_control()
+                        self._tick_chaos(now)
                 if due or busy or exited:
                     result = self._progress(now)
                     if result is not None:
@@ -214,6 +239,10 @@ class Coordinator:
 
     def _finish(self, result: JobResult, t0: float) -> JobResult:
         self._flush_recoveries(final=True)
+        for name, at in self._chaos_hit.items():
+            if not self.procs[name].dead:  # a hang injected too close to the end to be detected before it
+                self.events.emit("chaos_unresolved", proc=name, pid=self.procs[name].handle.pid, time=at,
+                                 reason="the job ended before the fault was detected")
         digests = self._digests()
         if result.exit_code == 0:
             self.events.emit("job_finished", wall_s=time.time() - t0, generation=self.gen.gen, digests=digests,
@@ -266,9 +295,11 @@ class Coordinator:
             time.sleep(timeout_s)
             return False
         ready = self._selector.select(timeout_s)
+        seen = time.time()
         for key, _ in ready:
             self._selector.unregister(key.fileobj)
             self._exit_fds.pop(key.data, None)
+            self.procs[key.data].exit_seen_at = seen
         return bool(ready)
 
     def _spawn_standby(self) -> str:
@@ -282,7 +313,7 @@ class Coordinator:
         return {proc: rank for rank, proc in enumerate(self.gen.members)}
 
     def _poll_exits(self) -> None:
-        for name, m in self.procs.items():
+        for name, m in list(self.procs.items()):  # declaring a death may spawn a replacement into the table
             if m.dead:
                 continue
             code = m.handle.poll()
@@ -297,17 +328,35 @@ class Coordinator:
         if self.completing_since is not None:
             return  # training is over; exits now are the script's own business, judged at the end
         self._check_fatal(name)
-        if rank is None:
-            if not m.ready and code == 0:
-                return
-            self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause)
-            log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
-            if self.s.replenish and self.spawned_standbys < self._max_standby_target * 10 + 10:
-                self._top_up("replace a lost standby")
-            return
+        joined = m.hello_ok or self.store.check([keys.k_hello(name)])
+        if code is not None and code >= 0 and not joined and name not in self._chaos_hit:
+            raise JobFailed(
+                f"{m.handle.role} {name} (pid {m.handle.pid}) {cause} before joining the job. Every process runs "
+                "the script, and the script must call runtime.init() (or build a Trainer) and Trainer.fit(); run "
+                "it with plain `python` to see its own error. The job was stopped.")
         now_wall = time.time()
         fault = self._fault_for(name)
-        failure = failure_at or (fault["time"] if fault else now_wall)
+        # The failure's moment: when the chaos monkey or an injected fault struck, else the last heartbeat of a
+        # hung process, else the exit seen on its pidfd; the moment it was noticed only when nothing else is known.
+        failure = (self._chaos_hit.get(name) or (fault["time"] if fault else None) or failure_at
+                   or m.exit_seen_at or now_wall)
+        if rank is None:
+            if code == 0:
+                return  # a standby that joined and then left on its own (the job is ending): nothing lost
+            self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause, was_ready=m.ready,
+                             failure_at=failure, declared_at=now_wall, detect_s=now_wall - failure)
+            log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
+            if not m.ready:
+                self.standby_failures_in_row += 1
+                if self.standby_failures_in_row >= self.s.max_standby_failures:
+                    raise JobFailed(
+                        f"{self.standby_failures_in_row} standbys in a row died before they were warm (the last, "
+                        f"{name}, {cause}); the job was stopped instead of starting more. Check that the script "
+                        "runs on its own and that the machine has memory for one more process.")
+            if self.s.replenish:
+                self._top_up("replace a lost standby")
+            return
+        self.holders.discard(name)
         death = Death(rank, name, m.handle.pid, cause, failure, now_wall)
         self.pending_deaths[rank] = death
         if self.waiting_since is None:
@@ -318,6 +367,11 @@ class Coordinator:
                          detect_s=now_wall - failure)
         where = f" at step {step}" if step is not None else ""
         log.warning("worker %s (rank %d, pid %d) %s%s", name, rank, m.handle.pid, cause, where)
+        if self.started and not (self.holders & set(self.gen.members)):
+            lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in self.pending_deaths.values())
+            raise JobFailed(
+                f"every copy of the training state was lost: {lost}; no surviving process holds it, so no standby "
+                "can be given it. The job was stopped; restart it from its last backup checkpoint.")
 
     def _fault_for(self, name: str) -> dict[str, Any] | None:
         for i in range(self.fault_count):
@@ -327,7 +381,7 @@ class Coordinator:
         return matches[-1] if matches else None
 
     def _poll_health(self, now: float) -> None:
-        for name, m in self.procs.items():
+        for name, m in list(self.procs.items()):
             if m.dead:
                 continue
             if not m.hello_ok and self.store.check([keys.k_hello(name)]):
@@ -351,6 +405,7 @@ class Coordinator:
                 and self.store.check([keys.k_ready(name)])
             ):
                 m.ready = True
+                self.standby_failures_in_row = 0
                 warm = keys.get_json(self.store, keys.k_ready(name))
                 self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
                                  ready_after_s=now - m.started_at)
@@ -379,11 +434,21 @@ class Coordinator:
                 and m.assigned_gen is None]
 
     def _ready_standbys(self) -> list[str]:
-        return [n for n in self._unpromoted_standbys() if self.procs[n].ready and self.procs[n].hello_ok]
+        """Warm standbys that look alive: one whose heartbeat has been silent for half the hang timeout is not
+        promoted (it may be hung; promoting it would cost the new generation a hang detection)."""
+        now = time.monotonic()
+        return [n for n in self._unpromoted_standbys() if self.procs[n].ready and self.procs[n].hello_ok
+                and now - self.procs[n].hb_changed_at < self.s.hang_timeout_s / 2]
 
     def _top_up(self, reason: str) -> None:
-        """Start standbys until the unpromoted ones (warming up included) reach the target."""
-        for _ in range(self.standby_target - len(self._unpromoted_standbys())):
+        """Start standbys until the unpromoted ones (warming up included) reach the target, at a bounded rate:
+        what the rate defers, the next tick starts (`_progress` tops up every tick)."""
+        now = time.monotonic()
+        while self._spawn_times and now - self._spawn_times[0] > SPAWN_WINDOW_S:
+            self._spawn_times.popleft()
+        allowed = max(SPAWN_MIN_PER_WINDOW, SPAWN_PER_STANDBY * self._max_standby_target) - len(self._spawn_times)
+        for _ in range(min(allowed, self.standby_target - len(self._unpromoted_standbys()))):
+            self._spawn_times.append(now)
             self.events.emit("standby_spawned", proc=self._spawn_standby(), reason=reason)
 
     def _release_surplus(self, reason: str) -> None:
@@ -503,11 +568,64 @@ class Coordinator:
             self.completing_since = now
             self.pending_deaths.clear()
             return None
+        self._update_holders()
         self._handle_failed_reports(now)
+        if self.s.replenish:
+            self._top_up("keep the standby target")
         if self.pending_deaths:
             self._replace(now)
         self._flush_recoveries()
         return None
+
+    def _update_holders(self) -> None:
+        """A promoted standby holds the state once its handoff completed (it says so in the store)."""
+        for rank, proc in enumerate(self.gen.members):
+            if proc not in self.holders and not self.procs[proc].dead and self.store.check(
+                [keys.k_holds(self.gen.gen, rank)]
+            ):
+                self.holders.add(proc)
+
+    # -- chaos (runtime.chaos) -----------------------------------------------------------------------
+    def _tick_chaos(self, now: float) -> None:
+        if self.chaos is None or not self.started or self._chaos_over:
+            return
+        if self.chaos.next_at is None:
+            self.chaos.start(now)
+        if not self.chaos.due(now):
+            return
+        if any(self.store.check([keys.k_done(self.gen.gen, r)]) for r in range(self.gen.world_size)):
+            self._chaos_over = True  # training is finishing: a fault now would test the script's exit, not us
+            return
+        self._update_holders()
+        members = self._members()
+        # Standbys hit while warming whose loss is not declared yet count towards the in-a-row stop too.
+        warming_hit = sum(1 for n in self._chaos_hit if not self.procs[n].dead and not self.procs[n].ready
+                          and n not in members)
+        candidates = []
+        for name, m in self.procs.items():
+            if m.dead or name in self._chaos_hit or m.hb_value < 0 or m.handle.poll() is not None:
+                continue  # only processes that joined (a hang before the first heartbeat waits out the startup)
+            if name in members:
+                holds = name in self.holders
+                candidates.append(Candidate(name, "worker", "training" if holds else "receiving", holds))
+            elif m.handle.role == "standby" and m.assigned_gen is None:
+                if not m.ready and self.standby_failures_in_row + warming_hit >= self.s.max_standby_failures - 2:
+                    continue  # chaos must not trip the stop meant for a script whose standbys cannot start
+                candidates.append(Candidate(name, "standby", "standby_warm" if m.ready else "standby_warming",
+                                            False))
+        for shot in self.chaos.strike(now, candidates):
+            m = self.procs[shot.proc]
+            at = time.time()
+            self._chaos_hit[shot.proc] = at
+            os.kill(m.handle.pid, signal.SIGKILL if shot.signal == "kill" else signal.SIGSTOP)
+            state = next(c.state for c in candidates if c.proc == shot.proc)
+            self.events.emit("chaos_injected", proc=shot.proc, pid=m.handle.pid, signal=shot.signal,
+                             role="worker" if shot.proc in members else "standby", state=state, time=at,
+                             rank=members.get(shot.proc), generation=self.gen.gen, n=self.chaos.injected)
+            log.warning("chaos: %s %s (pid %d, %s)", shot.signal, shot.proc, m.handle.pid, state)
+        if self.chaos.exhausted:
+            self._chaos_over = True
+            self.store.set(keys.k_chaos_done(), str(self.chaos.injected))
 
     def _all_done(self) -> bool:
         return self.store.check([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)])
@@ -539,6 +657,9 @@ class Coordinator:
         if not reports:
             self.failed_seen_at = None
             return
+        for r in reports:
+            if r.get("kind") == "state_lost":
+                raise JobFailed(f"{r.get('message', 'the training state was lost')}; the job was stopped")
         for r in reports:
             untrusted = r.get("untrusted_rank")
             if untrusted is not None and not self.procs[self.gen.members[untrusted]].dead:

@@ -26,10 +26,12 @@ import torch.distributed as dist
 from runtime.store import k_fault
 
 Phase = Literal[
-    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "standby_wait"
+    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
+    "standby_wait",
 ]
 PHASES: tuple[str, ...] = (
-    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "standby_wait",
+    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
+    "standby_wait",
 )
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None}
 

@@ -33,6 +33,10 @@ class HandoffError(RuntimeError):
     """The state could not be handed over: no source, a bad proof or a corrupted chunk."""
 
 
+class StateLost(HandoffError):
+    """No member of the new generation holds the training state: no handoff can rebuild it."""
+
+
 class UntrustedReceiver(HandoffError):
     """A receiver failed to prove it belongs to the job; nothing was sent to it."""
 
@@ -62,7 +66,7 @@ class HandoffPlan:
 def plan_handoff(statuses: list[MemberStatus]) -> HandoffPlan:
     holders = [s for s in statuses if s.has_state]
     if not holders:
-        raise HandoffError(
+        raise StateLost(
             "every copy of the training state was lost at once (no surviving replica holds it); "
             "restart the job from its last backup checkpoint"
         )

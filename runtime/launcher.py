@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +22,12 @@ from typing import Literal
 import torch.distributed as dist
 
 from runtime.auth import new_token
+from runtime.chaos import parse_chaos
 from runtime.config import ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.events import EventLog
 from runtime.faults import parse_plan
+from runtime.zygote import ForkedProcess, ZygoteClient
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -61,6 +64,8 @@ class LaunchConfig:
     """torch threads per process (equal everywhere, for bit-exact replays); default: cores / nproc."""
     faults: str = ""
     """Fault-injection plan (runtime.faults) for demos and tests."""
+    chaos: str = ""
+    """Random faults the coordinator injects (runtime.chaos), e.g. "seed=1,every_s=1.5,max=100,signals=kill|stop"."""
     host: str = "127.0.0.1"
     """Address the coordinator's store listens on."""
     port: int = 0
@@ -76,6 +81,9 @@ class LaunchConfig:
     """Log only errors."""
     wait_for_standbys: bool = False
     """Start training only once every standby is warm (the first failure is then always covered)."""
+    fork_server: bool = True
+    """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
+    milliseconds instead of seconds. Gloo only; without it (or when the zygote fails) processes start as usual."""
 
     def validate(self) -> None:
         if self.nproc < 1:
@@ -95,8 +103,12 @@ class LaunchConfig:
             raise ConfigError(f"--port must be a TCP port (0 picks a free one), got {self.port}")
         if self.standby_wait_s < 0:
             raise ConfigError(f"--standby-wait must be 0 or more seconds, got {self.standby_wait_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--threads must be 1 or more torch threads per process, got {self.num_threads}; "
+                              "leave it out for cores / nproc")
         try:
             parse_plan(self.faults)
+            parse_chaos(self.chaos)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.backend == "nccl":
@@ -150,15 +162,34 @@ class LocalProcess:
 
 
 class LocalProcessPool:
-    """Starts workers and standbys as subprocesses of this launcher, each with its own launch variables."""
+    """Starts workers and standbys as subprocesses of this launcher, each with its own launch variables.
+
+    Workers start as new interpreters; standbys are forked from the zygote once it is ready (runtime.zygote),
+    which is what makes replacing a used-up standby fast.
+    """
 
     def __init__(self, cfg: LaunchConfig, store_port: int, token: str) -> None:
         self.cfg = cfg
         self.store_port = store_port
         self.token = token
         self.gpu_next = 0
+        self.zygote: ZygoteClient | None = None
+        if cfg.fork_server and cfg.backend == "gloo":
+            self.zygote = ZygoteClient(self._base_env())
 
-    def spawn(self, name: str, role: str) -> LocalProcess:
+    def _base_env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": str(self.cfg.threads()), "PYTHONUNBUFFERED": "1"}
+
+    def helpers(self) -> dict[str, int]:
+        """Processes that serve the job without training in it (the zygote), by name."""
+        pid = self.zygote.pid if self.zygote is not None else None
+        return {"zygote": pid} if pid is not None else {}
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+
+    def spawn(self, name: str, role: str) -> LocalProcess | ForkedProcess:
         cfg = self.cfg
         pc = ProcessConfig(
             store_host=cfg.host, store_port=self.store_port, job_id=cfg.job_id, job_token=self.token, proc=name,
@@ -166,7 +197,12 @@ class LocalProcessPool:
             backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
             recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
         )
-        env = {**os.environ, **pc.to_env(), "OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"}
+        env = {**self._base_env(), **pc.to_env()}
+        if role == "standby" and self.zygote is not None:
+            pid = self.zygote.spawn(env, [cfg.script, *cfg.args])
+            if pid is not None:
+                log.info("forked %s %s (pid %d)", role, name, pid)
+                return ForkedProcess(name, role, pid)
         if cfg.backend == "nccl":
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_next)
             self.gpu_next += 1
@@ -194,14 +230,18 @@ def launch(cfg: LaunchConfig) -> JobResult:
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
-        faults=cfg.faults, start_when_standbys_ready=cfg.wait_for_standbys,
+        faults=cfg.faults, start_when_standbys_ready=cfg.wait_for_standbys, chaos=cfg.chaos,
     )
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if main_thread:
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         result = Coordinator(settings, server, pool, events).run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        pool.close()
         events.close()
     if result.exit_code == 0:
         log.info("%s", result.message)

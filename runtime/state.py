@@ -1,23 +1,37 @@
 """The training state a handoff moves, and nothing else.
 
 `TrainingState` owns the canonical, ordered view of one replica's state: the tensors (parameters, buffers,
-optimizer state) that are streamed in place, and the JSON-able rest (step, optimizer hyper-parameters, LR
-scheduler, RNG states, data position) that travels as one small metadata record. JSON, never pickle: a
-receiver never executes what a peer sent.
+optimizer state, and the tensors of registered extra state such as EMA weights or a GradScaler) that are
+streamed in place, and the JSON-able rest (step, optimizer hyper-parameters, LR scheduler, RNG states of torch,
+Python and NumPy, the non-tensor values of extra state) that travels as one small metadata record. JSON, never
+pickle: a receiver never executes what a peer sent.
+
+It also owns the model's *spec* (every model tensor's name, shape and dtype, and the optimizer's parameter
+groups): processes whose specs differ run different scripts or arguments, which no recovery can fix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
-META_VERSION = 1
+META_VERSION = 2
+
+
+class Stateful(Protocol):
+    """Anything with `state_dict()`/`load_state_dict()`: an EMA model, a GradScaler, a counter object."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
 class StateMismatchError(RuntimeError):
@@ -77,8 +91,62 @@ def decode_json(value: Any, device: torch.device | None = None) -> Any:
     return value
 
 
+def split_tensors(value: Any, out: list[torch.Tensor]) -> Any:
+    """A JSON skeleton of `value` where every tensor is replaced by a slot in `out` (streamed, not inlined)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value.detach())
+        return {"__slot__": len(out) - 1}
+    if isinstance(value, tuple):
+        return {"__tuple__": [split_tensors(v, out) for v in value]}
+    if isinstance(value, list):
+        return [split_tensors(v, out) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str | int) for k in value):
+            raise TypeError(f"cannot hand off a dict with keys {list(value)[:3]!r}")
+        return {"__dict__": [[k, split_tensors(v, out)] for k, v in value.items()]}
+    return encode_json(value)
+
+
+def join_tensors(skeleton: Any, slots: list[torch.Tensor]) -> Any:
+    """The inverse of `split_tensors`."""
+    if isinstance(skeleton, list):
+        return [join_tensors(v, slots) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "__slot__" in skeleton:
+            return slots[int(skeleton["__slot__"])]
+        if "__tuple__" in skeleton:
+            return tuple(join_tensors(v, slots) for v in skeleton["__tuple__"])
+        if "__dict__" in skeleton:
+            return {k: join_tensors(v, slots) for k, v in skeleton["__dict__"]}
+        if "__tensor__" in skeleton:
+            return decode_json(skeleton)
+    return skeleton
+
+
+def _python_rng_state() -> Any:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _numpy_rng_state() -> Any:
+    state: Any = np.random.get_state(legacy=True)
+    name, keys, pos, has_gauss, cached = state
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def spec_difference(mine: list[Any], theirs: list[Any], me: str, them: str) -> str | None:
+    """The first difference between two specs, as a sentence that names the tensor; None if they are equal."""
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            return f"{a[0]!r} is {tuple(a[1])} {a[2]} in {me}, but {them} has {b[0]!r} {tuple(b[1])} {b[2]}"
+    if len(mine) != len(theirs):
+        longer, extra = (me, mine[len(theirs)]) if len(mine) > len(theirs) else (them, theirs[len(mine)])
+        return f"only {longer} has {extra[0]!r}"
+    return None
+
+
 class TrainingState:
-    """A replica's model, optimizer and scheduler, seen as an ordered list of tensors plus metadata."""
+    """A replica's model, optimizer, scheduler and registered extra state, seen as ordered tensors plus metadata."""
 
     def __init__(
         self,
@@ -89,6 +157,39 @@ class TrainingState:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.extras: dict[str, Stateful] = {}
+        self._extra_in: dict[str, list[torch.Tensor]] = {}
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Hand `obj` over with the state. Its tensors are streamed, the rest travels as JSON."""
+        if not name or "." in name:
+            raise ValueError(f"a registered state's name must be non-empty and without dots, got {name!r}")
+        if name in self.extras:
+            raise ValueError(f"a state named {name!r} is registered already")
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"register_state({name!r}, ...) needs an object with state_dict() and load_state_dict(); "
+                            f"got {type(obj).__name__}")
+        self.extras[name] = obj
+
+    def _extra_split(self) -> dict[str, tuple[Any, list[torch.Tensor]]]:
+        out: dict[str, tuple[Any, list[torch.Tensor]]] = {}
+        for name, obj in self.extras.items():
+            slots: list[torch.Tensor] = []
+            out[name] = (split_tensors(obj.state_dict(), slots), slots)
+        return out
+
+    # -- the spec ------------------------------------------------------------------------------------
+    def spec(self) -> list[Any]:
+        """Model tensors (name, shape, dtype), parameter groups and registered names: equal in every process."""
+        out: list[Any] = [[k, list(t.shape), _dtype_name(t.dtype)] for k, t in self._model_tensors()]
+        for gi, group in enumerate(self.optimizer.param_groups):
+            out.append([f"optimizer.param_groups.{gi}", [len(group["params"])], "params"])
+        out.extend([f"registered.{name}", [], type(obj).__name__] for name, obj in self.extras.items())
+        return out
+
+    @staticmethod
+    def spec_hash(spec: list[Any]) -> str:
+        return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:32]
 
     # -- the tensors ---------------------------------------------------------------------------------
     def _model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,6 +216,8 @@ class TrainingState:
                 value = state[key]
                 if isinstance(value, torch.Tensor):
                     out.append((f"optim.{prefix}.{key}", value.data))
+        for name, (_, slots) in self._extra_split().items():
+            out.extend((f"extra.{name}.{i}", t) for i, t in enumerate(slots))
         return out
 
     def state_bytes(self) -> int:
@@ -127,7 +230,8 @@ class TrainingState:
             for key, value in self.optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):
                     optim_values[f"{prefix}.{key}"] = encode_json(value)
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state().numpy().tobytes().hex()}
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state().numpy().tobytes().hex(),
+                               "python": _python_rng_state(), "numpy": _numpy_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
         return {
@@ -140,6 +244,7 @@ class TrainingState:
             ],
             "scheduler": None if self.scheduler is None else encode_json(self.scheduler.state_dict()),
             "rng": rng,
+            "extras": {name: skeleton for name, (skeleton, _) in self._extra_split().items()},
             "extra": extra,
         }
 
@@ -156,8 +261,22 @@ class TrainingState:
         own_model = dict(self._model_tensors())
         params = dict(self._params())
         wanted_optim: dict[str, set[str]] = {prefix: set() for prefix in params}
+        self._extra_in = {name: [] for name in self.extras}
+        if sorted(meta.get("extras", {})) != sorted(self.extras):
+            raise StateMismatchError(
+                f"the sender registered state {sorted(meta.get('extras', {}))} and this replica "
+                f"{sorted(self.extras)}; start standbys with the same script and arguments as the workers"
+            )
+        own_extra = {name: slots for name, (_, slots) in self._extra_split().items()}
         for entry in wanted:
-            if entry.key.startswith("model."):
+            if entry.key.startswith("extra."):
+                _, name, index = entry.key.split(".")
+                mine = own_extra[name]
+                near = mine[int(index)] if int(index) < len(mine) else None
+                device = near.device if near is not None else torch.device("cpu")
+                self._extra_in[name].append(torch.empty(entry.shape, dtype=_dtype_from_name(entry.dtype),
+                                                        device=device))
+            elif entry.key.startswith("model."):
                 own = own_model.get(entry.key)
                 if own is None:
                     raise StateMismatchError(
@@ -199,7 +318,8 @@ class TrainingState:
                 del state[key]
             if not state:
                 del self.optimizer.state[p]
-        receiving = self.tensors()
+        receiving = [(k, t) for k, t in self.tensors() if not k.startswith("extra.")]
+        receiving += [(f"extra.{name}.{i}", t) for name, ts in self._extra_in.items() for i, t in enumerate(ts)]
         if [k for k, _ in receiving] != [e.key for e in wanted]:
             raise StateMismatchError("handoff tensor order differs between sender and receiver")
         return receiving
@@ -219,7 +339,14 @@ class TrainingState:
                 group[k] = decode_json(v)
         if self.scheduler is not None and meta["scheduler"] is not None:
             self.scheduler.load_state_dict(decode_json(meta["scheduler"]))
+        for name, skeleton in meta.get("extras", {}).items():
+            self.extras[name].load_state_dict(join_tensors(skeleton, self._extra_in.get(name, [])))
+        self._extra_in = {}
         rng = meta["rng"]
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(rng["cpu"])), dtype=torch.uint8))
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(
@@ -233,5 +360,6 @@ class TrainingState:
             h.update(key.encode())
             h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
         meta = self.meta(0)
-        h.update(json.dumps([meta["optim_values"], meta["param_groups"], meta["scheduler"]], sort_keys=True).encode())
+        h.update(json.dumps([meta["optim_values"], meta["param_groups"], meta["scheduler"], meta["extras"]],
+                            sort_keys=True).encode())
         return h.hexdigest()

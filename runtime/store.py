@@ -64,6 +64,26 @@ def k_done(g: int, rank: int) -> str:
     return f"gen/{g}/done/{rank}"
 
 
+def k_holds(g: int, rank: int) -> str:
+    """Set once rank `rank` of generation g holds the complete training state (after its handoff)."""
+    return f"gen/{g}/holds/{rank}"
+
+
+def k_spec(proc: str) -> str:
+    """What this process built: tensor names, shapes and dtypes, param groups, registered state (JSON)."""
+    return f"proc/{proc}/spec"
+
+
+def k_job_spec() -> str:
+    """The first spec published; every process must match it (set once, with compare_set)."""
+    return "job/spec"
+
+
+def k_chaos_done() -> str:
+    """Set once the chaos monkey injected its last fault (runtime.chaos)."""
+    return "chaos/done"
+
+
 def k_hello(proc: str) -> str:
     return f"proc/{proc}/hello"
 

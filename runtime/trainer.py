@@ -6,22 +6,34 @@ A step is a transaction: the optimizer is applied only after a successful gradie
 fails is re-run from its start in the next generation, with the same samples and the same random numbers,
 so the run continues bit for bit as if nothing had happened.
 
+What a step may change besides the parameters and the optimizer is made replayable too: the model's buffers
+(BatchNorm statistics, counters) are copied at the step's start and restored before a replay, and made equal
+across ranks after every exchange (rank 0's, as DDP's `broadcast_buffers` does); torch's, Python's and NumPy's
+global generators are seeded from (seed, step, rank, micro-batch) before each batch is fetched, so random
+augmentation in a dataset replays too. Extra state (EMA weights, a GradScaler, counters) registered with
+`register_state` travels with every handoff.
+
 A standby runs the same script: its `fit` warms up (one sandboxed shadow step that allocates gradients and
 optimizer state and sends nothing), waits to be promoted, receives the state into those buffers and goes on.
+A standby the job never needed leaves the process when the job ends (the rest of the script is the workers').
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
+import random
 import statistics
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,10 +41,18 @@ from torch import nn
 from runtime import store as keys
 from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.data import StepData, as_step_data, derive_seed
-from runtime.handoff import HandoffError, HandoffSession, MemberStatus, UntrustedReceiver, plan_handoff, run_handoff
+from runtime.handoff import (
+    HandoffError,
+    HandoffSession,
+    MemberStatus,
+    StateLost,
+    UntrustedReceiver,
+    plan_handoff,
+    run_handoff,
+)
 from runtime.job import Job, init
 from runtime.membership import Generation
-from runtime.state import TrainingState
+from runtime.state import Stateful, TrainingState, spec_difference
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -44,16 +64,27 @@ class GenerationChanged(Exception):
     """The coordinator formed a newer generation while this process was still in an older one."""
 
 
+class ScriptMismatch(RuntimeError):
+    """Processes of the job built different models or optimizers: a script error no recovery can fix."""
+
+
+class RecoveryRefused(RuntimeError):
+    """The lost rank's state cannot be rebuilt exactly (per-rank buffers): the job stops instead of diverging."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What `fit` yields after every committed step."""
 
     step: int
     loss: float
+    """This rank's loss (the mean over its micro-batches)."""
     rank: int
     world_size: int
     generation: int
     step_s: float
+    global_loss: float | None = None
+    """The loss averaged over every rank, where the step computed it (with a ReduceLROnPlateau scheduler)."""
 
 
 class Trainer:
@@ -66,10 +97,15 @@ class Trainer:
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         data: StepData | Callable[[int, int, int], Any],
         *,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau | None = None,
         seed: int = 0,
         job: Job | None = None,
         bucket_bytes: int = 64 << 20,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        accumulation_steps: int = 1,
+        amp: Literal["bf16", "fp16"] | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         """
         Args:
@@ -77,11 +113,30 @@ class Trainer:
             optimizer: any `torch.optim` optimizer over the model's parameters.
             loss_fn: `loss_fn(model, batch) -> scalar loss`; forward pass and loss, nothing else.
             data: the batches, addressed by step: `batch_at(step, rank, world_size)` or such a function.
-            scheduler: an LR scheduler, stepped once per committed step.
-            seed: base of the per-step seeds; step s of rank r runs under seed (seed, s, r).
+            scheduler: an LR scheduler, stepped once per committed step; a `ReduceLROnPlateau` is stepped with
+                the loss averaged over every rank (the same value everywhere, so every replica keeps one LR).
+            seed: base of the per-step seeds; micro-batch m of step s on rank r runs under seed (seed, s, r, m).
             job: the joined job; defaults to `runtime.init()`.
             bucket_bytes: size of the flat gradient buffers exchanged as one all-reduce.
+            clip_grad_norm: clip the averaged gradients to this total 2-norm before the optimizer step.
+            clip_grad_value: clip each averaged gradient element to [-value, value] (after norm clipping).
+            accumulation_steps: micro-batches per step; their gradients are summed (each loss divided by this)
+                before one exchange. Micro-batch m of step s is `data.micro_batch_at(s, m, rank, world_size)`
+                where the data defines it, else `data.batch_at((s - 1) * k + m + 1, rank, world_size)`.
+            amp: "bf16" runs the forward pass under bf16 autocast (CPU or GPU); "fp16" under fp16 autocast
+                with a GradScaler, whose state is handed over with the rest.
+            broadcast_buffers: make the model's buffers (BatchNorm statistics) equal on every rank after each
+                exchange, as DDP does before each forward (rank 0's). With False every rank keeps its own
+                buffers; a lost rank's buffers cannot then be rebuilt, and its recovery is refused.
         """
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+        if clip_grad_value is not None and not clip_grad_value > 0:
+            raise ValueError(f"clip_grad_value must be positive, got {clip_grad_value}")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+        if amp not in (None, "bf16", "fp16"):
+            raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
         self.job = job or init()
         self.model = model
         self.optimizer = optimizer
@@ -93,6 +148,22 @@ class Trainer:
         self.buckets = GradientBuckets(model.parameters(), bucket_bytes)
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_value = clip_grad_value
+        self.accumulation_steps = accumulation_steps
+        self.broadcast_buffers = broadcast_buffers
+        self._plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[amp]
+        self._device_type = device.type
+        self.scaler: torch.amp.GradScaler | None = None
+        if amp == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type)
+            self.state.register("grad_scaler", self.scaler)
+        # Buffers a step's forward pass changes (BatchNorm running statistics, num_batches_tracked): copied at
+        # the step's start, so that a replayed step starts from the same values instead of counting twice.
+        self._buffers = [b for b in model.buffers()]
+        self._buffer_snapshot: list[torch.Tensor] = [torch.empty_like(b) for b in self._buffers]
+        self._snapshot_step = 0
         cfg = self.job.cfg
         self.comm = Communicator(cfg.backend, self.job.store, cfg.collective_timeout_s, device)
         self.gen: int | None = None
@@ -111,6 +182,16 @@ class Trainer:
         self.job.heartbeat.on_new_generation.append(self.comm.abort_if_older)
 
     # -- public --------------------------------------------------------------------------------------
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Hand `obj` (anything with `state_dict`/`load_state_dict`: EMA weights, a counter) over with the state.
+
+        Its state is taken as of the last committed step: change it only after a step commits (in the body of
+        the `for result in trainer.fit(...)` loop), never inside `loss_fn`, and it replays exactly.
+        """
+        if self.gen is not None or self.digest is not None:
+            raise RuntimeError("register_state() must be called before fit()")
+        self.state.register(name, obj)
+
     def fit(self, steps: int) -> Iterator[StepResult]:
         """Train until `steps` steps are committed; yields after each. A standby yields once promoted."""
         if steps < 1:
@@ -119,11 +200,15 @@ class Trainer:
             raise RuntimeError("fit() runs once per Trainer: pass the total number of steps to a single fit()")
         store = self.job.store
         if self.gen is None:
+            self._check_spec()
             if self.job.is_standby:
                 self._warm_up()
                 promoted = self._await_promotion()
                 if promoted is None:
-                    return  # the job ended without needing this standby
+                    # The job ended without needing this standby. What follows fit() in the script (saving,
+                    # printing results) is the workers' business: leave the process here.
+                    self.job.close()
+                    raise SystemExit(0)
                 g = promoted
             else:
                 keys.wait_keys(store, [keys.k_gen(0)], self.job.cfg.recovery_timeout_s, what="generation 0")
@@ -144,7 +229,11 @@ class Trainer:
                     self._stop_requested()
                 failure_seen = time.time()
                 g = self._recover(g, "a newer generation was formed")
-            except (CommFailure, GenerationChanged, HandoffError) as exc:
+            except StateLost as exc:
+                message = str(exc)
+                del exc
+                g = self._recover(g, message, kind="state_lost")
+            except (CommFailure, GenerationChanged, HandoffError, keys.StoreTimeout) as exc:
                 failure_seen = time.time()
                 message = str(exc) or type(exc).__name__
                 untrusted = exc.rank if isinstance(exc, UntrustedReceiver) else None
@@ -156,29 +245,99 @@ class Trainer:
         assert self.gen is not None and self.rank is not None
         t0 = time.perf_counter()
         self._step_in_flight = step
+        self._snapshot_buffers(step)
         faults = self.job.faults
-        batch = self.data.batch_at(step, self.rank, self.world_size)
-        torch.manual_seed(derive_seed(self.seed, step, self.rank))
         self.buckets.zero()
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        losses = []
+        for micro in range(self.accumulation_steps):
+            losses.append(self._forward_backward(step, micro, self.rank, self.world_size))
+        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
         faults.at("before_exchange", step=step, rank=self.rank, gen=self.gen)
         if self.job.heartbeat.latest_gen > self.gen:
             raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed during step {step}")
+        global_loss: float | None = None
         if self.world_size > 1:
             self.buckets.all_reduce_mean(
                 self.world_size,
                 on_issued=lambda: faults.at("exchange", step=step, rank=self.rank, gen=self.gen),
             )
+            if self.broadcast_buffers and self._buffers:
+                self.comm.broadcast_from_rank0(self._buffers)
+            if self._plateau:
+                global_loss = self.comm.mean_scalar(float(loss), self.world_size)
+        elif self._plateau:
+            global_loss = float(loss)
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
-        self.optimizer.step()
+        self._optimizer_step()
         if self.scheduler is not None:
-            self.scheduler.step()
+            if self._plateau:
+                self.scheduler.step(global_loss)  # type: ignore[arg-type]
+            else:
+                self.scheduler.step()
         self.committed = step
         self.job.heartbeat.committed_step = step
         step_s = time.perf_counter() - t0
         self._after_commit(step_s)
-        return StepResult(step, float(loss.detach()), self.rank, self.world_size, self.gen, step_s)
+        return StepResult(step, float(loss), self.rank, self.world_size, self.gen, step_s, global_loss)
+
+    def _seed(self, step: int, micro: int, rank: int) -> None:
+        """Every generator a step or its data may draw from, seeded from where the step is, not from history."""
+        seed = derive_seed(self.seed, step, rank) if micro == 0 else derive_seed(self.seed, step, rank, micro)
+        torch.manual_seed(seed)  # CPU and every CUDA device
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFF_FFFF)
+
+    def _micro_batch(self, step: int, micro: int, rank: int, world_size: int) -> Any:
+        k = self.accumulation_steps
+        if k == 1:
+            return self.data.batch_at(step, rank, world_size)
+        micro_batch_at = getattr(self.data, "micro_batch_at", None)
+        if callable(micro_batch_at):
+            return micro_batch_at(step, micro, rank, world_size)
+        return self.data.batch_at((step - 1) * k + micro + 1, rank, world_size)
+
+    def _forward_backward(self, step: int, micro: int, rank: int, world_size: int,
+                          seed_rank: int | None = None) -> torch.Tensor:
+        """One micro-batch: seed, fetch, forward (under autocast), backward into the gradient buckets."""
+        self._seed(step, micro, rank if seed_rank is None else seed_rank)
+        batch = self._micro_batch(step, micro, rank, world_size)
+        autocast = (torch.autocast(self._device_type, dtype=self._autocast_dtype)
+                    if self._autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            loss = self.loss_fn(self.model, batch)
+        scaled = loss / self.accumulation_steps if self.accumulation_steps > 1 else loss
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+        return loss.detach().float()
+
+    def _optimizer_step(self) -> None:
+        """Unscale, clip, step: the gradients are the same bits on every rank, so every replica does the same."""
+        if self.scaler is not None and (self.clip_grad_norm is not None or self.clip_grad_value is not None):
+            self.scaler.unscale_(self.optimizer)
+        params = self.buckets.params
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if self.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _snapshot_buffers(self, step: int) -> None:
+        for snap, b in zip(self._buffer_snapshot, self._buffers, strict=True):
+            snap.copy_(b)
+        self._snapshot_step = step
+
+    def _restore_uncommitted(self) -> None:
+        """Undo what the interrupted step's forward passes did to the buffers; it is replayed from its start."""
+        if self._snapshot_step == self.committed + 1:
+            for snap, b in zip(self._buffer_snapshot, self._buffers, strict=True):
+                b.copy_(snap)
+        self._snapshot_step = 0
 
     def _optimizer_fault(self, *_: Any) -> None:
         if not self._warming_up:
@@ -238,8 +397,14 @@ class Trainer:
         statuses = [MemberStatus(r, **keys.get_json(store, keys.k_status(g, r))) for r in range(world)]
         if g == 0:
             self._broadcast_initial_model()
+            store.set(keys.k_holds(g, rank), "0")
             return
         plan = plan_handoff(statuses)
+        if plan.receivers and not self.broadcast_buffers and self._buffers:
+            raise RecoveryRefused(
+                f"rank(s) {list(plan.receivers)} lost their state, and with broadcast_buffers=False each rank's "
+                "buffers (BatchNorm statistics) are its own: no surviving replica holds them, so the job cannot "
+                "continue exactly. Use broadcast_buffers=True (DDP's default) to make them recoverable.")
         if rank in plan.receivers:
             self.has_state = False  # a half-received state is garbage until the handoff completes
         session = HandoffSession(g, record.members, cfg.job_id, cfg.job_token, cfg.chunk_bytes,
@@ -247,6 +412,7 @@ class Trainer:
         stats, _ = run_handoff(plan, session, rank, self.state)
         self.committed = plan.target_step
         self.has_state = True
+        store.set(keys.k_holds(g, rank), str(self.committed))
         self._report = {
             "rank": rank, "proc": cfg.proc, "role": stats.role, "failure_seen_at": failure_seen,
             "gen_seen_at": gen_seen, "group_ready_at": group_ready, "handoff_s": stats.seconds,
@@ -267,12 +433,14 @@ class Trainer:
         if failure is not None:  # raised outside the except block: no traceback may pin the broken group
             raise CommFailure(f"initial broadcast failed: {failure}")
 
-    def _recover(self, g: int, message: str, untrusted: int | None = None) -> int:
-        """Leave the broken group, tell the coordinator, wait for the next generation."""
+    def _recover(self, g: int, message: str, untrusted: int | None = None, kind: str = "comm") -> int:
+        """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
         store, cfg = self.job.store, self.job.cfg
         self.comm.teardown()
+        self._restore_uncommitted()
         keys.set_json(store, keys.k_failed(g, cfg.proc), {
             "message": message, "time": time.time(), "step": self.committed, "untrusted_rank": untrusted,
+            "kind": kind,
         })
         store.add(keys.k_failed_count(g), 1)
         deadline = time.monotonic() + cfg.recovery_timeout_s
@@ -305,19 +473,40 @@ class Trainer:
 
     # -- standby -------------------------------------------------------------------------------------
     def _warm_up(self) -> None:
-        """One sandboxed shadow step: allocates gradients and optimizer state, warms kernels; sends nothing."""
+        """One sandboxed shadow step: allocates gradients and optimizer state, warms kernels; sends nothing.
+
+        It runs the step's own path (micro-batches, autocast, GradScaler, clipping), so whatever the first real
+        step allocates is allocated here; everything it changes is overwritten by the handoff.
+        """
         t0 = time.perf_counter()
+        self.job.faults.at("warmup")
         self._warming_up = True
         try:
-            batch = self.data.batch_at(1, 0, self.job.num_workers())
-            torch.manual_seed(derive_seed(self.seed, 0, -1))
             self.buckets.zero()
-            self.loss_fn(self.model, batch).backward()
-            self.optimizer.step()
+            for micro in range(self.accumulation_steps):
+                self._forward_backward(1, micro, 0, self.job.num_workers(), seed_rank=-1)
+            self._optimizer_step()
             self.buckets.zero()
         finally:
             self._warming_up = False
         keys.set_json(self.job.store, keys.k_ready(self.job.proc), {"warmup_s": time.perf_counter() - t0})
+
+    def _check_spec(self) -> None:
+        """Every process must build the same model, parameter groups and registered state: compare with the
+        job's first, before anything is exchanged. A difference is a script error, not a lost machine."""
+        store, proc = self.job.store, self.job.proc
+        mine = self.state.spec()
+        raw = json.dumps(mine)
+        store.set(keys.k_spec(proc), raw)
+        reference = store.compare_set(keys.k_job_spec(), "", raw).decode()
+        if reference == raw:
+            return
+        difference = spec_difference(mine, json.loads(reference), proc, "the first process to join")
+        if difference is not None:
+            raise ScriptMismatch(
+                f"this process built a different model or optimizer from the rest of the job: {difference}. "
+                "Every process (standbys included) must build the same model, parameter groups and registered "
+                "state.")
 
     def _await_promotion(self) -> int | None:
         """Block, without polling, until the coordinator assigns a generation (or -1: not needed, leave)."""

@@ -378,3 +378,10 @@ def rounded(d: Mapping[str, Any], ndigits: int = 4) -> dict[str, Any]:
         return v
 
     return {k: r(v) for k, v in d.items()}
+
+
+def spread(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Median, min and max of repeated measurements (None for all three when there are none) and their count."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -213,17 +214,22 @@ def lost_time_torchft(
     kill_step: int,
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     timeout_s: float | None = None,
+    kills: int = 1,
 ) -> dict[str, Any]:
-    """A clean torchft run and one where replica 1 is SIGKILLed at ``kill_step`` and restarted.
+    """A clean torchft run and ``kills`` runs where replica 1 is SIGKILLed at ``kill_step`` and restarted.
 
-    ``lost_time_s`` = (wall(killed) - wall(clean)) + skipped_samples / clean throughput, where walls run
-    from training start (both replicas ready) to the healthy replica's commit of the last step, and
-    ``skipped_samples`` are the samples replica 1 did not contribute (steps replica 0 committed with
-    fewer than 2 participants, x batch size); the clean throughput is 2 x batch_size / its steady step
-    time. The healthy replica's state therefore differs from the clean run's (``bitwise_identical``).
+    Each kill's ``lost_time_s`` = (wall(killed) - wall(clean)) + skipped_samples / clean throughput, where walls
+    run from training start (both replicas ready) to the healthy replica's commit of the last step, and
+    ``skipped_samples`` are the samples replica 1 did not contribute (steps replica 0 committed with fewer
+    than 2 participants, x batch size); the clean throughput is 2 x batch_size / its steady step time. The
+    healthy replica's state therefore differs from the clean run's (``bitwise_identical``). One kill per job:
+    a job goes on with one replica until the replacement heals, so kills in one job would overlap. Summary
+    values are medians over the kills; ``kills`` holds each.
     """
     if not 1 <= kill_step <= steps:
         raise ValueError(f"kill_step {kill_step} outside 1..{steps}")
+    if kills < 1:
+        raise ValueError(f"kills must be at least 1, got {kills}")
     try:
         import torchft  # noqa: F401
     except Exception as e:  # not installed, or broken against this torch
@@ -233,7 +239,7 @@ def lost_time_torchft(
         timeout_s = 120.0 + (2.0 if size > 20_000_000 else 0.5) * steps + 3 * heartbeat_timeout_ms / 1000
     try:
         clean = _run(spec, steps, None, heartbeat_timeout_ms, timeout_s)
-        killed = _run(spec, steps, kill_step, heartbeat_timeout_ms, timeout_s)
+        killed_runs = [_run(spec, steps, kill_step, heartbeat_timeout_ms, timeout_s) for _ in range(kills)]
     except LighthouseUnavailable as e:
         return {"available": False, "reason": str(e)}
 
@@ -243,10 +249,47 @@ def lost_time_torchft(
     wall_clean = clean_times[-1] - clean["t_start"]
     samples_per_s = REPLICAS * spec.batch_size / step_s
     clean_skipped = sum((REPLICAS - int(r[2])) * spec.batch_size for r in clean_commits)
+    each = [_kill_result(killed, kill_step, spec.batch_size, wall_clean, samples_per_s, step_s,
+                         clean["result0"]["digest"]) for killed in killed_runs]
+    keys = ("lost_time_s", "stall_s", "skipped_samples_charge_s", "incident_s")
+    summary = {k: statistics.median(float(e[k]) for e in each) for k in keys}
 
+    return rounded(
+        {
+            "available": True,
+            **summary,
+            "lost_time_s_each": [e["lost_time_s"] for e in each],
+            "wall_clean_s": wall_clean,
+            "clean_samples_per_s": samples_per_s,
+            "clean_skipped_samples": clean_skipped,
+            "step_s": step_s,
+            "bitwise_identical": all(e["bitwise_identical"] for e in each),
+            "clean_replicas_agree": clean["result0"]["digest"] == clean["result1"]["digest"],
+            "replacement_rejoined": all(e["replacement_rejoined"] for e in each),
+            "kills": [rounded(e) for e in each],
+            "digest_clean": clean["result0"]["digest"],
+            "steps": steps,
+            "kill_step": kill_step,
+            "lost_time_method": "per kill (one killed job each): wall(killed) - wall(clean) from training start, "
+            "plus the samples replica 1 did not contribute at the clean throughput; summary values are medians",
+            "settings": settings(heartbeat_timeout_ms),
+        }
+    )
+
+
+def _kill_result(
+    killed: dict[str, Any],
+    kill_step: int,
+    batch_size: int,
+    wall_clean: float,
+    samples_per_s: float,
+    step_s: float,
+    clean_digest: str,
+) -> dict[str, Any]:
+    """The cost of one kill (one killed job), against the clean job's wall and throughput."""
     k_commits = _commits(killed["r0"])
     wall_killed = k_commits[-1][1] - killed["t_start"]
-    skipped = sum((REPLICAS - int(r[2])) * spec.batch_size for r in k_commits)
+    skipped = sum((REPLICAS - int(r[2])) * batch_size for r in k_commits)
     t_kill = float(killed["kill"]["t_kill"])
     # The incident, seen by the healthy replica: from its last commit before the kill to its first
     # commit with both replicas participating again; its longest step in there is the stall.
@@ -264,39 +307,26 @@ def lost_time_torchft(
     rejoined = next((r for r in r1b_commits if int(r[3]) == 1), None)
     healed = r1b_commits[0] if r1b_commits else None
     t_restart = float(killed["t_restart"])
-
-    return rounded(
-        {
-            "available": True,
-            "lost_time_s": (wall_killed - wall_clean) + skipped / samples_per_s,
-            "wall_clean_s": wall_clean,
-            "wall_killed_s": wall_killed,
-            "skipped_samples": skipped,
-            "skipped_samples_charge_s": skipped / samples_per_s,
-            "clean_samples_per_s": samples_per_s,
-            "clean_skipped_samples": clean_skipped,
-            "step_s": step_s,
-            "stall_s": (max(gaps) if gaps else 0.0) - step_s,
-            "incident_s": incident[-1] - t_kill,
-            "steps_committed_alone": sum(1 for r in k_commits if int(r[2]) < REPLICAS),
-            "failed_steps_healthy": len(failed),
-            "error_seen_s": (failed[0][1] - t_kill) if failed else None,
-            "kill_to_first_commit_s": (after[0][1] - t_kill) if after else None,
-            "first_commit_alone_s": (first_alone[1] - t_kill) if first_alone else None,
-            "exit_seen_s": float(killed["t_exit_seen"]) - t_kill,
-            "restart_to_ready_s": float(killed["r1b_ready"]["t_ready"]) - t_restart,
-            "heal_s": (healed[1] - t_restart) if healed else None,
-            "rejoin_s": (rejoined[1] - t_restart) if rejoined else None,
-            "bitwise_identical": killed["result0"]["digest"] == clean["result0"]["digest"],
-            "clean_replicas_agree": clean["result0"]["digest"] == clean["result1"]["digest"],
-            "replacement_rejoined": bool(killed["result1"]["rejoined"]),
-            "killed_replicas_agree": killed["result0"]["digest"] == killed["result1"]["digest"],
-            "digest_clean": clean["result0"]["digest"],
-            "steps": steps,
-            "kill_step": kill_step,
-            "settings": settings(heartbeat_timeout_ms),
-        }
-    )
+    return {
+        "lost_time_s": (wall_killed - wall_clean) + skipped / samples_per_s,
+        "wall_killed_s": wall_killed,
+        "skipped_samples": skipped,
+        "skipped_samples_charge_s": skipped / samples_per_s,
+        "stall_s": (max(gaps) if gaps else 0.0) - step_s,
+        "incident_s": incident[-1] - t_kill,
+        "steps_committed_alone": sum(1 for r in k_commits if int(r[2]) < REPLICAS),
+        "failed_steps_healthy": len(failed),
+        "error_seen_s": (failed[0][1] - t_kill) if failed else None,
+        "kill_to_first_commit_s": (after[0][1] - t_kill) if after else None,
+        "first_commit_alone_s": (first_alone[1] - t_kill) if first_alone else None,
+        "exit_seen_s": float(killed["t_exit_seen"]) - t_kill,
+        "restart_to_ready_s": float(killed["r1b_ready"]["t_ready"]) - t_restart,
+        "heal_s": (healed[1] - t_restart) if healed else None,
+        "rejoin_s": (rejoined[1] - t_restart) if rejoined else None,
+        "bitwise_identical": killed["result0"]["digest"] == clean_digest,
+        "replacement_rejoined": bool(killed["result1"]["rejoined"]),
+        "killed_replicas_agree": killed["result0"]["digest"] == killed["result1"]["digest"],
+    }
 
 
 # ----------------------------------------------------------------------------------------- worker

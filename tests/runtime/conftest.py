@@ -16,16 +16,16 @@ TINY_JOB = SCRIPTS / "tiny_job.py"
 
 
 def run_job(*, nproc: int = 2, standby: int = 1, steps: int = 20, faults: str = "", script_args: tuple[str, ...] = (),
-            **settings: Any) -> JobResult:
+            script: Path = TINY_JOB, **settings: Any) -> JobResult:
     """Run the tiny job to its end with real processes; every wait inside is bounded.
 
     Training starts once every standby is warm, so that a scenario's fault always finds the standbys it
     plans for (otherwise which standby is ready first is a race between process start-ups).
     """
-    settings = {"wait_for_standbys": True, **settings}
+    settings = {"wait_for_standbys": True, "recovery_timeout_s": 60.0, **settings}
     cfg = LaunchConfig(
-        script=str(TINY_JOB), args=("--steps", str(steps), *script_args), nproc=nproc, standby=standby,
-        faults=faults, num_threads=1, quiet=True, recovery_timeout_s=60.0, **settings,
+        script=str(script), args=("--steps", str(steps), *script_args), nproc=nproc, standby=standby,
+        faults=faults, num_threads=1, quiet=True, **settings,
     )
     return launch(cfg)
 
@@ -34,18 +34,22 @@ def events_of(result: JobResult, kind: str) -> list[dict[str, Any]]:
     return [e for e in result.events if e["event"] == kind]
 
 
+_REFERENCES: dict[tuple[int, int, str, tuple[str, ...]], str] = {}
+
+
+def clean_digest(nproc: int, steps: int, script: Path = TINY_JOB, script_args: tuple[str, ...] = ()) -> str:
+    """The final-state digest of an uninterrupted run with the same seed, world size, steps and script."""
+    key = (nproc, steps, str(script), script_args)
+    if key not in _REFERENCES:
+        result = run_job(nproc=nproc, standby=0, steps=steps, script=script, script_args=script_args)
+        assert result.exit_code == 0, result.message
+        digests = set(result.digests.values())
+        assert len(result.digests) == nproc and len(digests) == 1, "replicas of a clean run must agree"
+        _REFERENCES[key] = digests.pop()
+    return _REFERENCES[key]
+
+
 @pytest.fixture(scope="session")
 def reference_digest() -> Callable[[int, int], str]:
-    """The final-state digest of an uninterrupted run with the same seed, world size and steps."""
-    cache: dict[tuple[int, int], str] = {}
-
-    def get(nproc: int, steps: int) -> str:
-        if (nproc, steps) not in cache:
-            result = run_job(nproc=nproc, standby=0, steps=steps)
-            assert result.exit_code == 0, result.message
-            digests = set(result.digests.values())
-            assert len(result.digests) == nproc and len(digests) == 1, "replicas of a clean run must agree"
-            cache[(nproc, steps)] = digests.pop()
-        return cache[(nproc, steps)]
-
-    return get
+    """The final-state digest of an uninterrupted run of the tiny job with the same world size and steps."""
+    return lambda nproc, steps: clean_digest(nproc, steps)

@@ -67,3 +67,53 @@ def test_unencodable_scheduler_state_is_refused_before_sending() -> None:
 
     with pytest.raises(TypeError, match="cannot hand off"):
         state.meta(step=1)
+
+
+def with_extras(state: TrainingState, seed: int) -> TrainingState:
+    """An EMA of the weights and a GradScaler, registered as extra state, made different per seed."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ema = AveragedModel(state.model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    for _ in range(seed + 1):
+        ema.update_parameters(state.model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (8 + seed))
+    state.register("ema", ema)
+    state.register("grad_scaler", scaler)
+    return state
+
+
+def test_registered_state_and_every_generator_travel_with_the_handoff() -> None:
+    import random
+
+    import numpy as np
+
+    sender, receiver = with_extras(trained(0, 3), 2), with_extras(trained(1, 1), 0)
+    random.seed(11)
+    np.random.seed(12)
+    meta = json.loads(json.dumps(sender.meta(step=3)))
+    expected = (random.random(), float(np.random.random()))
+    random.seed(99)
+    np.random.seed(98)
+
+    targets = receiver.prepare_receive(meta)
+    for (_, t), (_, s) in zip(targets, sender.tensors(), strict=True):
+        t.copy_(s)
+    receiver.apply_meta(meta)
+
+    assert receiver.digest() == sender.digest()  # the EMA's weights and counter included
+    assert receiver.extras["ema"].n_averaged.item() == 3
+    assert receiver.extras["grad_scaler"].get_scale() == sender.extras["grad_scaler"].get_scale()
+    assert (random.random(), float(np.random.random())) == expected
+
+
+def test_processes_that_built_different_models_are_told_the_first_differing_tensor() -> None:
+    from runtime.state import spec_difference
+
+    a = with_extras(trained(0, 0), 0)
+    other = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(9), nn.Linear(9, 2))
+    b = TrainingState(other, torch.optim.AdamW(other.parameters()))
+    assert spec_difference(a.spec(), a.spec(), "w0", "w1") is None
+    message = spec_difference(a.spec(), b.spec(), "w0", "s1")
+    assert message is not None and "'model.1.weight'" in message and "(8,)" in message and "(9,)" in message
+    assert "registered.ema" in (spec_difference(a.spec(), trained(0, 0).spec(), "w0", "w1") or "")
+    assert TrainingState.spec_hash(a.spec()) != TrainingState.spec_hash(b.spec())

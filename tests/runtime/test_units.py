@@ -92,6 +92,9 @@ def test_process_config_round_trips_and_never_shows_the_token() -> None:
     ({"hang_timeout_s": 0.3}, "must exceed two heartbeats"),
     ({"faults": "kill:step=x"}, "invalid literal"),
     ({"backend": "nccl", "nproc": 64}, "GPU"),
+    ({"num_threads": 0}, "--threads must be 1 or more"),
+    ({"num_threads": -1}, "--threads must be 1 or more"),
+    ({"chaos": "every_s=0"}, "every_s must be positive"),
 ])
 def test_bad_launch_settings_are_refused_before_anything_starts(changes: dict[str, object], message: str) -> None:
     settings: dict[str, object] = {"script": str(Path(__file__)), **changes}

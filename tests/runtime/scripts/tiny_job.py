@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
+import sys
 
+import scenario  # this directory's shared scenario options
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -12,17 +13,23 @@ import runtime as tm
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--raise-at", type=int, default=0, help="raise a script error at this step (a bug)")
+    parser = scenario.parser()
+    parser.add_argument("--odd-proc", default="", help="this process builds a wider model (a script bug)")
+    parser.add_argument("--before-init", choices=("exit0", "raise"), default=None,
+                        help="leave before runtime.init(): exit 0, or raise (an import error, a bad argument)")
     args = parser.parse_args()
 
-    tm.init()
+    if args.before_init == "exit0":
+        sys.exit(0)
+    if args.before_init == "raise":
+        raise FileNotFoundError("the dataset path does not exist")
+    job = tm.init()
+    width = 64 if job.proc == args.odd_proc else 128
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1024, 32, generator=g)
     data = tm.ShardedLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16, seed=3)
-    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 2))
+    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
 
@@ -31,8 +38,7 @@ def main() -> None:
 
     trainer = tm.Trainer(model, optimizer, loss_fn, data, scheduler=scheduler, seed=7)
     for result in trainer.fit(args.steps):
-        if result.step == args.raise_at:
-            raise ValueError(f"a bug in the training script at step {result.step}")
+        scenario.after_step(args, job, result)
 
 
 if __name__ == "__main__":

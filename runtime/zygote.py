@@ -1,0 +1,243 @@
+"""A fork server for local standbys: a process that imported torch once, and forks a new training process in
+milliseconds instead of starting Python and importing torch again (1.5 s of CPU here, 3-4 s on a busy machine).
+
+That start-up is what a job waits for when its warm standbys are used up: replacing a promoted or lost standby
+quickly keeps the next failure covered. The launcher starts one zygote per job (`ZygoteClient`); each request
+carries the new process's environment and argv. The zygote forks twice, so that the training process is orphaned
+at once and adopted by the launcher, which marks itself a child subreaper: the launcher then owns it exactly like a
+subprocess it started itself (it reaps it, reads its exit status, watches its pidfd).
+
+The zygote is a helper, never a single point of failure: when it is gone, hung or refuses a request, the launcher
+kills it and starts processes the ordinary way for the rest of the job.
+
+Only the zygote's own imports are shared (torch, numpy, the runtime): it runs no torch operation and starts no
+thread before forking, so a forked process is as fresh as a new interpreter for everything the script does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+PR_SET_CHILD_SUBREAPER = 36
+REQUEST_TIMEOUT_S = 3.0
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Adopt orphaned descendants (the zygote's grandchildren), as Linux allows since 3.4; or stop adopting."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+class ForkedProcess:
+    """A training process the zygote forked and this process adopted: poll, wait and kill it as a child."""
+
+    def __init__(self, name: str, role: str, pid: int) -> None:
+        self.name = name
+        self.role = role
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._pidfd = os.pidfd_open(pid)
+
+    def exit_fd(self) -> int | None:
+        return self._pidfd
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, how is unknown
+                self.returncode = -int(signal.SIGKILL)
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while (code := self.poll()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._pidfd is not None:
+                select.select([self._pidfd], [], [], left)
+            else:
+                time.sleep(min(left, 0.005))
+        return code
+
+
+class ZygoteClient:
+    """The launcher's end: start the zygote, ask it for processes, fall back to None when it cannot serve."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
+        self._buffer = b""
+        if not become_subreaper():
+            return
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "runtime.zygote", str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+        except OSError:
+            ours.close()
+            return
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def ready(self) -> bool:
+        """Whether the zygote finished its imports (never blocks)."""
+        if self._ready or self.sock is None:
+            return self._ready
+        if select.select([self.sock], [], [], 0)[0]:
+            try:
+                self._ready = self._read_line(0.0) == "ready"
+            except (OSError, TimeoutError):  # it died while importing
+                self._ready = False
+            if not self._ready:
+                self.stop()
+        return self._ready
+
+    def spawn(self, env: dict[str, str], argv: list[str]) -> int | None:
+        """The pid of a new process running `argv` with `env`, or None (the caller starts it another way)."""
+        if not self.ready() or self.sock is None:
+            return None
+        try:
+            self.sock.sendall(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
+            line = self._read_line(REQUEST_TIMEOUT_S)
+            return int(line)
+        except (OSError, ValueError, TimeoutError):
+            self.stop()  # dead, hung or confused: never ask it again
+            return None
+
+    def _read_line(self, timeout_s: float) -> str:
+        assert self.sock is not None
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError("the zygote did not answer")
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise OSError("the zygote closed its socket")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def close(self) -> None:
+        """Stop the zygote and stop adopting orphans (processes adopted so far stay this process's children)."""
+        self.stop()
+        become_subreaper(False)
+
+    def stop(self) -> None:
+        self._ready = False
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+            self.proc = None
+
+
+# -- the zygote process ------------------------------------------------------------------------------------
+def _child(request: dict[str, Any], sock: socket.socket) -> None:
+    """In the forked training process: become what `python script args` would have been, then run it."""
+    import runpy
+
+    sock.close()
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = [str(a) for a in request["argv"]]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    random.seed()  # a new interpreter seeds from the OS; a fork would share the zygote's state
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed()
+    runpy.run_path(argv[0], run_name="__main__")
+    sys.exit(0)
+
+
+def serve(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    import numpy  # noqa: F401  (what every training process imports first)
+    import torch
+    import torch.distributed
+
+    import runtime  # noqa: F401
+
+    # A script's first optimizer imports torch._dynamo (800 modules, over a second): construct one here, on a
+    # one-element parameter (no computation, so no thread pool that a fork would break).
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    sock.sendall(b"ready\n")
+    buffer = b""
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return  # the launcher is gone, or closed the socket: the job is over
+        buffer += chunk
+        while b"\n" in buffer:
+            line, _, buffer = buffer.partition(b"\n")
+            request = json.loads(line)
+            r, w = os.pipe()
+            middle = os.fork()
+            if middle == 0:
+                os.close(r)
+                pid = os.fork()
+                if pid == 0:
+                    os.close(w)
+                    _child(request, sock)  # never returns: the script's own exit ends the process
+                os.write(w, f"{pid}\n".encode())
+                os._exit(0)  # orphan the training process: the launcher (a subreaper) adopts it
+            os.close(w)
+            with os.fdopen(r) as f:
+                pid_line = f.readline().strip()
+            os.waitpid(middle, 0)
+            sock.sendall(f"{pid_line}\n".encode())
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

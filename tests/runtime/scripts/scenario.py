@@ -1,0 +1,27 @@
+"""What every test script shares: the scenario's command line, and what happens after each committed step."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from runtime.job import Job
+from runtime.store import k_chaos_done
+from runtime.trainer import StepResult
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--raise-at", type=int, default=0, help="raise a script error at this step (a bug)")
+    p.add_argument("--pace-ms", type=float, default=0.0,
+                   help="wall time added after each step while a chaos monkey is at work (a slower model, without "
+                        "its CPU); numbers unchanged")
+    return p
+
+
+def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
+    if args.pace_ms and not job.store.check([k_chaos_done()]):
+        time.sleep(args.pace_ms / 1000)
+    if result.step == args.raise_at:
+        raise ValueError(f"a bug in the training script at step {result.step}")

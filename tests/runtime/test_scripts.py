@@ -1,0 +1,107 @@
+"""Ordinary training scripts under faults: BatchNorm, augmentation, EMA, accumulation, AMP, metric schedulers; and
+the script errors and process losses that must stop a job with one clear message instead of crashing or looping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
+
+BN_AUG = SCRIPTS / "bn_aug_job.py"
+EMA = SCRIPTS / "ema_job.py"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "faults"),
+    [
+        # BatchNorm statistics changed by the interrupted forward pass must be restored before the replay.
+        (BN_AUG, (), "kill:rank=1,step=5,phase=exchange;kill:rank=0,step=11,phase=optimizer"),
+        (BN_AUG, ("--amp", "bf16", "--accumulation-steps", "2"), "kill:rank=0,step=7,phase=after_exchange"),
+        (BN_AUG, ("--amp", "fp16"), "stop:rank=1,step=6,phase=before_exchange"),
+        # EMA registered with register_state, two micro-batches, ReduceLROnPlateau on the global loss.
+        (EMA, (), "kill:rank=1,step=4,phase=exchange;kill:rank=0,step=13,phase=after_exchange"),
+    ],
+    ids=["bn-aug-two-kills", "bn-aug-bf16-accum", "bn-aug-fp16-hang", "ema-two-kills"],
+)
+def test_ordinary_scripts_recover_bit_exactly(script: Path, args: tuple[str, ...], faults: str) -> None:
+    steps = 20
+    result = run_job(nproc=2, standby=2, steps=steps, faults=faults, script=script, script_args=args)
+
+    assert result.exit_code == 0, result.message
+    assert len(events_of(result, "member_failed")) == faults.count(";") + 1
+    reference = clean_digest(2, steps, script, args)
+    assert sorted(result.digests.values()) == [reference, reference], "every rank ends exactly as a clean run"
+
+
+def test_a_clean_run_with_batchnorm_ends_with_equal_buffers_on_every_rank() -> None:
+    # clean_digest asserts that both ranks agree: buffers are broadcast from rank 0 after every exchange.
+    assert clean_digest(2, 6, BN_AUG)
+
+
+def test_per_rank_buffers_make_recovery_refuse_with_a_clear_message() -> None:
+    result = run_job(nproc=2, standby=1, steps=12, faults="kill:rank=1,step=4,phase=exchange", script=BN_AUG,
+                     script_args=("--per-rank-buffers",))
+    assert result.exit_code == 1
+    assert "broadcast_buffers=False" in result.message and "broadcast_buffers=True" in result.message
+    assert not events_of(result, "recovered")
+
+
+def test_a_standby_killed_while_parked_is_replaced_and_the_job_completes() -> None:
+    result = run_job(nproc=2, standby=1, steps=12, faults="kill:phase=standby_wait")
+    assert result.exit_code == 0, result.message
+    lost = events_of(result, "standby_lost")
+    assert len(lost) == 1 and "SIGKILL" in lost[0]["cause"]
+
+
+def test_a_standby_killed_while_warming_up_is_replaced() -> None:
+    result = run_job(nproc=2, standby=1, steps=12, faults="kill:phase=warmup")
+    assert result.exit_code == 0, result.message
+    assert [e["was_ready"] for e in events_of(result, "standby_lost")] == [False]
+
+
+@pytest.mark.parametrize("mode", ["exit0", "raise"])
+def test_a_script_that_leaves_before_joining_stops_the_job_with_one_message(mode: str) -> None:
+    result = run_job(nproc=2, standby=1, steps=5, script_args=("--before-init", mode), wait_for_standbys=False)
+    assert result.exit_code == 1
+    if mode == "exit0":
+        assert "before joining the job" in result.message and "runtime.init()" in result.message
+    else:
+        assert "exited with code 1 before joining the job" in result.message
+    assert len(events_of(result, "standby_spawned")) <= 1
+
+
+def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() -> None:
+    result = run_job(nproc=2, standby=2, steps=12,
+                     faults="kill:rank=0,step=5,phase=exchange;kill:rank=1,step=5,phase=exchange")
+    assert result.exit_code == 1
+    assert "every copy of the training state was lost" in result.message
+    assert len(events_of(result, "generation")) <= 2  # generation 0, at most one attempt: no rebuild loop
+
+
+@pytest.mark.parametrize("odd", ["w1", "s0"])
+def test_a_process_that_builds_another_model_is_a_script_error_naming_the_tensor(odd: str) -> None:
+    result = run_job(nproc=2, standby=1, steps=12, script_args=("--odd-proc", odd))
+    assert result.exit_code == 1
+    assert "different model" in result.message and "model.0.weight" in result.message
+    assert not events_of(result, "recovered")
+
+
+@pytest.mark.parametrize(
+    ("example", "args"),
+    [
+        ("train_cnn.py", ("--width", "4", "--image-size", "8", "--batch-size", "8", "--amp", "bf16")),
+        ("train_ema.py", ("--d-model", "16", "--batch-size", "8", "--patience", "2")),
+    ],
+)
+def test_the_examples_recover_bit_exactly(example: str, args: tuple[str, ...]) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / example
+    steps = 16
+    result = run_job(nproc=2, standby=1, steps=steps, script=script, script_args=args,
+                     faults="kill:rank=1,step=6,phase=exchange")
+    assert result.exit_code == 0, result.message
+    assert len(events_of(result, "recovered")) == 1
+    reference = clean_digest(2, steps, script, args)
+    assert sorted(result.digests.values()) == [reference, reference]

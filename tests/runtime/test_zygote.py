@@ -1,0 +1,118 @@
+"""The fork server: forked processes are the launcher's own children, as fresh as new interpreters; a zygote that
+dies or hangs never costs the job more than falling back to ordinary starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.launcher import LaunchConfig, launch
+from runtime.zygote import ForkedProcess, ZygoteClient
+from tests.runtime.conftest import TINY_JOB, clean_digest, events_of
+
+PROBE = """
+import json, os, random, sys
+import numpy as np
+open(os.environ["PROBE_OUT"], "w").write(json.dumps({
+    "argv": sys.argv[1:], "env": os.environ.get("PROBE_VALUE"), "random": random.random(),
+    "numpy": float(np.random.random()), "path0": sys.path[0]}))
+mode = sys.argv[1]
+if mode == "raise":
+    raise ValueError("probe failed")
+sys.exit(int(mode))
+"""
+
+
+@pytest.fixture
+def zygote() -> Iterator[ZygoteClient]:
+    client = ZygoteClient(dict(os.environ))
+    deadline = time.monotonic() + 60
+    while not client.ready():
+        assert time.monotonic() < deadline, "the zygote did not finish its imports within 60 s"
+        time.sleep(0.01)
+    yield client
+    client.close()
+
+
+def test_forked_processes_are_our_children_with_their_own_argv_env_and_random_state(zygote: ZygoteClient,
+                                                                                   tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    results = {}
+    for mode in ("0", "3", "raise"):
+        out = tmp_path / f"out-{mode}.json"
+        env = {**os.environ, "PROBE_VALUE": f"value-{mode}", "PROBE_OUT": str(out)}
+        pid = zygote.spawn(env, [str(script), mode])
+        assert pid is not None
+        p = ForkedProcess("probe", "standby", pid)
+        results[mode] = (p.wait(30), json.loads(out.read_text()))
+        p.close()
+    # Their exit codes came from waitpid() here, which only a parent can call: the launcher adopted them.
+    assert [results[m][0] for m in ("0", "3", "raise")] == [0, 3, 1]
+    for mode, (_, seen) in results.items():
+        assert seen["argv"] == [mode] and seen["env"] == f"value-{mode}"
+        assert seen["path0"] == str(tmp_path)
+    assert len({r[1]["random"] for r in results.values()}) == 3, "each child seeds Python's random afresh"
+    assert len({r[1]["numpy"] for r in results.values()}) == 3, "and NumPy's"
+
+
+def test_a_forked_process_can_be_killed_and_reaped(zygote: ZygoteClient, tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    pid = zygote.spawn(dict(os.environ), [str(script)])
+    assert pid is not None
+    p = ForkedProcess("sleeper", "standby", pid)
+    assert p.poll() is None
+    p.kill()
+    assert p.wait(10) == -signal.SIGKILL
+    p.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_hung_zygote_is_abandoned_and_the_caller_falls_back(zygote: ZygoteClient, sig: int) -> None:
+    assert zygote.pid is not None
+    os.kill(zygote.pid, sig)
+    t0 = time.monotonic()
+    assert zygote.spawn(dict(os.environ), [sys.executable]) is None
+    assert time.monotonic() - t0 < 10, "a hung zygote is given up on after a bounded wait"
+    assert zygote.pid is None and not zygote.ready()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_job_whose_zygote_is_killed_or_stopped_still_replaces_workers_exactly(tmp_path: Path, sig: int) -> None:
+    events_path = tmp_path / "events.jsonl"
+    cfg = LaunchConfig(script=str(TINY_JOB), args=("--steps", "40", "--pace-ms", "30"), nproc=2, standby=1,
+                       faults="kill:rank=1,step=20,phase=exchange;kill:rank=0,step=30,phase=exchange",
+                       num_threads=1, quiet=True, events_path=str(events_path), wait_for_standbys=True,
+                       recovery_timeout_s=60.0)
+    killed: list[int] = []
+
+    def kill_the_zygote() -> None:  # bounded: gives up after 60 s, and the job then fails the test below
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if events_path.exists():
+                for line in events_path.read_text().splitlines():
+                    event = json.loads(line)
+                    if event["event"] == "job_started" and event["helpers"].get("zygote"):
+                        os.kill(event["helpers"]["zygote"], sig)
+                        killed.append(event["helpers"]["zygote"])
+                        return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_the_zygote, daemon=True)
+    watcher.start()
+    result = launch(cfg)
+    watcher.join(60)
+    assert killed, "the job named no zygote"
+    assert result.exit_code == 0, result.message
+    assert len(events_of(result, "recovered")) == 2
+    reference = clean_digest(2, 40, TINY_JOB)
+    assert set(result.digests.values()) == {reference}
