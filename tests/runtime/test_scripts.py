@@ -105,3 +105,43 @@ def test_the_examples_recover_bit_exactly(example: str, args: tuple[str, ...]) -
     assert len(events_of(result, "recovered")) == 1
     reference = clean_digest(2, steps, script, args)
     assert sorted(result.digests.values()) == [reference, reference]
+
+
+def test_a_worker_killed_from_outside_is_timed_from_its_exit_not_from_when_it_was_noticed(tmp_path: Path) -> None:
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    events_path = tmp_path / "events.jsonl"
+    killed: list[float] = []
+
+    def kill_rank_1_once_training() -> None:  # bounded: gives up after 60 s, and the asserts below then fail
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            if events_path.exists():
+                events = [json.loads(line) for line in events_path.read_text().splitlines()]
+                gens = [e for e in events if e["event"] == "generation"]
+                if gens:
+                    pid = gens[0]["members"][1]["pid"]
+                    time.sleep(1.0)  # let it train a few steps: a kill mid-training, not at start-up
+                    killed.append(time.time())
+                    os.kill(pid, signal.SIGKILL)
+                    return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_rank_1_once_training, daemon=True)
+    watcher.start()
+    result = run_job(nproc=2, standby=1, steps=60, script_args=("--pace-ms", "40"), events_path=str(events_path))
+    watcher.join(60)
+    assert killed and result.exit_code == 0, result.message
+    failed = events_of(result, "member_failed")
+    assert len(failed) == 1
+    death = failed[0]
+    # The failure's moment is the exit seen on the pidfd: after the signal, before the declaration, and close to it.
+    assert killed[0] <= death["failure_at"] <= death["declared_at"]
+    assert 0 < death["detect_s"] < 1.0
+    assert death["failure_at"] - killed[0] < 0.5
+    recovered = events_of(result, "recovered")[0]
+    assert recovered["recovery_s"] >= recovered["detect_s"] > 0
