@@ -325,6 +325,10 @@ class Coordinator:
         m.dead = True
         m.exit_code = code
         rank = self._members().get(name)
+        if self.completing_since is None and self.started and rank is not None and self._all_done():
+            # Every member finished the last step and this one left before the loop noticed: not a failure.
+            self.completing_since = time.monotonic()
+            self.pending_deaths.clear()
         if self.completing_since is not None:
             return  # training is over; exits now are the script's own business, judged at the end
         self._check_fatal(name)

@@ -59,9 +59,12 @@ class FakePool:
         return p
 
 
-def run(pool: FakePool, **settings: object) -> tuple[int, str, list[dict[str, object]]]:
+def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, str, list[dict[str, object]]]:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
+    if done:  # every worker already finished the last step of generation 0
+        for rank in range(2):
+            store.set(f"gen/0/done/{rank}", "20")
     s = CoordinatorSettings(job_id="j", job_token="t" * 64, **{"nproc": 2, "standby": 1, **settings})  # type: ignore[arg-type]
     result = Coordinator(s, store, pool, EventLog(None)).run()
     return result.exit_code, result.message, result.events
@@ -93,6 +96,14 @@ def test_losing_every_holder_of_the_state_stops_the_job_at_once() -> None:
     assert code == 1
     assert "every copy of the training state was lost" in message
     assert not [e for e in events if e["event"] == "generation" and e["generation"] > 0]
+
+
+@pytest.mark.timeout(30)
+def test_workers_that_finished_and_left_before_the_loop_noticed_complete_the_job() -> None:
+    pool = FakePool(lambda name, role: (0, 0) if role == "worker" else (None, 0))  # gone at the first look
+    code, message, events = run(pool, done=True)
+    assert code == 0, message
+    assert not [e for e in events if e["event"] == "member_failed"]
 
 
 def test_chaos_specs_parse_and_bad_ones_say_what_is_expected() -> None:
