@@ -27,7 +27,7 @@ from runtime.config import ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.events import EventLog
 from runtime.faults import parse_plan
-from runtime.zygote import ForkedProcess, ZygoteClient
+from runtime.zygote import ChildProcess, ForkedProcess, ZygoteClient
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -126,25 +126,12 @@ class LaunchConfig:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
 
 
-class LocalProcess:
-    """A training process on this machine."""
+class LocalProcess(ChildProcess):
+    """A training process on this machine, started as a new interpreter."""
 
     def __init__(self, name: str, role: str, popen: subprocess.Popen[bytes]) -> None:
-        self.name = name
-        self.role = role
+        super().__init__(name, role, popen.pid)
         self.popen = popen
-        self.pid = popen.pid
-        self._pidfd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux >= 5.3
-            self._pidfd = os.pidfd_open(popen.pid)
-
-    def exit_fd(self) -> int | None:
-        return self._pidfd
-
-    def close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
     def poll(self) -> int | None:
         return self.popen.poll()

@@ -42,16 +42,15 @@ def become_subreaper(on: bool = True) -> bool:
         return False
 
 
-class ForkedProcess:
-    """A training process the zygote forked and this process adopted: poll, wait and kill it as a child."""
+class ChildProcess:
+    """A child of this process, watched through a pidfd that turns readable when it exits."""
 
     def __init__(self, name: str, role: str, pid: int) -> None:
         self.name = name
         self.role = role
         self.pid = pid
-        self.returncode: int | None = None
         self._pidfd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):
+        with contextlib.suppress(OSError, AttributeError):  # pidfds need Linux >= 5.3
             self._pidfd = os.pidfd_open(pid)
 
     def exit_fd(self) -> int | None:
@@ -61,6 +60,14 @@ class ForkedProcess:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+class ForkedProcess(ChildProcess):
+    """A training process the zygote forked and this process adopted: poll, wait and kill it as a child."""
+
+    def __init__(self, name: str, role: str, pid: int) -> None:
+        super().__init__(name, role, pid)
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
