@@ -371,6 +371,7 @@ class Coordinator:
                          detect_s=now_wall - failure)
         where = f" at step {step}" if step is not None else ""
         log.warning("worker %s (rank %d, pid %d) %s%s", name, rank, m.handle.pid, cause, where)
+        self._update_holders()  # a promoted standby may have finished its handoff since the last tick
         if self.started and not (self.holders & set(self.gen.members)):
             lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in self.pending_deaths.values())
             raise JobFailed(
