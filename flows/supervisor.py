@@ -198,9 +198,11 @@ class Supervisor:
     # -- the job -------------------------------------------------------------------------------------
     def start(self, script: Path) -> None:
         """Start the runtime's launcher for this job; it hosts the coordinator (and, locally, every process)."""
+        from runtime.auth import ENV_SECRET, new_token
         from runtime.control import JobControl
 
         self.port = _free_port()
+        secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer of its store
         cmd = [
             sys.executable,
             "-m",
@@ -226,11 +228,21 @@ class Supervisor:
         if self.run.steps is not None:
             cmd += ["--steps", str(self.run.steps)]
         log_file = open(self.workdir / "job.log", "ab")  # noqa: SIM115 - held for the child's life
-        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, ENV_SECRET: secret})
         log_file.close()
         self._started_at = self.clock()
         self._last_accrual = self._started_at
-        self.control = JobControl("127.0.0.1", self.port, timeout_s=60.0)
+        self.control = JobControl("127.0.0.1", self.port, timeout_s=60.0, secret=secret)
+
+    def _steer(self, command: str, *args: Any) -> None:
+        """Send a command to the job; one that ends meanwhile needs no steering (its end is read from events)."""
+        from runtime.control import JobEnded
+
+        if self.control is None:
+            return
+        with contextlib.suppress(JobEnded):
+            getattr(self.control, command)(*args)
 
     def committed_step(self) -> int | None:
         """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
@@ -392,7 +404,7 @@ class Supervisor:
                 # The coordinator is waiting for a standby: one more process starts cold on the woken node.
                 # The next policy decision lowers the target again if the risk does not pay for it.
                 self.warm_target += 1
-                self.control.set_standby_target(self.warm_target)
+                self._steer("set_standby_target", self.warm_target)
                 out.append(
                     Happening(
                         f"{EVENT_PREFIX}.standby.woken",
@@ -450,7 +462,7 @@ class Supervisor:
             rank = rank_of.get(n.instance_id)
             if rank is None:
                 continue
-            self.control.move([rank], n.kind)
+            self._steer("move", [rank], n.kind)
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.node.notice",
@@ -480,7 +492,7 @@ class Supervisor:
         if warm > self.warm_target:
             self.warm += [i.instance_id for i in self._launch("standby", warm - len(self.warm))]
             self.warm_target = warm
-            self.control.set_standby_target(warm)
+            self._steer("set_standby_target", warm)
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.standby.prewarmed",
@@ -493,7 +505,7 @@ class Supervisor:
             )
         elif warm < self.warm_target:
             self.warm_target = warm
-            self.control.set_standby_target(warm)
+            self._steer("set_standby_target", warm)
             surplus = self.warm[warm:]
             self.warm = self.warm[:warm]
             if surplus:

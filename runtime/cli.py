@@ -34,6 +34,17 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--port", type=int, default=0,
                    help="coordinator store port, where an orchestrator steers the job with runtime.control.JobControl "
                         "(default: a free one, named in the job_started event)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the job's store and Gloo listen on, and only there (default 127.0.0.1)")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the job's secret (mode 600), which an orchestrator needs to steer the job; created with a "
+                        "fresh secret if absent. Default: $TRAINMOVER_JOB_SECRET, else a secret no one else knows")
+    p.add_argument("--handoff-transport", choices=["gloo", "tls"], default="gloo",
+                   help="how the state reaches a new member: over the Gloo/NCCL group (default), or over mutual TLS "
+                        "(encrypted; for standbys across a trust boundary)")
+    p.add_argument("--tls-cert", metavar="PEM", help="with tls: the job's certificate (default: a fresh one per job)")
+    p.add_argument("--tls-key", metavar="PEM", help="with tls: its private key (mode 600)")
+    p.add_argument("--tls-ca", metavar="PEM", help="with tls: what peers' certificates must chain to")
     p.add_argument("--quiet", action="store_true", help="log errors only")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -45,6 +56,8 @@ def run_command(ns: argparse.Namespace) -> int:
             script=ns.script, args=tuple(ns.script_args), nproc=ns.nproc, standby=ns.standby, backend=ns.backend,
             events_path=ns.events, hang_timeout_s=ns.hang_timeout, standby_wait_s=ns.standby_wait,
             replenish=not ns.no_replenish, num_threads=ns.threads, faults=ns.faults, chaos=ns.chaos, port=ns.port,
+            host=ns.host, secret_file=ns.secret_file, handoff_transport=ns.handoff_transport, tls_cert=ns.tls_cert,
+            tls_key=ns.tls_key, tls_ca=ns.tls_ca,
             quiet=ns.quiet,
             wait_for_standbys=ns.wait_for_standbys, fork_server=not ns.no_fork_server,
         )

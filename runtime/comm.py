@@ -198,7 +198,7 @@ class GradientBuckets:
         for flat in self.flats:
             flat.zero_()
 
-    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], None] | None = None) -> None:
+    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], object] | None = None) -> None:
         """Sum every bucket over the group, then divide: the same bits on every rank, every time."""
         self.attach()  # backward may have produced a fresh tensor if user code dropped our view
         failure: str | None = None

@@ -28,6 +28,11 @@ ENV_RECOVERY_TIMEOUT_S = "TM_RECOVERY_TIMEOUT_S"
 ENV_COLLECTIVE_TIMEOUT_S = "TM_COLLECTIVE_TIMEOUT_S"
 ENV_CHUNK_BYTES = "TM_CHUNK_BYTES"
 ENV_CONNECT_TIMEOUT_S = "TM_CONNECT_TIMEOUT_S"
+ENV_HANDOFF_TRANSPORT = "TM_HANDOFF_TRANSPORT"
+ENV_TLS_CERT = "TM_TLS_CERT"
+ENV_TLS_KEY = "TM_TLS_KEY"  # a path; the key file is mode 600
+ENV_TLS_CA = "TM_TLS_CA"
+ENV_BIND_HOST = "TM_BIND_HOST"
 
 
 class LaunchError(RuntimeError):
@@ -67,6 +72,16 @@ class ProcessConfig:
     """Largest message of a state handoff; bigger tensors are streamed in slices of this size."""
     connect_timeout_s: float = 30.0
     """Longest wait to connect a generation's group (a member lost while connecting costs at most this)."""
+    handoff_transport: Literal["gloo", "tls"] = "gloo"
+    """How the state travels in a handoff: over the generation's group, or over mutual-TLS connections."""
+    tls_cert: str = ""
+    """The job's TLS certificate (tls transport): what every member presents."""
+    tls_key: str = ""
+    """Its private key file."""
+    tls_ca: str = ""
+    """The certificate(s) a peer's certificate must chain to; default: the job's certificate itself."""
+    bind_host: str = "127.0.0.1"
+    """The address this process listens on (a TLS source's handoff socket)."""
 
     def __repr__(self) -> str:  # the token must never reach a log through a repr
         return (f"ProcessConfig(job_id={self.job_id!r}, proc={self.proc!r}, role={self.role!r}, "
@@ -88,6 +103,11 @@ class ProcessConfig:
             ENV_COLLECTIVE_TIMEOUT_S: repr(self.collective_timeout_s),
             ENV_CHUNK_BYTES: str(self.chunk_bytes),
             ENV_CONNECT_TIMEOUT_S: repr(self.connect_timeout_s),
+            ENV_HANDOFF_TRANSPORT: self.handoff_transport,
+            ENV_TLS_CERT: self.tls_cert,
+            ENV_TLS_KEY: self.tls_key,
+            ENV_TLS_CA: self.tls_ca,
+            ENV_BIND_HOST: self.bind_host,
         }
 
     @classmethod
@@ -105,6 +125,9 @@ class ProcessConfig:
             raise LaunchError(f"{ENV_ROLE}={role!r}: expected worker or standby")
         if backend not in ("gloo", "nccl"):
             raise LaunchError(f"{ENV_BACKEND}={backend!r}: expected gloo or nccl")
+        transport = env.get(ENV_HANDOFF_TRANSPORT, "gloo")
+        if transport not in ("gloo", "tls"):
+            raise LaunchError(f"{ENV_HANDOFF_TRANSPORT}={transport!r}: expected gloo or tls")
         try:
             return cls(
                 store_host=env[ENV_STORE_HOST],
@@ -121,6 +144,11 @@ class ProcessConfig:
                 collective_timeout_s=float(env.get(ENV_COLLECTIVE_TIMEOUT_S, "600")),
                 chunk_bytes=int(env.get(ENV_CHUNK_BYTES, str(64 << 20))),
                 connect_timeout_s=float(env.get(ENV_CONNECT_TIMEOUT_S, "30")),
+                handoff_transport=transport,  # type: ignore[arg-type]
+                tls_cert=env.get(ENV_TLS_CERT, ""),
+                tls_key=env.get(ENV_TLS_KEY, ""),
+                tls_ca=env.get(ENV_TLS_CA, ""),
+                bind_host=env.get(ENV_BIND_HOST, env[ENV_STORE_HOST]),
             )
         except ValueError as exc:
             raise LaunchError(f"malformed TrainMover launch variable: {exc}") from None

@@ -5,7 +5,11 @@ writes control keys (`runtime.store`, `control/...`); the coordinator reads them
 with events (and, for moves, a result key). This module owns the requests' format: the parsers the coordinator
 applies to what it reads, and `JobControl`, the client that writes them.
 
-    with JobControl("127.0.0.1", port) as job:
+Commands are sealed with the job's secret (`runtime.auth`) and carry a sequence number that only grows: the
+coordinator obeys nothing unsealed and refuses a replayed command. So an orchestrator needs the job's secret:
+start the job with `TRAINMOVER_JOB_SECRET` set (or `--secret-file`) and give `JobControl` the same.
+
+    with JobControl("127.0.0.1", port, secret=secret) as job:
         job.set_standby_target(2)
         outcome = job.wait_move(job.move([1], "spot_interruption"), timeout_s=10)
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from runtime import store as keys
+from runtime.auth import ENV_SECRET, Sealer
 
 MAX_STANDBY_TARGET = 64
 """Upper bound of a standby target: a typo (640 instead of 64) must not start hundreds of processes."""
@@ -39,6 +45,10 @@ class ControlValueError(ValueError):
 
 class JobNotFound(ConnectionError):
     """No trainmover job answers at the given address."""
+
+
+class JobEnded(RuntimeError):
+    """The job this client steered has ended (or the client was closed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +122,19 @@ def parse_move(raw: bytes | str) -> MoveRequest:
 class JobControl:
     """A client of a running job's control channel (`trainmover run --port P`)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
-        """Connect, waiting at most `timeout_s` for the job to answer; raises `JobNotFound` otherwise."""
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0, secret: str | None = None) -> None:
+        """Connect, waiting at most `timeout_s` for the job to answer; raises `JobNotFound` otherwise.
+
+        `secret` is the job's secret (default: the `TRAINMOVER_JOB_SECRET` environment variable); a job answers
+        no one without it."""
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        secret = secret if secret is not None else os.environ.get(ENV_SECRET)
+        if not secret:
+            raise ValueError(f"JobControl needs the job's secret: pass secret=... or set {ENV_SECRET} to the value "
+                             "the job was started with (trainmover run reads it from there, or from --secret-file)")
+        self._sealer = Sealer(secret, "control")
         deadline = time.monotonic() + timeout_s
         # Probe with a plain socket first: a TCPStore client that finds nobody prints C++ tracebacks while it
         # retries, which is noise for the common mistake of a wrong port or a job that has ended.
@@ -128,38 +146,67 @@ class JobControl:
         except (RuntimeError, OSError) as exc:
             raise JobNotFound(f"{host}:{port} accepts connections but is not a job store ({exc})") from exc
         try:
-            keys.wait_keys(self._store, [keys.k_job_config()], max(0.0, deadline - time.monotonic()), what="the job")
-        except keys.StoreTimeout:
+            _wait_for_key(self._store, keys.k_job_config(), deadline)
+        except TimeoutError:
             self.close()
             raise JobNotFound(
                 f"the store at {host}:{port} holds no trainmover job; is `trainmover run --port {port}` running?"
             ) from None
+        if keys.Records(self._store, self._sealer).get(keys.k_job_config()) is None:
+            self.close()
+            raise JobNotFound(f"the job at {host}:{port} was started with another secret than the one given "
+                              f"(or {ENV_SECRET}); use the secret it was started with")
 
     @property
     def store(self) -> dist.TCPStore:
+        """The job's store, while the job runs. Once the coordinator said the job is over, the client is closed
+        before its store goes away (torch prints a C++ stack trace for every call on a closed store)."""
         if self._store is None:
-            raise RuntimeError("this JobControl is closed")
+            raise JobEnded("this JobControl is closed")
+        if self._store.check([keys.k_over()]):
+            self.close()
+            raise JobEnded(f"the job at {self.host}:{self.port} has ended")
         return self._store
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job is over (or this client was closed); no call reaches the store after that."""
+        if self._store is None:
+            return True
+        if self._store.check([keys.k_over()]):
+            self.close()
+            return True
+        return False
+
+    @property
+    def records(self) -> keys.Records:
+        return keys.Records(self.store, self._sealer)
+
+    def _command(self, key: str, request: str, seq: int | None = None) -> int:
+        """Write a sealed command with a fresh sequence number (the coordinator refuses one it has seen)."""
+        if seq is None:
+            seq = int(self.store.add(keys.k_control_seq(), 1))
+        self.records.put(key, {"seq": seq, "request": request})
+        return seq
 
     def set_standby_target(self, n: int) -> None:
         """Keep `n` unpromoted warm standbys from now on (more are started, surplus ones are stopped)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_STANDBY_TARGET:
             raise ValueError(f"the standby target must be an integer in 0..{MAX_STANDBY_TARGET}, got {n!r}")
-        self.store.set(keys.k_control_standby_target(), str(n))
+        self._command(keys.k_control_standby_target(), str(n))
 
     def move(self, ranks: list[int] | tuple[int, ...], reason: str = "requested") -> int:
         """Ask the coordinator to move `ranks` to standbys; returns the request's seq (see `wait_move`)."""
         if not ranks or len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and r >= 0 for r in ranks):
             raise ValueError(f"ranks must be distinct non-negative integers, got {ranks!r}")
         _check_reason(reason)
-        seq = int(self.store.add(keys.k_control_move_seq(), 1))
-        self.store.set(keys.k_control_move(), MoveRequest(seq, tuple(ranks), reason).to_json())
-        return seq
+        seq = int(self.store.add(keys.k_control_seq(), 1))
+        return self._command(keys.k_control_move(), MoveRequest(seq, tuple(ranks), reason).to_json(), seq)
 
     def move_outcome(self, seq: int) -> MoveOutcome | None:
         """The answer to request `seq`, or None while it is unanswered (or was overwritten by a newer one)."""
-        result = keys.get_json_or_none(self.store, keys.k_control_move_result())
-        if result is None or result.get("seq") != seq:
+        result = self.records.get(keys.k_control_move_result())
+        if not isinstance(result, dict) or result.get("seq") != seq:
             return None
         return MoveOutcome(seq, bool(result["accepted"]), str(result.get("reason", "")))
 
@@ -173,11 +220,12 @@ class JobControl:
         return outcome
 
     def committed_step(self) -> int | None:
-        """The last step the job committed (published by the members' heartbeats), None before the first."""
-        s = self.store
-        if not s.check([keys.k_progress()]):
+        """The last step the job committed (published by the members' heartbeats), None before the first or
+        once the job is over."""
+        if self.ended:
             return None
-        return int(s.get(keys.k_progress()).decode())
+        step = self.records.get(keys.k_progress())
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def close(self) -> None:
         self._store = None  # a TCPStore client closes its socket when released
@@ -203,3 +251,10 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
                     f"`trainmover run --port {port} ...`, or check the host and port"
                 ) from None
         time.sleep(0.1)
+
+
+def _wait_for_key(store: dist.TCPStore, key: str, deadline: float) -> None:
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(key)
+        time.sleep(0.02)

@@ -13,7 +13,6 @@ coordinator cannot apply is answered with a `control_rejected` event, never with
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import selectors
@@ -28,7 +27,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from runtime import store as keys
-from runtime.auth import verify
+from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.events import EventLog
@@ -131,6 +130,11 @@ class PendingRecovery:
     deaths: list[Death]
     declared_at: float
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """Earlier generations of this recovery that failed before its replayed step committed, and why."""
+
+    def replayed(self) -> bool:
+        return any("replay_done_at" in r for r in self.reports.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +170,8 @@ class Coordinator:
         self.store = store
         self.pool = pool
         self.events = events
+        self.records = keys.Records(store, Sealer(settings.job_token, "coordinator", self._refused))
+        """The store through the job's seal: every record read is verified, every record written is sealed."""
         self.procs: dict[str, Member] = {}
         self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
         self.pending_deaths: dict[int, Death] = {}
@@ -181,7 +187,9 @@ class Coordinator:
         self.standby_target = settings.standby
         """Unpromoted standbys to keep: `settings.standby` until an orchestrator sets another."""
         self._max_standby_target = settings.standby
-        self._control_seen: dict[str, bytes] = {}
+        self._control_seq: dict[str, int] = {}
+        self._control_last: dict[str, Any] = {}
+        """The newest sequence number applied per control key: an older or equal one is a replay."""
         self._last_move_seq = 0
         self.started = False
         self._selector = selectors.DefaultSelector()
@@ -196,10 +204,14 @@ class Coordinator:
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
 
+    def _refused(self, kind: str, key: str, why: str) -> None:
+        """A value the job's seal refused (someone without the secret wrote it, or replayed an old one)."""
+        self.events.emit("untrusted_value", key=key, key_kind=kind, reason=why)
+
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
         t0 = time.time()
-        keys.set_json(self.store, keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
+        self.records.put(keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
         helpers: dict[str, int] = getattr(self.pool, "helpers", dict)()
         self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
                          port=self.store.port, helpers=helpers)
@@ -238,17 +250,20 @@ class Coordinator:
             return self._finish(JobResult(130, "interrupted; every process was stopped", [], {}), t0)
 
     def _finish(self, result: JobResult, t0: float) -> JobResult:
+        self.records.put(keys.k_over(), {"exit_code": result.exit_code})
         self._flush_recoveries(final=True)
         for name, at in self._chaos_hit.items():
             if not self.procs[name].dead:  # a hang injected too close to the end to be detected before it
                 self.events.emit("chaos_unresolved", proc=name, pid=self.procs[name].handle.pid, time=at,
                                  reason="the job ended before the fault was detected")
         digests = self._digests()
+        refused = dict(self.records.sealer.refused)
         if result.exit_code == 0:
             self.events.emit("job_finished", wall_s=time.time() - t0, generation=self.gen.gen, digests=digests,
-                             final_digest=digests.get(self.gen.members[0]))
+                             final_digest=digests.get(self.gen.members[0]), refused_values=refused)
         else:
-            self.events.emit("job_failed", wall_s=time.time() - t0, reason=result.message, exit_code=result.exit_code)
+            self.events.emit("job_failed", wall_s=time.time() - t0, reason=result.message, exit_code=result.exit_code,
+                             refused_values=refused)
         self._shutdown()
         return JobResult(result.exit_code, result.message, list(self.events.events), digests)
 
@@ -274,10 +289,10 @@ class Coordinator:
         if self.stop_sent:
             return
         self.stop_sent = True
-        self.store.set(keys.k_stop(), "1")
+        self.records.put(keys.k_stop(), True)
         for name, m in self.procs.items():
             if m.handle.role == "standby" and m.assigned_gen is None:
-                self.store.set(keys.k_assign(name), "-1")
+                self.records.put(keys.k_assign(name), -1)
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> None:
@@ -332,7 +347,7 @@ class Coordinator:
         if self.completing_since is not None:
             return  # training is over; exits now are the script's own business, judged at the end
         self._check_fatal(name)
-        joined = m.hello_ok or self.store.check([keys.k_hello(name)])
+        joined = m.hello_ok or self._hello_ok(name, m)
         if code is not None and code >= 0 and not joined and name not in self._chaos_hit:
             raise JobFailed(
                 f"{m.handle.role} {name} (pid {m.handle.pid}) {cause} before joining the job. Every process runs "
@@ -380,26 +395,21 @@ class Coordinator:
 
     def _fault_for(self, name: str) -> dict[str, Any] | None:
         for i in range(self.fault_count):
-            if i not in self._fault_records and self.store.check([keys.k_fault(i)]):
-                self._fault_records[i] = json.loads(self.store.get(keys.k_fault(i)))
-        matches = [r for r in self._fault_records.values() if r["proc"] == name]
+            if i not in self._fault_records and (record := self.records.get(keys.k_fault(i))) is not None:
+                self._fault_records[i] = record
+        matches = [r for r in self._fault_records.values()
+                   if isinstance(r, dict) and r.get("proc") == name and r.get("action") != "corrupt"]
         return matches[-1] if matches else None
 
     def _poll_health(self, now: float) -> None:
         for name, m in list(self.procs.items()):
             if m.dead:
                 continue
-            if not m.hello_ok and self.store.check([keys.k_hello(name)]):
-                hello = keys.get_json(self.store, keys.k_hello(name))
-                if hello.get("pid") == m.handle.pid and verify(
-                    self.s.job_token, str(hello.get("proof", "")), "hello", self.s.job_id, name, m.handle.pid
-                ):
-                    m.hello_ok = True
-                else:
-                    self._fence(name, "failed to prove it belongs to the job")
-                    continue
-            value = keys.read_counter(self.store, keys.k_heartbeat(name)) - 1  # -1 until the first beat
-            if value != m.hb_value:
+            if not m.hello_ok:
+                m.hello_ok = self._hello_ok(name, m)
+            beat = self.records.get(keys.k_heartbeat(name)) if m.hello_ok else None
+            value = beat if isinstance(beat, int) and not isinstance(beat, bool) else -1  # -1 until the first beat
+            if value > m.hb_value:  # a replayed older beat is no sign of life
                 m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, time.time()
             elif m.hb_value < 0 and now - m.started_at > self.s.startup_timeout_s:
                 self._fence(name, f"did not start within {self.s.startup_timeout_s:.0f} s")
@@ -407,17 +417,29 @@ class Coordinator:
                 self._fence(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)", m.hb_changed_wall)
             if (
                 m.handle.role == "standby" and not m.ready and not m.dead and m.hello_ok
-                and self.store.check([keys.k_ready(name)])
+                and isinstance(warm := self.records.get(keys.k_ready(name)), dict)
             ):
                 m.ready = True
                 self.standby_failures_in_row = 0
-                warm = keys.get_json(self.store, keys.k_ready(name))
                 self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
                                  ready_after_s=now - m.started_at)
 
+    def _hello_ok(self, name: str, m: Member) -> bool:
+        """Whether the process said hello, sealed with the job's secret, from the pid the pool started.
+
+        A hello that fails is ignored (counted by the seal): an outsider who writes one first cannot get a
+        process fenced, and the real process's own hello overwrites it."""
+        hello = self.records.get(keys.k_hello(name))
+        if not isinstance(hello, dict):
+            return False
+        if hello.get("pid") != m.handle.pid:
+            self.records.sealer.refuse(keys.k_hello(name), f"it names pid {hello.get('pid')!r}, not {m.handle.pid}")
+            return False
+        return True
+
     def _check_fatal(self, name: str) -> None:
-        fatal = keys.get_json_or_none(self.store, keys.k_fatal(name))
-        if fatal is not None:
+        fatal = self.records.get(keys.k_fatal(name))
+        if isinstance(fatal, dict) and isinstance(fatal.get("message"), str):
             last = fatal["message"].strip().splitlines()[-1] if fatal["message"].strip() else "?"
             raise JobFailed(
                 f"the training script failed in {name}: {last}\n"
@@ -473,26 +495,34 @@ class Coordinator:
     def _poll_control(self) -> None:
         """Apply what an orchestrator wrote since the last tick; each value is acted on once."""
         for key in (keys.k_control_standby_target(), keys.k_control_move()):
-            if not self.store.check([key]):
+            signed = self.records.get(key)
+            if signed is None or signed == self._control_last.get(key):
+                continue  # nothing, refused (and counted once), or what the last tick saw
+            self._control_last[key] = signed
+            seq = signed.get("seq") if isinstance(signed, dict) else None
+            if not isinstance(seq, int) or isinstance(seq, bool) or "request" not in signed:
+                self.records.sealer.refuse(key, "a sealed control value without seq and request")
                 continue
-            raw = self.store.get(key)
-            if raw == self._control_seen.get(key):
+            last = self._control_seq.get(key, 0)
+            if seq <= last:
+                if seq < last:
+                    self.records.sealer.refuse(key, f"stale (seq {seq}, the last applied is {last})")
                 continue
-            self._control_seen[key] = raw
+            self._control_seq[key] = seq
             if key == keys.k_control_standby_target():
-                self._apply_standby_target(raw)
+                self._apply_standby_target(signed["request"])
             else:
-                self._apply_move(raw)
+                self._apply_move(signed["request"])
 
     def _reject(self, control: str, reason: str, **fields: Any) -> None:
         log.warning("ignored a %s request: %s", control, reason)
         self.events.emit("control_rejected", control=control, reason=reason, **fields)
 
-    def _apply_standby_target(self, raw: bytes) -> None:
+    def _apply_standby_target(self, raw: str) -> None:
         try:
             target = parse_standby_target(raw)
         except ControlValueError as exc:
-            self._reject("standby_target", str(exc), value=raw.decode(errors="replace")[:40])
+            self._reject("standby_target", str(exc), value=str(raw)[:40])
             return
         old, self.standby_target = self.standby_target, target
         self._max_standby_target = max(self._max_standby_target, target)
@@ -505,7 +535,7 @@ class Coordinator:
         else:
             self._release_surplus(f"standby target lowered to {target}")
 
-    def _apply_move(self, raw: bytes) -> None:
+    def _apply_move(self, raw: str) -> None:
         try:
             request = parse_move(raw)
         except ControlValueError as exc:
@@ -553,8 +583,8 @@ class Coordinator:
 
     def _answer_move(self, seq: int | None, refusal: str | None) -> None:
         if seq is not None:
-            keys.set_json(self.store, keys.k_control_move_result(),
-                          {"seq": seq, "accepted": refusal is None, "reason": refusal or ""})
+            self.records.put(keys.k_control_move_result(),
+                             {"seq": seq, "accepted": refusal is None, "reason": refusal or ""})
 
     # -- membership ----------------------------------------------------------------------------------
     def _progress(self, now: float) -> JobResult | None:
@@ -585,8 +615,8 @@ class Coordinator:
     def _update_holders(self) -> None:
         """A promoted standby holds the state once its handoff completed (it says so in the store)."""
         for rank, proc in enumerate(self.gen.members):
-            if proc not in self.holders and not self.procs[proc].dead and self.store.check(
-                [keys.k_holds(self.gen.gen, rank)]
+            if proc not in self.holders and not self.procs[proc].dead and self.records.has(
+                keys.k_holds(self.gen.gen, rank)
             ):
                 self.holders.add(proc)
 
@@ -598,7 +628,7 @@ class Coordinator:
             self.chaos.start(now)
         if not self.chaos.due(now):
             return
-        if any(self.store.check([keys.k_done(self.gen.gen, r)]) for r in range(self.gen.world_size)):
+        if any(self.records.has(keys.k_done(self.gen.gen, r)) for r in range(self.gen.world_size)):
             self._chaos_over = True  # training is finishing: a fault now would test the script's exit, not us
             return
         self._update_holders()
@@ -630,14 +660,14 @@ class Coordinator:
             log.warning("chaos: %s %s (pid %d, %s)", shot.signal, shot.proc, m.handle.pid, state)
         if self.chaos.exhausted:
             self._chaos_over = True
-            self.store.set(keys.k_chaos_done(), str(self.chaos.injected))
+            self.records.put(keys.k_chaos_done(), self.chaos.injected)
 
     def _all_done(self) -> bool:
-        return self.store.check([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)])
+        return all(self.records.has(keys.k_done(self.gen.gen, r)) for r in range(self.gen.world_size))
 
     def _progress_completion(self, now: float) -> JobResult | None:
         members = [self.procs[p] for p in self.gen.members]
-        if not self.stop_sent and all(self.store.check([keys.k_digest(p)]) or self.procs[p].dead
+        if not self.stop_sent and all(self.records.has(keys.k_digest(p)) or self.procs[p].dead
                                       for p in self.gen.members):
             self._send_stop()
         if all(m.dead or m.handle.poll() is not None for m in members):
@@ -657,8 +687,8 @@ class Coordinator:
         if keys.read_counter(self.store, keys.k_failed_count(self.gen.gen)) == 0:
             self.failed_seen_at = None
             return
-        reports = [keys.get_json(self.store, keys.k_failed(self.gen.gen, p)) for p in self.gen.members
-                   if self.store.check([keys.k_failed(self.gen.gen, p)])]
+        reports = [r for p in self.gen.members
+                   if isinstance(r := self.records.get(keys.k_failed(self.gen.gen, p)), dict)]
         if not reports:
             self.failed_seen_at = None
             return
@@ -667,7 +697,8 @@ class Coordinator:
                 raise JobFailed(f"{r.get('message', 'the training state was lost')}; the job was stopped")
         for r in reports:
             untrusted = r.get("untrusted_rank")
-            if untrusted is not None and not self.procs[self.gen.members[untrusted]].dead:
+            if (isinstance(untrusted, int) and 0 <= untrusted < self.gen.world_size
+                    and not self.procs[self.gen.members[untrusted]].dead):
                 self._fence(self.gen.members[untrusted], "failed to prove it belongs to the job during a handoff")
         if self.pending_deaths:
             return
@@ -678,6 +709,9 @@ class Coordinator:
             message = reports[0].get("message", "")
             new = Generation(self.gen.gen + 1, self.gen.members, f"collective error without a lost member: {message}")
             log.warning("collective error without a lost member (%s); rebuilding the groups", message)
+            for rec in self._unfinished_recoveries(new):
+                rec.gen, rec.reports = new, {}
+                self.recoveries.append(rec)
             self._publish(new)
             self._emit_generation(new)
 
@@ -703,23 +737,33 @@ class Coordinator:
         for proc in assignment.values():
             self.procs[proc].assigned_gen = new.gen
         self._publish(new, assign=list(assignment.values()))
-        # Deaths whose generation was superseded before it trained a step are part of this recovery.
-        earlier = [r for r in self.recoveries if not r.reports]
-        for r in earlier:
-            self.recoveries.remove(r)
+        # A recovery whose generation is superseded before its replayed step committed goes on in this one: its
+        # failure, its deaths and its failed generations are this recovery's, and its time runs from there.
+        earlier = self._unfinished_recoveries(new)
         merged = [d for r in earlier for d in r.deaths] + deaths
-        self.recoveries.append(PendingRecovery(new, merged, declared_at))
+        rec = PendingRecovery(new, merged, declared_at, attempts=[a for r in earlier for a in r.attempts])
+        self.recoveries.append(rec)
         self._emit_generation(new)
         self.pending_deaths.clear()
         self.waiting_since = None
         if self.s.replenish:
             self._top_up("replace a promoted standby")
 
+    def _unfinished_recoveries(self, new: Generation) -> list[PendingRecovery]:
+        """Take out the pending recoveries that `new` supersedes before their replay committed; each records
+        its generation as a failed attempt."""
+        self._read_reports()
+        out = [r for r in self.recoveries if r.gen.gen < new.gen and not r.replayed()]
+        for r in out:
+            self.recoveries.remove(r)
+            r.attempts.append({"generation": r.gen.gen, "failed": new.reason})
+        return out
+
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
-        keys.set_json(self.store, keys.k_gen(gen.gen), gen.to_json())
+        self.records.put(keys.k_gen(gen.gen), gen.to_json())
         for proc in assign or []:
-            self.store.set(keys.k_assign(proc), str(gen.gen))
-        self.store.set(keys.k_current_gen(), str(gen.gen))
+            self.records.put(keys.k_assign(proc), gen.gen)
+        self.records.put(keys.k_current_gen(), gen.gen)
         self.gen = gen
 
     def _emit_generation(self, gen: Generation) -> None:
@@ -731,13 +775,22 @@ class Coordinator:
         )
 
     # -- reports -------------------------------------------------------------------------------------
-    def _flush_recoveries(self, final: bool = False) -> None:
-        for rec in list(self.recoveries):
+    def _read_reports(self) -> None:
+        """Read the members' recovery reports: a first one when the replayed step committed, the final one after
+        the steps that follow it."""
+        for rec in self.recoveries:
             g = rec.gen.gen
             for r in range(rec.gen.world_size):
-                if r not in rec.reports and self.store.check([keys.k_report(g, r)]):
-                    rec.reports[r] = keys.get_json(self.store, keys.k_report(g, r))
-            complete = len(rec.reports) == rec.gen.world_size
+                if not rec.reports.get(r, {}).get("final") and isinstance(
+                    report := self.records.get(keys.k_report(g, r)), dict
+                ):
+                    rec.reports[r] = report
+
+    def _flush_recoveries(self, final: bool = False) -> None:
+        self._read_reports()
+        for rec in list(self.recoveries):
+            g = rec.gen.gen
+            complete = len(rec.reports) == rec.gen.world_size and all(r.get("final") for r in rec.reports.values())
             superseded = self.gen.gen > g
             if complete or final or (superseded and rec.reports):
                 self.recoveries.remove(rec)
@@ -776,7 +829,8 @@ class Coordinator:
             causes=[d.cause for d in rec.deaths], recovery_s=recovery_s,
             handoff_bytes=sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
             sources=sorted(r["rank"] for r in reports if r["role"] == "source"), **components,
-            reconfigure_split=split, tier="warm",
+            reconfigure_split=split, tier="warm", generations=len(rec.attempts) + 1, failed_attempts=rec.attempts,
+            refetched_chunks=sum(r.get("refetched_chunks", 0) for r in reports if r["role"] == "receiver"),
         )
         for d in rec.deaths:
             new = rec.gen.members[d.rank]
@@ -788,15 +842,15 @@ class Coordinator:
     def _digests(self) -> dict[str, str]:
         out = {}
         for p in self.gen.members:
-            if self.store.check([keys.k_digest(p)]):
-                out[p] = self.store.get(keys.k_digest(p)).decode()
+            if isinstance(digest := self.records.get(keys.k_digest(p)), str):
+                out[p] = digest
         return out
 
 
 def configure_logging(quiet: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[trainmover] %(message)s"))
-    for name in ("trainmover.coordinator", "trainmover.launcher"):
+    for name in ("trainmover.coordinator", "trainmover.launcher", "trainmover.auth"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [handler]
         lg.setLevel(logging.ERROR if quiet else logging.INFO)

@@ -5,25 +5,25 @@ A plan is a `;`-separated list of faults, each `ACTION:key=value,...`, for examp
     kill:rank=1,step=5,phase=exchange      # SIGKILL rank 1 while its step-5 gradients are in flight
     stop:rank=2,step=9,phase=before_exchange  # SIGSTOP (a hang) rank 2 just before its step-9 exchange
     kill:role=sender,phase=handoff_send,chunk=3  # the replica streaming state dies after 3 chunks
+    corrupt:role=sender,phase=handoff_send,chunk=2  # chunk 2 leaves the sender with one bit flipped
 
 Actions are real signals sent by the process to itself: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM),
-exit (os._exit(1)). Each fault fires once per job: the first process to claim it in the store fires it.
+exit (os._exit(1)); and corrupt, which flips a bit of the handoff chunk being sent (after its MAC was taken:
+what a bad link or a forger does), for the handoff's MAC and refetch. Each fault fires once per job: the first
+process to claim it in the store fires it.
 Before it fires, the process records the wall-clock time, so benchmarks can measure detection from the
 moment of failure.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import torch.distributed as dist
-
-from runtime.store import k_fault
+from runtime.store import Records, k_fault
 
 Phase = Literal[
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
@@ -33,7 +33,7 @@ PHASES: tuple[str, ...] = (
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
     "standby_wait",
 )
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None, "corrupt": None}
 
 
 class FaultPlanError(ValueError):
@@ -86,6 +86,8 @@ def parse_plan(spec: str) -> list[Fault]:
             raise FaultPlanError(f"fault {item!r}: {exc}") from None
         if fields:
             raise FaultPlanError(f"fault {item!r}: unknown keys {sorted(fields)}")
+        if action == "corrupt" and phase != "handoff_send":
+            raise FaultPlanError(f"fault {item!r}: corrupt applies to phase=handoff_send only")
         faults.append(fault)
     return faults
 
@@ -93,9 +95,9 @@ def parse_plan(spec: str) -> list[Fault]:
 class FaultInjector:
     """Fires the planned faults that match the point a process has reached."""
 
-    def __init__(self, spec: str, store: dist.Store | None, proc: str) -> None:
+    def __init__(self, spec: str, records: Records | None, proc: str) -> None:
         self.faults = parse_plan(spec)
-        self.store = store
+        self.records = records
         self.proc = proc
 
     def __bool__(self) -> bool:
@@ -110,9 +112,11 @@ class FaultInjector:
         gen: int | None = None,
         role: str | None = None,
         chunk: int | None = None,
-    ) -> None:
+    ) -> bool:
+        """Fire what matches; True when a `corrupt` fault fired (the caller corrupts what it is sending)."""
+        corrupt = False
         if not self.faults:
-            return
+            return False
         for index, f in enumerate(self.faults):
             if f.phase != phase:
                 continue
@@ -123,16 +127,20 @@ class FaultInjector:
                 )
             ):
                 continue
-            if self.store is not None and self.store.add(k_fault(index) + "/claims", 1) != 1:
+            if self.records is not None and self.records.store.add(k_fault(index) + "/claims", 1) != 1:
                 continue  # fired already, by this process's predecessor in the same rank
-            self._fire(index, f, step, rank)
+            corrupt |= self._fire(index, f, step, rank)
+        return corrupt
 
-    def _fire(self, index: int, fault: Fault, step: int | None, rank: int | None) -> None:
+    def _fire(self, index: int, fault: Fault, step: int | None, rank: int | None) -> bool:
         record = {"time": time.time(), "proc": self.proc, "pid": os.getpid(), "rank": rank, "step": step,
                   "phase": fault.phase, "action": fault.action}
-        if self.store is not None:
-            self.store.set(k_fault(index), json.dumps(record))
+        if self.records is not None:
+            self.records.put(k_fault(index), record)
+        if fault.action == "corrupt":
+            return True
         sig = ACTIONS[fault.action]
         if sig is None:
             os._exit(1)
         os.kill(os.getpid(), sig)
+        return False

@@ -1,32 +1,49 @@
 """State handoff: healthy replicas stream the training state, from memory, to the members that lack it.
 
 The plan is a pure function of what every member reports (its committed step and whether it holds state):
-the target is the newest committed step; members at the target are sources, the others receive. Each receiver
-first proves it belongs to the job; then the first source sends a JSON metadata record and every source
-streams a share of the tensors, in chunks, straight into the receiver's own buffers (the ones a standby
-allocated while warming up), followed by a 64-bit additive checksum per chunk that the receiver verifies.
+the target is the newest committed step; members at the target are sources, the others receive.
+
+Both ends prove they belong to the job before anything is sent, each over a nonce the other just drew: the
+receiver sends a nonce, the source answers with its own nonce and an HMAC over both (naming the job, the
+generation, both ranks and both processes), the receiver checks it and answers with its HMAC. A stranger on
+either end, or a replayed proof, is refused before a byte of state moves. Then the first source sends the
+metadata, and every source streams a share of the tensors in chunks, straight into the receiver's own buffers
+(the ones a standby allocated while warming up), followed by an HMAC-SHA256 per chunk under a key of this
+generation. A chunk whose MAC fails (a bad link, a forger) is fetched again, from another source where there
+is one, in one repair round; only a chunk bad from two sources fails the handoff.
+
+The messages travel over `Links`: the generation's Gloo group by default, or TLS connections
+(`runtime.tls_transport`) for standbys across a trust boundary. Per pair of peers both ends send and receive
+in the same order, so an ordered stream carries the protocol as well as tagged messages do.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from runtime.auth import prove, verify
+from runtime.auth import derive, prove
 from runtime.comm import CommFailure, error_text
 from runtime.state import TrainingState
 
-TAG_PROOF = 1
-TAG_META = 2
-TAG_CHECKSUM = 1 << 20  # + source share; chunk tags stay below it
+TAG_NONCE = 1
+TAG_PROOF = 2
+TAG_META = 3
+TAG_REPAIR = 4
+TAG_MACS = 1 << 20  # + 1 for the repair round's MACs; chunk tags stay below it
 TAG_CHUNK0 = 16
-PROOF_LEN = 64
+NONCE_BYTES = 32
+MAC_BYTES = 32
 
 
 class HandoffError(RuntimeError):
@@ -37,12 +54,22 @@ class StateLost(HandoffError):
     """No member of the new generation holds the training state: no handoff can rebuild it."""
 
 
-class UntrustedReceiver(HandoffError):
-    """A receiver failed to prove it belongs to the job; nothing was sent to it."""
+class UntrustedPeer(HandoffError):
+    """A peer of the handoff failed to prove it belongs to the job; nothing was sent to it or taken from it."""
 
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"rank {rank} failed to prove it belongs to the job; no state was sent")
+    def __init__(self, rank: int, role: str) -> None:
+        super().__init__(f"{role} rank {rank} failed to prove it belongs to the job; no state was exchanged with it")
         self.rank = rank
+
+
+class UntrustedReceiver(UntrustedPeer):
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank, "receiving")
+
+
+class UntrustedSource(UntrustedPeer):
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank, "sending")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,22 +127,6 @@ def chunk_layout(shapes: list[tuple[list[int], int]], chunk_bytes: int) -> list[
     return chunks
 
 
-def checksum(t: torch.Tensor) -> int:
-    """Wrapping 64-bit sum of the tensor's bytes read as integers: order-independent, so any thread count agrees."""
-    flat = t.reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    if nbytes == 0:
-        return 0
-    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if nbytes % width == 0 and (flat.storage_offset() * flat.element_size()) % width == 0:
-            try:
-                words = flat.view(torch.uint8).view(dtype)
-            except RuntimeError:
-                continue
-            return int(words.sum(dtype=torch.int64).item())
-    return int(flat.view(torch.uint8).sum(dtype=torch.int64).item())
-
-
 def _started(work: dist.Work | None) -> dist.Work:
     if work is None:  # only ranks outside the group get None, and every member of a handoff is inside it
         raise CommFailure("point-to-point operation was not started: this rank is not in the group")
@@ -124,6 +135,52 @@ def _started(work: dist.Work | None) -> dist.Work:
 
 def _slice(t: torch.Tensor, c: Chunk) -> torch.Tensor:
     return t.reshape(-1)[c.start : c.stop]
+
+
+class Waiter(Protocol):
+    def wait(self) -> Any: ...
+
+
+class Links(Protocol):
+    """Point-to-point messages between the members of one handoff; per pair of peers, in order."""
+
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> None: ...
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> None: ...
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter: ...
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Waiter: ...
+
+
+class GlooLinks:
+    """The generation's own process group (Gloo or NCCL), tagged messages."""
+
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        dist.send(t, dst=peer, tag=tag)
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        dist.recv(t, src=peer, tag=tag)
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
+        return _started(dist.isend(t, dst=peer, tag=tag))
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
+        return _started(dist.irecv(t, src=peer, tag=tag))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy for a contiguous CPU tensor (a GPU one is copied to the host)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.contiguous().view(torch.uint8).numpy().data
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +192,25 @@ class HandoffSession:
     job_id: str
     token: str = field(repr=False)
     chunk_bytes: int = 64 << 20
-    fault: Callable[..., None] = lambda *_, **__: None
+    fault: Callable[..., bool | None] = lambda *_, **__: None
 
-    def proof_statement(self, rank: int) -> tuple[object, ...]:
-        return ("handoff", self.job_id, self.gen, rank, self.members[rank])
+    def proof(self, role: str, source: int, receiver: int, nonce_r: bytes, nonce_s: bytes) -> bytes:
+        """What `role` ("source" or "receiver") answers to the pair's challenge: bound to both nonces."""
+        return bytes.fromhex(prove(self.token, "handoff", role, self.job_id, self.gen, source,
+                                   self.members[source], receiver, self.members[receiver], nonce_r.hex(),
+                                   nonce_s.hex()))
+
+    def chunk_key(self) -> bytes:
+        """The MAC key of this generation's chunks (the same for every source: any of them can resend one)."""
+        return hmac.new(derive(self.token, "handoff-chunks"), f"{self.job_id}\x1f{self.gen}".encode(),
+                        hashlib.sha256).digest()
+
+
+def chunk_mac(key: bytes, target_step: int, index: int, data: memoryview | bytes) -> bytes:
+    """HMAC-SHA256 of chunk `index` of the state of `target_step` (hashlib releases the GIL while it hashes)."""
+    mac = hmac.new(key, struct.pack("<qq", target_step, index), hashlib.sha256)
+    mac.update(data)
+    return mac.digest()
 
 
 @dataclass
@@ -146,93 +218,177 @@ class HandoffStats:
     role: str
     bytes: int = 0
     seconds: float = 0.0
+    refetched: int = 0
+    """Chunks that failed their MAC and were fetched again (a receiver's count)."""
 
 
 def run_handoff(
-    plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, extra: Any = None
+    plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, extra: Any = None,
+    links: Links | None = None,
 ) -> tuple[HandoffStats, dict[str, Any] | None]:
     """Run this member's part of the plan. Returns its stats and, for a receiver, the metadata it applied."""
     t0 = time.perf_counter()
+    links = links or GlooLinks()
     meta_in: dict[str, Any] | None = None
     failure: str | None = None
     stats = HandoffStats("source" if rank in plan.sources else "receiver" if rank in plan.receivers else "none")
     try:
         if rank in plan.sources:
             for receiver in plan.receivers:
-                stats.bytes += _serve(plan, session, rank, receiver, state, extra)
+                stats.bytes += _serve(plan, session, rank, receiver, state, extra, links)
         elif rank in plan.receivers:
-            meta_in = _receive(plan, session, rank, state)
+            meta_in = _receive(plan, session, rank, state, links, stats)
             stats.bytes = state.state_bytes()
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         if isinstance(exc, HandoffError):
             raise
-        failure = error_text(exc)
+        failure = error_text(exc) if isinstance(exc, RuntimeError) else str(exc)
     if failure is not None:
         raise CommFailure(f"handoff interrupted: {failure}")
     stats.seconds = time.perf_counter() - t0
     return stats, meta_in
 
 
+def _shares(plan: HandoffPlan, n_chunks: int) -> list[list[int]]:
+    """Chunk indices each source sends, by its position in `plan.sources`."""
+    k = len(plan.sources)
+    return [[j for j in range(n_chunks) if j % k == share] for share in range(k)]
+
+
 def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int, state: TrainingState,
-           extra: Any) -> int:
-    proof = torch.zeros(PROOF_LEN, dtype=torch.uint8)
-    dist.recv(proof, src=receiver, tag=TAG_PROOF)
-    if not verify(session.token, proof.numpy().tobytes().decode(errors="replace"), *session.proof_statement(receiver)):
+           extra: Any, links: Links) -> int:
+    nonce_r = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
+    links.recv(nonce_r, receiver, TAG_NONCE)
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    r_nonce = nonce_r.numpy().tobytes()
+    links.send(_as_tensor(nonce_s + session.proof("source", rank, receiver, r_nonce, nonce_s)), receiver, TAG_PROOF)
+    answer = torch.zeros(MAC_BYTES, dtype=torch.uint8)
+    links.recv(answer, receiver, TAG_PROOF)
+    if not hmac.compare_digest(answer.numpy().tobytes(), session.proof("receiver", rank, receiver, r_nonce, nonce_s)):
         raise UntrustedReceiver(receiver)
+    key = session.chunk_key()
     tensors = [t for _, t in state.tensors()]
     if rank == plan.sources[0]:
         payload = json.dumps(state.meta(plan.target_step, extra)).encode()
-        dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst=receiver, tag=TAG_META)
-        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=receiver, tag=TAG_META)
+        links.send(torch.tensor([len(payload)], dtype=torch.int64), receiver, TAG_META)
+        links.send(_as_tensor(payload + chunk_mac(key, plan.target_step, -1, payload)), receiver, TAG_META)
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
     share = plan.sources.index(rank)
-    mine = [j for j in range(len(layout)) if j % len(plan.sources) == share]
+    sent = _send_chunks(session, key, plan.target_step, tensors, layout, _shares(plan, len(layout))[share],
+                        receiver, TAG_MACS, links)
+    # The repair round: the receiver names the chunks that failed their MAC and that this source is to resend.
+    count = torch.zeros(1, dtype=torch.int64)
+    links.recv(count, receiver, TAG_REPAIR)
+    if int(count.item()) > 0:
+        wanted = torch.zeros(int(count.item()), dtype=torch.int64)
+        links.recv(wanted, receiver, TAG_REPAIR)
+        sent += _send_chunks(session, key, plan.target_step, tensors, layout, wanted.tolist(), receiver,
+                             TAG_MACS + 1, links, repair=True)
+    return sent
+
+
+def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors: list[torch.Tensor],
+                 layout: list[Chunk], indices: list[int], receiver: int, macs_tag: int, links: Links,
+                 repair: bool = False) -> int:
     works = []
-    sums = []
+    macs = []
     sent = 0
-    for n, j in enumerate(mine):
+    for n, j in enumerate(indices):
+        if not 0 <= j < len(layout):
+            raise HandoffError(f"the receiver asked for chunk {j}, which does not exist")
         c = layout[j]
         piece = _slice(tensors[c.tensor].contiguous(), c)
-        works.append(_started(dist.isend(piece, dst=receiver, tag=TAG_CHUNK0 + j)))
-        sums.append(checksum(piece))  # computed while the previous chunks are on the wire
+        mac = chunk_mac(key, target_step, j, _bytes_of(piece))
+        if not repair and session.fault("handoff_send", role="sender", chunk=n + 1):
+            piece = piece.clone()
+            piece.view(torch.uint8)[0] ^= 1  # one bit flipped on the way, after the MAC was taken
+        works.append(links.isend(piece, receiver, TAG_CHUNK0 + j))
+        macs.append(mac)
         sent += piece.numel() * piece.element_size()
-        session.fault("handoff_send", role="sender", chunk=n + 1)
-    dist.send(torch.tensor(sums, dtype=torch.int64), dst=receiver, tag=TAG_CHECKSUM + share)
+    links.send(_as_tensor(b"".join(macs)), receiver, macs_tag)
     for w in works:
         w.wait()
     return sent
 
 
-def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState) -> dict[str, Any]:
-    proof = prove(session.token, *session.proof_statement(rank)).encode()
+def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, links: Links,
+             stats: HandoffStats) -> dict[str, Any]:
+    nonces = {s: secrets.token_bytes(NONCE_BYTES) for s in plan.sources}
+    pending = [links.isend(_as_tensor(nonces[s]), s, TAG_NONCE) for s in plan.sources]
     for source in plan.sources:
-        dist.send(torch.frombuffer(bytearray(proof), dtype=torch.uint8), dst=source, tag=TAG_PROOF)
+        reply = torch.zeros(NONCE_BYTES + MAC_BYTES, dtype=torch.uint8)
+        links.recv(reply, source, TAG_PROOF)
+        raw = reply.numpy().tobytes()
+        nonce_s, proof = raw[:NONCE_BYTES], raw[NONCE_BYTES:]
+        # Our answer first (bound to both nonces, it is worth nothing to anyone else), so that each end judges
+        # the other: a stranger at either end is named by the honest one.
+        links.send(_as_tensor(session.proof("receiver", source, rank, nonces[source], nonce_s)), source, TAG_PROOF)
+        if not hmac.compare_digest(proof, session.proof("source", source, rank, nonces[source], nonce_s)):
+            raise UntrustedSource(source)
+    for w in pending:
+        w.wait()
+    key = session.chunk_key()
     length = torch.zeros(1, dtype=torch.int64)
     first = plan.sources[0]
-    dist.recv(length, src=first, tag=TAG_META)
-    raw = torch.zeros(int(length.item()), dtype=torch.uint8)
-    dist.recv(raw, src=first, tag=TAG_META)
-    meta = json.loads(raw.numpy().tobytes())
+    links.recv(length, first, TAG_META)
+    n = int(length.item())
+    if not 0 < n <= 1 << 30:
+        raise HandoffError(f"the metadata announced by source rank {first} has an impossible length ({n})")
+    raw_meta = torch.zeros(n + MAC_BYTES, dtype=torch.uint8)
+    links.recv(raw_meta, first, TAG_META)
+    data = raw_meta.numpy().tobytes()
+    payload, mac = data[:n], data[n:]
+    if not hmac.compare_digest(mac, chunk_mac(key, plan.target_step, -1, payload)):
+        raise HandoffError(f"the metadata from source rank {first} failed its MAC")
+    meta = json.loads(payload)
     session.fault("handoff_recv", role="receiver")
     tensors = [t for _, t in state.prepare_receive(meta)]
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
     # Write straight into our own tensors where they are contiguous; else into a buffer copied after.
     targets = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    works = [_started(dist.irecv(_slice(targets[c.tensor], c), src=plan.sources[j % len(plan.sources)],
-                                 tag=TAG_CHUNK0 + j))
+    shares = _shares(plan, len(layout))
+    owner = {j: share for share, mine in enumerate(shares) for j in mine}
+    works = [links.irecv(_slice(targets[c.tensor], c), plan.sources[owner[j]], TAG_CHUNK0 + j)
              for j, c in enumerate(layout)]
-    expected: dict[int, int] = {}
+    expected: dict[int, bytes] = {}
     for share, source in enumerate(plan.sources):
-        mine = [j for j in range(len(layout)) if j % len(plan.sources) == share]
-        sums = torch.zeros(len(mine), dtype=torch.int64)
-        dist.recv(sums, src=source, tag=TAG_CHECKSUM + share)
-        expected.update(zip(mine, sums.tolist(), strict=True))
-    for w in works:
-        w.wait()
-    for j, c in enumerate(layout):
-        if checksum(_slice(targets[c.tensor], c)) != expected[j]:
-            name = meta["tensors"][c.tensor][0]
-            raise HandoffError(f"chunk {j} of tensor {name!r} arrived corrupted (checksum mismatch)")
+        macs = torch.zeros(len(shares[share]) * MAC_BYTES, dtype=torch.uint8)
+        links.recv(macs, source, TAG_MACS)
+        raw_macs = macs.numpy().tobytes()
+        expected.update((j, raw_macs[i * MAC_BYTES : (i + 1) * MAC_BYTES]) for i, j in enumerate(shares[share]))
+    bad = []
+    for j, (w, c) in enumerate(zip(works, layout, strict=True)):
+        w.wait()  # in order: each chunk is checked while the later ones are still arriving
+        if not hmac.compare_digest(chunk_mac(key, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c))),
+                                   expected[j]):
+            bad.append(j)
+    # The repair round: every source hears which chunks it is to resend (usually none). A bad chunk goes to the
+    # next source after the one that sent it, so that a bad link or a bad source is not asked twice.
+    again: dict[int, list[int]] = {s: [] for s in range(len(plan.sources))}
+    for j in bad:
+        again[(owner[j] + 1) % len(plan.sources)].append(j)
+    for share, source in enumerate(plan.sources):
+        links.send(torch.tensor([len(again[share])], dtype=torch.int64), source, TAG_REPAIR)
+        if again[share]:
+            links.send(torch.tensor(again[share], dtype=torch.int64), source, TAG_REPAIR)
+    for share, source in enumerate(plan.sources):
+        if not again[share]:
+            continue
+        redo = [links.irecv(_slice(targets[layout[j].tensor], layout[j]), source, TAG_CHUNK0 + j)
+                for j in again[share]]
+        macs = torch.zeros(len(again[share]) * MAC_BYTES, dtype=torch.uint8)
+        links.recv(macs, source, TAG_MACS + 1)
+        raw_macs = macs.numpy().tobytes()
+        for i, (j, w) in enumerate(zip(again[share], redo, strict=True)):
+            w.wait()
+            c = layout[j]
+            got = chunk_mac(key, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c)))
+            if not (hmac.compare_digest(got, raw_macs[i * MAC_BYTES : (i + 1) * MAC_BYTES])
+                    and hmac.compare_digest(got, expected[j])):
+                name = meta["tensors"][c.tensor][0]
+                raise HandoffError(f"chunk {j} of tensor {name!r} failed its MAC from two sources (ranks "
+                                   f"{plan.sources[owner[j]]} and {source}); the state was not applied")
+    stats.refetched = len(bad)
     for t, target in zip(tensors, targets, strict=True):
         if target is not t:
             t.copy_(target)

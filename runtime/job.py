@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import store as keys
-from runtime.auth import prove
+from runtime.auth import Sealer
 from runtime.config import LaunchError, ProcessConfig
 from runtime.faults import FaultInjector
 
@@ -36,9 +35,10 @@ class Heartbeat(threading.Thread):
     A SIGSTOPped process stops beating, which is how the coordinator sees a hang.
     """
 
-    def __init__(self, cfg: ProcessConfig) -> None:
+    def __init__(self, cfg: ProcessConfig, sealer: Sealer) -> None:
         super().__init__(name="trainmover-heartbeat", daemon=True)
         self.cfg = cfg
+        self.sealer = sealer
         self.latest_gen = -1
         self.stopping = False
         self.committed_step = 0
@@ -50,25 +50,27 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         client = keys.connect(self.cfg.store_host, self.cfg.store_port)
         try:
-            self._beat(client)
+            self._beat(keys.Records(client, self.sealer))
         finally:
             del client
 
-    def _beat(self, client: dist.TCPStore) -> None:
+    def _beat(self, records: keys.Records) -> None:
         last_ok = time.monotonic()
+        beats = 0
         while not self._halt.is_set():
             try:
-                client.add(keys.k_heartbeat(self.cfg.proc), 1)
-                latest = keys.get_int(client, keys.k_current_gen())
+                records.put(keys.k_heartbeat(self.cfg.proc), beats)
+                beats += 1
+                latest = records.get_int(keys.k_current_gen())
                 if latest > self.latest_gen:
                     self.latest_gen = latest
                     for callback in self.on_new_generation:
                         callback(latest)
-                self.stopping = client.check([keys.k_stop()])
+                self.stopping = records.has(keys.k_stop())
                 step = self.committed_step
                 if step != self._published_step:
                     # Progress for orchestrators, off the training thread: one store write per beat at most.
-                    client.set(keys.k_progress(), str(step))
+                    records.put(keys.k_progress(), step)
                     self._published_step = step
                 last_ok = time.monotonic()
             except Exception:
@@ -90,13 +92,12 @@ class Job:
         self.cfg = cfg
         torch.set_num_threads(cfg.num_threads)
         self.store: dist.TCPStore = keys.connect(cfg.store_host, cfg.store_port)
-        self.faults = FaultInjector(cfg.faults, self.store, cfg.proc)
-        keys.set_json(self.store, keys.k_hello(cfg.proc), {
-            "pid": os.getpid(),
-            "role": cfg.role,
-            "proof": prove(cfg.job_token, "hello", cfg.job_id, cfg.proc, os.getpid()),
-        })
-        self.heartbeat = Heartbeat(cfg)
+        self.sealer = Sealer(cfg.job_token, cfg.proc)
+        self.records = keys.Records(self.store, self.sealer)
+        """The store through the job's seal: what this process writes is sealed, what it reads is verified."""
+        self.faults = FaultInjector(cfg.faults, self.records, cfg.proc)
+        self.records.put(keys.k_hello(cfg.proc), {"pid": os.getpid(), "role": cfg.role})
+        self.heartbeat = Heartbeat(cfg, self.sealer)
         self.heartbeat.start()
         self._previous_hook = sys.excepthook
         sys.excepthook = self._report_fatal
@@ -117,12 +118,13 @@ class Job:
         return self.cfg.role == "standby"
 
     def num_workers(self) -> int:
-        return int(keys.get_json(self.store, keys.k_job_config())["nproc"])
+        config = self.records.wait([keys.k_job_config()], self.cfg.recovery_timeout_s, what="the job's config")
+        return int(config[keys.k_job_config()]["nproc"])
 
     def fatal(self, message: str) -> None:
         """Tell the coordinator the script itself failed, so it stops the job instead of swapping in a standby."""
         with contextlib.suppress(Exception):  # the coordinator may already be gone; nothing left to tell
-            self.store.set(keys.k_fatal(self.proc), json.dumps({"message": message[-4000:]}))
+            self.records.put(keys.k_fatal(self.proc), {"message": message[-4000:]})
 
     def _report_fatal(
         self, kind: type[BaseException], value: BaseException, tb: TracebackType | None

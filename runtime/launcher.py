@@ -11,8 +11,10 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from runtime.auth import new_token
+from runtime.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
 from runtime.chaos import parse_chaos
 from runtime.config import ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
@@ -67,7 +69,13 @@ class LaunchConfig:
     chaos: str = ""
     """Random faults the coordinator injects (runtime.chaos), e.g. "seed=1,every_s=1.5,max=100,signals=kill|stop"."""
     host: str = "127.0.0.1"
-    """Address the coordinator's store listens on."""
+    """Address the coordinator's store listens on (that address only), and where Gloo listens too."""
+    secret: str | None = field(default=None, repr=False)
+    """The job's secret, which signs every control record and proves membership. Default: the
+    `TRAINMOVER_JOB_SECRET` environment variable, else the contents of `secret_file`, else a fresh one."""
+    secret_file: str | None = None
+    """A file holding the job's secret (mode 600); created with a fresh secret if it does not exist, so that an
+    orchestrator started later can read it."""
     port: int = 0
     """Port of the coordinator's store, where an orchestrator connects to steer the job (`runtime.control`);
     0 picks a free one (the `job_started` event names it)."""
@@ -81,6 +89,15 @@ class LaunchConfig:
     """Log only errors."""
     wait_for_standbys: bool = False
     """Start training only once every standby is warm (the first failure is then always covered)."""
+    handoff_transport: Literal["gloo", "tls"] = "gloo"
+    """How the state travels to a new member: over the generation's Gloo/NCCL group (fast, not encrypted), or
+    "tls": mutual-TLS connections (Python's ssl), for standbys across a trust boundary."""
+    tls_cert: str | None = None
+    """With tls: the job's certificate (PEM) every member presents; default: a fresh self-signed one per job."""
+    tls_key: str | None = None
+    """Its private key (PEM, mode 600)."""
+    tls_ca: str | None = None
+    """What a peer's certificate must chain to; default: the job's certificate."""
     fork_server: bool = True
     """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
     milliseconds instead of seconds. Gloo only; without it (or when the zygote fails) processes start as usual."""
@@ -99,6 +116,10 @@ class LaunchConfig:
                 f"--hang-timeout ({self.hang_timeout_s} s) must exceed two heartbeats ({2 * self.heartbeat_s} s), "
                 "or healthy workers would be declared hung"
             )
+        try:
+            socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            raise ConfigError(f"--host {self.host!r} is not an address of this machine") from None
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port (0 picks a free one), got {self.port}")
         if self.standby_wait_s < 0:
@@ -106,6 +127,15 @@ class LaunchConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--threads must be 1 or more torch threads per process, got {self.num_threads}; "
                               "leave it out for cores / nproc")
+        if self.handoff_transport not in ("gloo", "tls"):
+            raise ConfigError(f"--handoff-transport must be gloo or tls, got {self.handoff_transport!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together (or leave both out for a per-job certificate)")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path!r} is not a file")
+        if self.handoff_transport == "gloo" and (self.tls_cert or self.tls_ca):
+            raise ConfigError("--tls-cert/--tls-ca apply to --handoff-transport tls only")
         try:
             parse_plan(self.faults)
             parse_chaos(self.chaos)
@@ -121,6 +151,23 @@ class LaunchConfig:
                     f"--backend nccl gives each process its own GPU: {needed} processes need {needed} GPUs, "
                     f"this machine has {have}. Use --backend gloo, or fewer workers/standbys."
                 )
+
+    def job_secret(self) -> str:
+        """The secret from the config, the environment or the secret file (created if absent); never logged."""
+        try:
+            if self.secret is not None:
+                return check_secret(self.secret, "the launch config")
+            if os.environ.get(ENV_SECRET):
+                return check_secret(os.environ[ENV_SECRET], ENV_SECRET)
+            if self.secret_file is not None:
+                if Path(self.secret_file).exists():
+                    return read_secret_file(self.secret_file)
+                secret = new_token()
+                write_secret_file(self.secret_file, secret)
+                return secret
+        except (ValueError, OSError) as exc:
+            raise ConfigError(str(exc)) from None
+        return new_token()
 
     def threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
@@ -155,8 +202,10 @@ class LocalProcessPool:
     which is what makes replacing a used-up standby fast.
     """
 
-    def __init__(self, cfg: LaunchConfig, store_port: int, token: str) -> None:
+    def __init__(self, cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None = None) -> None:
         self.cfg = cfg
+        self.tls = tls
+        """(cert, key, ca) of the job's TLS handoff transport."""
         self.store_port = store_port
         self.token = token
         self.gpu_next = 0
@@ -165,7 +214,13 @@ class LocalProcessPool:
             self.zygote = ZygoteClient(self._base_env())
 
     def _base_env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": str(self.cfg.threads()), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.threads()), "PYTHONUNBUFFERED": "1"}
+        env.pop(ENV_SECRET, None)  # the processes get it as TM_JOB_TOKEN only, like every launch variable
+        iface = interface_of(self.cfg.host)
+        if iface is not None:  # Gloo and NCCL listen on the job's address, not on every interface
+            env.setdefault("GLOO_SOCKET_IFNAME", iface)
+            env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        return env
 
     def helpers(self) -> dict[str, int]:
         """Processes that serve the job without training in it (the zygote), by name."""
@@ -183,6 +238,9 @@ class LocalProcessPool:
             role=role,  # type: ignore[arg-type]
             backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
             recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
+            handoff_transport=cfg.handoff_transport, bind_host=cfg.host,
+            tls_cert=self.tls[0] if self.tls else "", tls_key=self.tls[1] if self.tls else "",
+            tls_ca=self.tls[2] if self.tls else "",
         )
         env = {**self._base_env(), **pc.to_env()}
         if role == "standby" and self.zygote is not None:
@@ -203,17 +261,25 @@ def launch(cfg: LaunchConfig) -> JobResult:
     """Run one job to its end on this machine."""
     cfg.validate()
     configure_logging(cfg.quiet)
-    import datetime
+    token = cfg.job_secret()
+    scratch: tempfile.TemporaryDirectory[str] | None = None
+    tls: tuple[str, str, str] | None = None
+    if cfg.handoff_transport == "tls":
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca or cfg.tls_cert)
+        else:
+            from runtime.tls_transport import TlsSetupError, make_job_certificate
 
-    try:
-        server = dist.TCPStore(cfg.host, cfg.port, None, True, timeout=datetime.timedelta(seconds=60),
-                               wait_for_workers=False)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port} ({str(exc).splitlines()[0]}); "
-                          "pick another --port, or 0 for a free one") from None
-    token = new_token()
+            scratch = tempfile.TemporaryDirectory(prefix="trainmover-tls-")  # mode 700: this user's only
+            try:
+                cert, key = make_job_certificate(scratch.name)
+            except TlsSetupError as exc:
+                scratch.cleanup()
+                raise ConfigError(str(exc)) from None
+            tls = (cert, key, cfg.tls_ca or cert)
+    server = listen_store(cfg.host, cfg.port)
     events = EventLog(cfg.events_path)
-    pool = LocalProcessPool(cfg, server.port, token)
+    pool = LocalProcessPool(cfg, server.port, token, tls)
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
@@ -230,6 +296,8 @@ def launch(cfg: LaunchConfig) -> JobResult:
             signal.signal(signal.SIGTERM, previous)
         pool.close()
         events.close()
+        if scratch is not None:
+            scratch.cleanup()
     if result.exit_code == 0:
         log.info("%s", result.message)
     else:
@@ -239,3 +307,56 @@ def launch(cfg: LaunchConfig) -> JobResult:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def listen_store(host: str, port: int) -> dist.TCPStore:
+    """The job's store, listening on `host` only.
+
+    torch's TCPStore server listens on every interface whatever host it is given; bound by us and handed over
+    as its listen socket, it listens where asked.
+    """
+    import datetime
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port, or 0 for "
+                          "a free one, and a --host that is an address of this machine") from None
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here on
+    try:
+        return dist.TCPStore(host, bound, None, True, timeout=datetime.timedelta(seconds=10),
+                             wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+    except RuntimeError as exc:
+        os.close(fd)
+        raise ConfigError(f"cannot start the job's store on {host}:{bound} ({str(exc).splitlines()[0]})") from None
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (Linux), or None when unknown or a wildcard."""
+    if address in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {str(info[4][0]) for info in socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return None
+    if any(a.startswith("127.") for a in wanted) or "::1" in wanted:
+        return "lo"
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) in wanted:
+                return name
+    return None

@@ -1,7 +1,10 @@
-"""The job's key-value store: its key names, JSON records, and bounded waits.
+"""The job's key-value store: its key names, sealed JSON records, and bounded waits.
 
 The coordinator hosts a torch `TCPStore`; every process connects as a client. All membership and recovery
-records live here under the names below, so a reader can see the whole protocol in one place.
+records live here under the names below, so a reader can see the whole protocol in one place. Records are
+written and read through `Records`, which seals them with the job's secret (`runtime.auth.Sealer`): a value
+anyone else wrote is ignored, counted and warned about once, never obeyed. Only counters kept with `add`
+(claims, sequence dispensers, failure counts) are plain; none of them is believed without a sealed record.
 Waits poll `check()` (a ~25 us round trip) instead of `TCPStore.wait`, whose timeouts print C++ warnings,
 and every wait has a deadline and a way to be cut short.
 """
@@ -9,12 +12,13 @@ and every wait has a deadline and a way to be cut short.
 from __future__ import annotations
 
 import datetime
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
+
+from runtime.auth import Sealer
 
 POLL_S = 0.002
 
@@ -93,6 +97,7 @@ def k_ready(proc: str) -> str:
 
 
 def k_heartbeat(proc: str) -> str:
+    """A sealed count that only grows: a replayed old beat is not a sign of life."""
     return f"proc/{proc}/heartbeat"
 
 
@@ -117,24 +122,31 @@ def k_stop() -> str:
     return "job/stop"
 
 
+def k_over() -> str:
+    """Set (sealed) as the coordinator ends the job, before its store closes: clients stop using the store."""
+    return "job/over"
+
+
 def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
 
 
 # Control keys: written by an orchestrator through `runtime.control.JobControl`, read by the coordinator.
 def k_control_standby_target() -> str:
-    """How many unpromoted standbys to keep (an integer as text)."""
+    """How many unpromoted standbys to keep: sealed `{"seq": n, "request": "<integer>"}`."""
     return "control/standby_target"
 
 
 def k_control_move() -> str:
-    """The latest planned-move request: JSON `{"seq": n, "ranks": [...], "reason": "..."}`."""
+    """The latest planned-move request: sealed `{"seq": n, "request": '{"seq": n, "ranks": [...], "reason": ...}'}`."""
     return "control/move"
 
 
-def k_control_move_seq() -> str:
-    """A counter that hands out move sequence numbers, so that concurrent clients never reuse one."""
-    return "control/move_seq"
+def k_control_seq() -> str:
+    """A counter that hands out control sequence numbers, so that concurrent clients never reuse one.
+
+    Plain (an outsider can raise it, which costs nothing); the seq a command carries is sealed with it."""
+    return "control/seq"
 
 
 def k_control_move_result() -> str:
@@ -142,50 +154,73 @@ def k_control_move_result() -> str:
     return "control/move_result"
 
 
+class Records:
+    """The store seen through the job's seal: sealed writes, verified reads, bounded waits for sealed values."""
+
+    def __init__(self, store: dist.Store, sealer: Sealer) -> None:
+        self.store = store
+        self.sealer = sealer
+        self._refused_raw: dict[str, bytes] = {}
+
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, self.sealer.seal(key, value))
+
+    def get(self, key: str) -> Any:
+        """The sealed value at `key`; None when there is none or what is there was not sealed by the job."""
+        if not self.store.check([key]):
+            return None
+        try:
+            raw = self.store.get(key)
+        except dist.DistStoreError:  # deleted between check and get
+            return None
+        return self.open(key, raw)
+
+    def open(self, key: str, raw: bytes) -> Any:
+        if self._refused_raw.get(key) == raw:
+            return None  # the same bad value read again: counted once
+        value = self.sealer.open(key, raw)
+        if value is None:
+            self._refused_raw[key] = raw
+        return value
+
+    def get_int(self, key: str, default: int = -1) -> int:
+        value = self.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+    def has(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout_s: float,
+        interrupt: Callable[[], str | None] | None = None,
+        what: str = "",
+    ) -> dict[str, Any]:
+        """Return each key's sealed value once every key holds one (unsealed values are waited past).
+
+        Raises `Interrupted` if `interrupt()` names a reason, `StoreTimeout` at the deadline.
+        """
+        deadline = time.monotonic() + timeout_s
+        found: dict[str, Any] = {}
+        while True:
+            for k in keys:
+                if k not in found and (value := self.get(k)) is not None:
+                    found[k] = value
+            if len(found) == len(keys):
+                return found
+            if interrupt is not None and (reason := interrupt()):
+                raise Interrupted(reason)
+            if time.monotonic() > deadline:
+                pending = next(k for k in keys if k not in found)
+                raise StoreTimeout(f"waited {timeout_s:.0f} s for {what or pending}")
+            time.sleep(POLL_S)
+
+
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def set_json(store: dist.Store, key: str, value: Any) -> None:
-    store.set(key, json.dumps(value))
-
-
-def get_json(store: dist.Store, key: str) -> Any:
-    return json.loads(store.get(key))
-
-
-def get_json_or_none(store: dist.Store, key: str) -> Any:
-    return get_json(store, key) if store.check([key]) else None
-
-
-def get_int(store: dist.Store, key: str, default: int = -1) -> int:
-    return int(store.get(key)) if store.check([key]) else default
 
 
 def read_counter(store: dist.Store, key: str) -> int:
     """A counter kept with `add`, read in one round trip (adding 0 creates it at 0 if absent)."""
     return int(store.add(key, 0))
-
-
-def wait_keys(
-    store: dist.Store,
-    keys: Sequence[str],
-    timeout_s: float,
-    interrupt: Callable[[], str | None] | None = None,
-    what: str = "",
-) -> None:
-    """Return once every key exists.
-
-    Raises `Interrupted` if `interrupt()` names a reason, `StoreTimeout` at the deadline.
-    """
-    deadline = time.monotonic() + timeout_s
-    pending = list(keys)
-    while pending:
-        pending = [k for k in pending if not store.check([k])]
-        if not pending:
-            return
-        if interrupt is not None and (reason := interrupt()):
-            raise Interrupted(reason)
-        if time.monotonic() > deadline:
-            raise StoreTimeout(f"waited {timeout_s:.0f} s for {what or pending[0]}")
-        time.sleep(POLL_S)

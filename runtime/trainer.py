@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import random
 import statistics
@@ -43,10 +42,12 @@ from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.data import StepData, as_step_data, derive_seed
 from runtime.handoff import (
     HandoffError,
+    HandoffPlan,
     HandoffSession,
+    HandoffStats,
     MemberStatus,
     StateLost,
-    UntrustedReceiver,
+    UntrustedPeer,
     plan_handoff,
     run_handoff,
 )
@@ -198,7 +199,6 @@ class Trainer:
             raise ValueError(f"steps must be at least 1, got {steps}")
         if self.digest is not None:
             raise RuntimeError("fit() runs once per Trainer: pass the total number of steps to a single fit()")
-        store = self.job.store
         if self.gen is None:
             self._check_spec()
             if self.job.is_standby:
@@ -211,7 +211,7 @@ class Trainer:
                     raise SystemExit(0)
                 g = promoted
             else:
-                keys.wait_keys(store, [keys.k_gen(0)], self.job.cfg.recovery_timeout_s, what="generation 0")
+                self.job.records.wait([keys.k_gen(0)], self.job.cfg.recovery_timeout_s, what="generation 0")
                 g = 0
         else:
             g = self.gen
@@ -236,7 +236,7 @@ class Trainer:
             except (CommFailure, GenerationChanged, HandoffError, keys.StoreTimeout) as exc:
                 failure_seen = time.time()
                 message = str(exc) or type(exc).__name__
-                untrusted = exc.rank if isinstance(exc, UntrustedReceiver) else None
+                untrusted = exc.rank if isinstance(exc, UntrustedPeer) else None
                 del exc
                 g = self._recover(g, message, untrusted)
 
@@ -350,6 +350,9 @@ class Trainer:
         if "replay_done_at" not in self._report:
             self._report["replay_done_at"] = time.time()
             self._report["replay_step_s"] = step_s
+            # Published at once (and again, final, after the next steps): a failure from here on is a new
+            # recovery, and the coordinator must know this one's replay committed.
+            self.job.records.put(keys.k_report(self.gen, self.rank), self._report)  # type: ignore[arg-type]
             return
         self._post_steps.append(step_s)
         if len(self._post_steps) >= POST_RECOVERY_STEPS:
@@ -357,12 +360,12 @@ class Trainer:
 
     # -- membership ----------------------------------------------------------------------------------
     def _interrupt(self, g: int) -> Callable[[], str | None]:
-        store = self.job.store
+        records = self.job.records
 
         def check() -> str | None:
-            if store.check([keys.k_stop()]):
+            if records.has(keys.k_stop()):
                 return "stop"
-            if keys.get_int(store, keys.k_current_gen()) > g:
+            if records.get_int(keys.k_current_gen()) > g:
                 return "newer generation"
             return None
 
@@ -370,9 +373,10 @@ class Trainer:
 
     def _enter(self, g: int, failure_seen: float | None) -> None:
         """Join generation g: rebuild the group, agree on the newest state, hand it to whoever lacks it."""
-        store, cfg = self.job.store, self.job.cfg
+        records, cfg = self.job.records, self.job.cfg
         gen_seen = time.time()
-        record = Generation.from_json(keys.get_json(store, keys.k_gen(g)))
+        record = Generation.from_json(
+            records.wait([keys.k_gen(g)], cfg.recovery_timeout_s, what=f"the record of generation {g}")[keys.k_gen(g)])
         rank = record.rank_of(cfg.proc)
         if rank is None:
             sys.stderr.write(f"[trainmover] {cfg.proc} is no longer a member of the job (generation {g}); exiting\n")
@@ -381,23 +385,23 @@ class Trainer:
         self._flush_report()
         self.comm.teardown()
         interrupt = self._interrupt(g)
-        store.set(keys.k_joined(g, rank), "1")
+        records.put(keys.k_joined(g, rank), True)
         t_joined = time.time()
-        keys.wait_keys(store, [keys.k_joined(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
-                       what=f"every member to join generation {g}")
+        records.wait([keys.k_joined(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
+                     what=f"every member to join generation {g}")
         t_all_joined = time.time()
         self.comm.build(g, rank, world, cfg.connect_timeout_s)
         self.gen, self.rank, self.world_size = g, rank, world
         group_ready = time.time()
         split = {"teardown_s": self.comm.last_teardown_s, "joined_at": t_joined,
                  "join_wait_s": t_all_joined - t_joined, "group_init_s": group_ready - t_all_joined}
-        keys.set_json(store, keys.k_status(g, rank), {"step": self.committed, "has_state": self.has_state})
-        keys.wait_keys(store, [keys.k_status(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
-                       what=f"every member's status in generation {g}")
-        statuses = [MemberStatus(r, **keys.get_json(store, keys.k_status(g, r))) for r in range(world)]
+        records.put(keys.k_status(g, rank), {"step": self.committed, "has_state": self.has_state})
+        found = records.wait([keys.k_status(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
+                             what=f"every member's status in generation {g}")
+        statuses = [MemberStatus(r, **found[keys.k_status(g, r)]) for r in range(world)]
         if g == 0:
             self._broadcast_initial_model()
-            store.set(keys.k_holds(g, rank), "0")
+            records.put(keys.k_holds(g, rank), 0)
             return
         plan = plan_handoff(statuses)
         if plan.receivers and not self.broadcast_buffers and self._buffers:
@@ -409,18 +413,38 @@ class Trainer:
             self.has_state = False  # a half-received state is garbage until the handoff completes
         session = HandoffSession(g, record.members, cfg.job_id, cfg.job_token, cfg.chunk_bytes,
                                  fault=lambda phase, **kw: self.job.faults.at(phase, rank=rank, gen=g, **kw))
-        stats, _ = run_handoff(plan, session, rank, self.state)
+        if cfg.handoff_transport == "tls":
+            stats = self._handoff_over_tls(plan, session, rank, g, interrupt)
+        else:
+            stats, _ = run_handoff(plan, session, rank, self.state)
         self.committed = plan.target_step
         self.has_state = True
-        store.set(keys.k_holds(g, rank), str(self.committed))
+        records.put(keys.k_holds(g, rank), self.committed)
         self._report = {
             "rank": rank, "proc": cfg.proc, "role": stats.role, "failure_seen_at": failure_seen,
             "gen_seen_at": gen_seen, "group_ready_at": group_ready, "handoff_s": stats.seconds,
             "handoff_bytes": stats.bytes, "handoff_end_at": time.time(), "replay_step": plan.target_step + 1,
+            "refetched_chunks": stats.refetched,
             "steady_step_s": statistics.median(self._step_times) if self._step_times else None,
             **split,
         }
         self._post_steps = []
+
+    def _handoff_over_tls(self, plan: HandoffPlan, session: HandoffSession, rank: int, g: int,
+                          interrupt: Callable[[], str | None]) -> HandoffStats:
+        """The handoff over mutual-TLS connections (`--handoff-transport tls`): encrypted, for standbys across a
+        trust boundary. Its proofs and MACs are the same as over the group."""
+        from runtime.tls_transport import TlsConfig, TlsLinkError, open_tls_links
+
+        cfg = self.job.cfg
+        tls = TlsConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_ca or None, cfg.bind_host)
+        try:
+            links = open_tls_links(plan, rank, g, self.job.records, tls, cfg.recovery_timeout_s, interrupt=interrupt)
+        except TlsLinkError as exc:
+            raise CommFailure(f"could not open the TLS links of generation {g}: {exc}") from None
+        with links:
+            stats, _ = run_handoff(plan, session, rank, self.state, links=links)
+        return stats
 
     def _broadcast_initial_model(self) -> None:
         """Generation 0: every replica starts from rank 0's parameters and buffers, as DDP does."""
@@ -435,17 +459,17 @@ class Trainer:
 
     def _recover(self, g: int, message: str, untrusted: int | None = None, kind: str = "comm") -> int:
         """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
-        store, cfg = self.job.store, self.job.cfg
+        records, cfg = self.job.records, self.job.cfg
         self.comm.teardown()
         self._restore_uncommitted()
-        keys.set_json(store, keys.k_failed(g, cfg.proc), {
+        records.put(keys.k_failed(g, cfg.proc), {
             "message": message, "time": time.time(), "step": self.committed, "untrusted_rank": untrusted,
             "kind": kind,
         })
-        store.add(keys.k_failed_count(g), 1)
+        records.store.add(keys.k_failed_count(g), 1)
         deadline = time.monotonic() + cfg.recovery_timeout_s
-        while (newest := keys.get_int(store, keys.k_current_gen())) <= g:
-            if store.check([keys.k_stop()]):
+        while (newest := records.get_int(keys.k_current_gen())) <= g:
+            if records.has(keys.k_stop()):
                 self._stop_requested()
             if time.monotonic() > deadline:
                 sys.stderr.write(f"[trainmover] {cfg.proc}: no new generation within {cfg.recovery_timeout_s:.0f} s "
@@ -457,13 +481,13 @@ class Trainer:
     def _finish(self) -> None:
         """Stay available as a source until every member has committed the last step."""
         assert self.gen is not None and self.rank is not None
-        store = self.job.store
-        store.set(keys.k_done(self.gen, self.rank), str(self.committed))
-        keys.wait_keys(store, [keys.k_done(self.gen, r) for r in range(self.world_size)],
-                       self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")
+        records = self.job.records
+        records.put(keys.k_done(self.gen, self.rank), self.committed)
+        records.wait([keys.k_done(self.gen, r) for r in range(self.world_size)],
+                     self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")
         self._flush_report()
         self.digest = self.state.digest()
-        store.set(keys.k_digest(self.job.proc), self.digest)
+        records.put(keys.k_digest(self.job.proc), self.digest)
         self.comm.teardown()
 
     def _stop_requested(self) -> None:
@@ -489,19 +513,27 @@ class Trainer:
             self.buckets.zero()
         finally:
             self._warming_up = False
-        keys.set_json(self.job.store, keys.k_ready(self.job.proc), {"warmup_s": time.perf_counter() - t0})
+        self.job.records.put(keys.k_ready(self.job.proc), {"warmup_s": time.perf_counter() - t0})
 
     def _check_spec(self) -> None:
         """Every process must build the same model, parameter groups and registered state: compare with the
         job's first, before anything is exchanged. A difference is a script error, not a lost machine."""
-        store, proc = self.job.store, self.job.proc
+        records, proc = self.job.records, self.job.proc
         mine = self.state.spec()
-        raw = json.dumps(mine)
-        store.set(keys.k_spec(proc), raw)
-        reference = store.compare_set(keys.k_job_spec(), "", raw).decode()
-        if reference == raw:
+        records.put(keys.k_spec(proc), mine)
+        ours = records.sealer.seal(keys.k_job_spec(), mine)
+        expected = ""
+        for _ in range(10):
+            current = records.store.compare_set(keys.k_job_spec(), expected, ours)
+            reference = records.open(keys.k_job_spec(), current)
+            if reference is not None:
+                break
+            expected = current.decode(errors="surrogateescape")  # not the job's: replace what an outsider wrote
+        else:
+            raise keys.StoreTimeout("could not publish the job's spec: something keeps overwriting it")
+        if reference == mine:
             return
-        difference = spec_difference(mine, json.loads(reference), proc, "the first process to join")
+        difference = spec_difference(mine, reference, proc, "the first process to join")
         if difference is not None:
             raise ScriptMismatch(
                 f"this process built a different model or optimizer from the rest of the job: {difference}. "
@@ -519,8 +551,13 @@ class Trainer:
                 if self.job.heartbeat.stopping:
                     return None
                 continue
-            gen = int(store.get(key))
-            return gen if gen >= 0 else None
+            gen = self.job.records.get(key)
+            if isinstance(gen, int) and not isinstance(gen, bool):
+                return gen if gen >= 0 else None
+            # Not sealed by the coordinator (refused and counted): wait for its own value to replace it.
+            if self.job.heartbeat.stopping:
+                return None
+            time.sleep(0.05)
 
     # -- reports -------------------------------------------------------------------------------------
     def _flush_report(self) -> None:
@@ -530,6 +567,7 @@ class Trainer:
     def _publish_report(self) -> None:
         assert self._report is not None and self.gen is not None and self.rank is not None
         self._report["post_steps_s"] = list(self._post_steps)
-        keys.set_json(self.job.store, keys.k_report(self.gen, self.rank), self._report)
+        self._report["final"] = True
+        self.job.records.put(keys.k_report(self.gen, self.rank), self._report)
         self._report = None
         self._post_steps = []

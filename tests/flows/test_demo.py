@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.stack_dumps import assert_no_stack_dump
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +28,7 @@ def test_trainmover_demo_prewarms_recovers_twice_and_prices_checkpoint_restart(t
     assert "[warm], predicted" in text and "[stopped], unpredicted" in text, text[-3000:]
     assert "Under checkpoint-restart the same failures would have cost 1800 s" in text
     assert "released" in text and "instance(s) of job trainmover-demo" in text
+    assert_no_stack_dump(out.stderr)
 
 
 def test_the_runtime_demo_needs_no_prefect_and_a_missing_prefect_is_one_clear_line() -> None:

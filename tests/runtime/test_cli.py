@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.conftest import TINY_JOB
+from tests.stack_dumps import assert_no_stack_dump
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,30 @@ def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly
     assert set(finished["digests"]) == {"w0", "s0"}
     assert f"worker w1 (pid {victim}) died at step" in err
     assert "standby s0 took rank 1 in" in err
+    assert_no_stack_dump(err)
+
+
+def test_a_job_stopped_with_sigterm_ends_every_process_without_a_stack_dump(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
+         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", "100000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        generation = wait_for_event(events, "generation", job, 120)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 130, err
+    assert "interrupted; every process was stopped" in err
+    assert_no_stack_dump(err)
+    for member in generation["members"]:  # type: ignore[attr-defined]
+        with pytest.raises(ProcessLookupError):
+            os.kill(member["pid"], 0)
 
 
 def test_a_missing_script_is_one_clear_line_without_a_traceback() -> None:
@@ -108,5 +133,6 @@ def test_the_demo_recovers_a_killed_worker_bit_exactly_and_says_what_it_cost(tmp
     assert "bit-for-bit identical to the uninterrupted run: yes" in result.stdout
     assert "the job was down for " in result.stdout
     assert "standby" in result.stdout and "recovered in" in result.stdout
+    assert_no_stack_dump(result.stderr)
     kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert "member_failed" in kinds and "recovered" in kinds and kinds[-1] == "job_finished"

@@ -20,14 +20,17 @@ from typing import Any
 
 import pytest
 
+from runtime.auth import ENV_SECRET
 from runtime.control import JobControl, JobNotFound
 from tests.runtime.conftest import TINY_JOB
+from tests.stack_dumps import assert_no_stack_dump
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 1500  # long enough (about 10 s here) to warm a standby mid-training; shares test_cli's reference run
 SHORT = 100  # for scenarios that steer the job as soon as its generation 0 is published
+SECRET = "0123456789abcdef" * 4  # the job's and the orchestrator's: JobControl signs commands with it
 Event = dict[str, Any]
 
 
@@ -40,6 +43,7 @@ class Job:
             [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--threads", "1", "--quiet",
              "--events", str(self.events_path), *args, str(TINY_JOB), "--steps", str(steps)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, ENV_SECRET: SECRET},
         )
         self.stderr = ""
 
@@ -62,12 +66,13 @@ class Job:
 
     def control(self) -> JobControl:
         (started,) = self.wait_for("job_started")
-        return JobControl("127.0.0.1", started["port"], timeout_s=10)
+        return JobControl("127.0.0.1", started["port"], timeout_s=10, secret=SECRET)
 
     def finish(self, timeout_s: float = 240) -> Event:
         """Let the job run to its end; returns its job_finished event."""
         _, self.stderr = self.proc.communicate(timeout=timeout_s)
         assert self.proc.returncode == 0, self.stderr
+        assert_no_stack_dump(self.stderr)
         (finished,) = self.events("job_finished")
         return finished
 
@@ -102,7 +107,7 @@ def test_a_raised_standby_target_starts_a_standby_that_then_covers_a_failure(
     kill = f"kill:rank=1,step={STEPS - 100},phase=exchange"
     with running(tmp_path, "--standby", "0", "--port", str(port), "--standby-wait", "120", "--faults", kill) as job:
         job.wait_for("job_started")
-        with JobControl("127.0.0.1", port, timeout_s=10) as control:
+        with JobControl("127.0.0.1", port, timeout_s=10, secret=SECRET) as control:
             control.set_standby_target(1)
         (changed,) = job.wait_for("standby_target_changed")
         assert (changed["old"], changed["new"]) == (0, 1)
@@ -188,10 +193,10 @@ def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) ->
         with job.control() as control:
             job.wait_for("generation")
             for i, value in enumerate(bad_targets):
-                control.store.set("control/standby_target", value)
+                control._command("control/standby_target", value)
                 job.wait_for("control_rejected", count=i + 1)
             for i, value in enumerate(bad_moves):
-                control.store.set("control/move", value)
+                control._command("control/move", value)
                 job.wait_for("control_rejected", count=len(bad_targets) + i + 1)
             with pytest.raises(ValueError):
                 control.set_standby_target(-1)  # the client refuses before anything is written
@@ -210,4 +215,4 @@ def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) ->
 
 def test_a_client_of_a_job_that_is_not_there_gets_one_clear_error() -> None:
     with pytest.raises(JobNotFound, match=r"no trainmover job answers at 127\.0\.0\.1:\d+"):
-        JobControl("127.0.0.1", free_port(), timeout_s=0.5)
+        JobControl("127.0.0.1", free_port(), timeout_s=0.5, secret=SECRET)

@@ -13,11 +13,16 @@ from collections.abc import Callable
 import pytest
 import torch.distributed as dist
 
+from runtime import store as keys
+from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_chaos
 from runtime.coordinator import Coordinator, CoordinatorSettings
 from runtime.events import EventLog
+from runtime.store import Records
 
 _pids = itertools.count(900_000)
+
+TOKEN = "t" * 64
 
 
 class FakeProcess:
@@ -64,8 +69,8 @@ def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, st
                           wait_for_workers=False)
     if done:  # every worker already finished the last step of generation 0
         for rank in range(2):
-            store.set(f"gen/0/done/{rank}", "20")
-    s = CoordinatorSettings(job_id="j", job_token="t" * 64, **{"nproc": 2, "standby": 1, **settings})  # type: ignore[arg-type]
+            Records(store, Sealer(TOKEN)).put(keys.k_done(0, rank), 20)
+    s = CoordinatorSettings(job_id="j", job_token=TOKEN, **{"nproc": 2, "standby": 1, **settings})  # type: ignore[arg-type]
     result = Coordinator(s, store, pool, EventLog(None)).run()
     return result.exit_code, result.message, result.events
 

@@ -12,16 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.handoff import HandoffError, MemberStatus, checksum, chunk_layout, plan_handoff
+from runtime.handoff import HandoffError, MemberStatus, chunk_layout, chunk_mac, plan_handoff
 from tests.runtime.conftest import SCRIPTS
 
 
-def run_group(tmp_path: Path, world: int, receivers: str, token: str, chunk_bytes: int) -> list[dict[str, object]]:
+def run_group(tmp_path: Path, world: int, receivers: str, token: str, chunk_bytes: int,
+              **options: object) -> list[dict[str, object]]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     procs = [
         subprocess.Popen([sys.executable, str(SCRIPTS / "handoff_group.py"), str(r), str(world), str(server.port),
-                          token, receivers, str(chunk_bytes), str(tmp_path / f"r{r}.json")])
+                          token, receivers, str(chunk_bytes), str(tmp_path / f"r{r}.json"), json.dumps(options)])
         for r in range(world)
     ]
     try:
@@ -55,6 +56,31 @@ def test_a_receiver_without_the_job_secret_gets_nothing(tmp_path: Path) -> None:
     assert receiver["after"] == receiver["before"], "no state may reach an unproven receiver"
 
 
+def test_a_source_without_the_job_secret_gives_nothing(tmp_path: Path) -> None:
+    sender, receiver = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1 << 20,
+                                 source_token="an-outsider")
+
+    assert not receiver["ok"] and "sending rank 0 failed to prove it belongs to the job" in str(receiver["error"])
+    assert receiver["after"] == receiver["before"], "no state from an unproven source may be applied"
+    assert not sender["ok"]
+
+
+def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path) -> None:
+    src0, src1, recv = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
+                                 corrupt=[0, 2])
+
+    assert recv["ok"] and recv["refetched"] == 1
+    assert recv["after"] == src0["after"] == src1["after"]
+    assert src1["bytes"] > 0 and src0["ok"] and src1["ok"]
+
+
+def test_a_chunk_corrupted_by_the_only_source_is_sent_again(tmp_path: Path) -> None:
+    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 1])
+
+    assert recv["ok"] and recv["refetched"] == 1
+    assert recv["after"] == src["after"]
+
+
 def test_plan_takes_the_newest_committed_state_and_brings_everyone_to_it() -> None:
     plan = plan_handoff([MemberStatus(0, 12, True), MemberStatus(1, 11, True), MemberStatus(2, 0, False),
                          MemberStatus(3, 12, True)])
@@ -78,9 +104,16 @@ def test_chunks_cover_every_element_once() -> None:
     assert covered[2] == [(0, 3)]
 
 
-def test_checksum_sees_a_single_flipped_bit_whatever_the_dtype() -> None:
-    for t in (torch.randn(1001), torch.randn(7).to(torch.bfloat16), torch.arange(5, dtype=torch.uint8)):
+def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_step_and_index() -> None:
+    from runtime.handoff import _bytes_of
+
+    key = b"k" * 32
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        t = (torch.arange(1000) % 7).to(dtype)
         damaged = t.clone()
-        damaged.view(torch.uint8)[3] ^= 1
-        assert checksum(t) == checksum(t.clone())
-        assert checksum(damaged) != checksum(t)
+        damaged.view(torch.uint8)[13] ^= 4
+        assert chunk_mac(key, 5, 0, _bytes_of(t)) == chunk_mac(key, 5, 0, _bytes_of(t.clone()))
+        assert chunk_mac(key, 5, 0, _bytes_of(damaged)) != chunk_mac(key, 5, 0, _bytes_of(t))
+        assert chunk_mac(key, 5, 1, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "index is bound"
+        assert chunk_mac(key, 6, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "step is bound"
+        assert chunk_mac(b"x" * 32, 5, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "keyed"

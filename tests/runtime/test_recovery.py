@@ -48,6 +48,37 @@ def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Refe
     dead = {e["proc"] for e in events_of(result, "member_failed")}
     assert dead == {"w1", "w0"} or dead == {"w1", "w2"}, dead
     assert len(events_of(result, "generation")) == 3
+    # One recovery that took two generations: timed from the first kill to the step that committed.
+    (recovered,) = events_of(result, "recovered")
+    assert recovered["generations"] == 2 and recovered["generation"] == 2
+    assert [a["generation"] for a in recovered["failed_attempts"]] == [1]
+    assert "killed by SIGKILL" in recovered["failed_attempts"][0]["failed"]
+    first_kill = min(e["failure_at"] for e in events_of(result, "member_failed"))
+    assert recovered["recovery_s"] >= max(e["declared_at"] for e in events_of(result, "member_failed")) - first_kill
+    lost = sorted(e["rank"] for e in events_of(result, "member_failed"))
+    assert sorted(r["rank"] for r in recovered["ranks"]) == lost
+
+
+def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_other_source(
+    reference_digest: Reference,
+) -> None:
+    result = run_job(nproc=3, standby=1, steps=20, chunk_bytes=4096,
+                     faults="kill:rank=1,step=8,phase=exchange;corrupt:role=sender,phase=handoff_send,chunk=2")
+
+    assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
+    (recovered,) = events_of(result, "recovered")
+    assert recovered["refetched_chunks"] == 1 and recovered["generations"] == 1
+    assert len(events_of(result, "generation")) == 2, "repaired within the handoff, no new generation"
+
+
+def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exact(reference_digest: Reference) -> None:
+    result = run_job(nproc=3, standby=1, steps=20, handoff_transport="tls", chunk_bytes=4096,
+                     faults="kill:rank=2,step=8,phase=exchange;corrupt:role=sender,phase=handoff_send,chunk=3")
+
+    assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
+    (recovered,) = events_of(result, "recovered")
+    assert recovered["handoff_bytes"] > 0 and recovered["sources"] == [0, 1]
+    assert recovered["refetched_chunks"] == 1, "the MAC and the refetch work over TLS too"
 
 
 def test_standby_killed_while_taking_over_the_next_standby_serves(reference_digest: Reference) -> None:

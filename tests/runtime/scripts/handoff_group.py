@@ -1,6 +1,9 @@
-"""Runs one rank of a bare handoff between processes: `handoff_group.py RANK WORLD PORT TOKEN RECEIVERS CHUNK OUT`.
+"""Runs one rank of a bare handoff between processes:
+`handoff_group.py RANK WORLD PORT TOKEN RECEIVERS CHUNK OUT [OPTIONS_JSON]`.
 
 Sources hold a trained state (3 steps); receivers hold a different one. Each rank writes a JSON result.
+TOKEN is the receivers' secret; the sources hold "the-secret". Options: `source_token` (the sources' secret
+instead), `corrupt` ([rank, chunk]: that source flips a bit of its chunk-th chunk).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from runtime.state import TrainingState
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     token, receivers, chunk, out = sys.argv[4], {int(r) for r in sys.argv[5].split(",")}, int(sys.argv[6]), sys.argv[7]
+    options = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}
+    corrupt = options.get("corrupt")
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
@@ -38,10 +43,16 @@ def main() -> None:
     plan = plan_handoff(statuses)
     result: dict[str, object] = {"rank": rank, "before": before}
     try:
+        def fault(phase: str, **where: object) -> bool:
+            return corrupt is not None and rank == corrupt[0] and phase == "handoff_send" \
+                and where.get("chunk") == corrupt[1]
+
         session = HandoffSession(1, tuple(f"p{r}" for r in range(world)), "job",
-                                 token if rank in receivers else "the-secret", chunk)
+                                 token if rank in receivers else options.get("source_token", "the-secret"), chunk,
+                                 fault=fault)
         stats, meta = run_handoff(plan, session, rank, state)
         result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta["step"],
+                      refetched=stats.refetched,
                       lr=opt.param_groups[0]["lr"], sched_epoch=sched.last_epoch)
     except (HandoffError, RuntimeError) as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
