@@ -31,6 +31,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="mean gap between injections, exponential (default: %(default)s)")
     c.add_argument("--seed", type=int, default=1, help="the chaos monkey's seed (default: %(default)s)")
     c.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    sec = kinds.add_parser("security", help="what authentication costs: MACs, TLS and sealed records vs raw")
+    sec.add_argument("--quick", action="store_true", help="a 48 MB state, 3 repetitions (full: 200 MB, 5)")
+    sec.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     s = kinds.add_parser("policy", help="learned standby policy vs static spares and the oracle; simulator timings")
     s.add_argument("--quick", action="store_true", help="small fleets, about a minute")
     s.add_argument("--json", metavar="FILE", help="write the full report as JSON")
@@ -41,6 +44,10 @@ def bench_command(ns: argparse.Namespace) -> int:
         from bench.policy import main as policy_main
 
         return policy_main(quick=ns.quick, json_path=ns.json)
+    if ns.kind == "security":
+        from bench.security import main as security_main
+
+        return security_main(quick=ns.quick, json_path=ns.json)
     if ns.kind == "chaos":
         if not ns.every > 0:
             print(f"trainmover bench chaos: --every must be a positive number of seconds, got {ns.every}")

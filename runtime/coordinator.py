@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -170,7 +171,9 @@ class Coordinator:
         self.store = store
         self.pool = pool
         self.events = events
-        self.records = keys.Records(store, Sealer(settings.job_token, "coordinator", self._refused))
+        # The refusal hook holds the event log only: a bound method would make a cycle that keeps the store (and
+        # its listening socket) alive after the job, until the garbage collector runs.
+        self.records = keys.Records(store, Sealer(settings.job_token, "coordinator", _refusal_reporter(events)))
         """The store through the job's seal: every record read is verified, every record written is sealed."""
         self.procs: dict[str, Member] = {}
         self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
@@ -203,10 +206,6 @@ class Coordinator:
         self._chaos_hit: dict[str, float] = {}
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
-
-    def _refused(self, kind: str, key: str, why: str) -> None:
-        """A value the job's seal refused (someone without the secret wrote it, or replayed an old one)."""
-        self.events.emit("untrusted_value", key=key, key_kind=kind, reason=why)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -845,6 +844,14 @@ class Coordinator:
             if isinstance(digest := self.records.get(keys.k_digest(p)), str):
                 out[p] = digest
         return out
+
+
+def _refusal_reporter(events: EventLog) -> Callable[[str, str, str], None]:
+    def refused(kind: str, key: str, why: str) -> None:
+        """A value the job's seal refused (someone without the secret wrote it, or replayed an old one)."""
+        events.emit("untrusted_value", key=key, key_kind=kind, reason=why)
+
+    return refused
 
 
 def configure_logging(quiet: bool = False) -> None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -213,6 +215,22 @@ def chunk_mac(key: bytes, target_step: int, index: int, data: memoryview | bytes
     return mac.digest()
 
 
+_macs: ThreadPoolExecutor | None = None
+
+
+def _timed_mac(key: bytes, target_step: int, index: int, data: memoryview | bytes) -> tuple[bytes, float]:
+    t0 = time.perf_counter()
+    return chunk_mac(key, target_step, index, data), time.perf_counter() - t0
+
+
+def _mac_later(key: bytes, target_step: int, index: int, data: memoryview | bytes) -> Future[tuple[bytes, float]]:
+    """Compute a chunk's MAC on a pool of threads: hashing runs on every core, beside the transfer."""
+    global _macs
+    if _macs is None:
+        _macs = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="tm-mac")
+    return _macs.submit(_timed_mac, key, target_step, index, data)
+
+
 @dataclass
 class HandoffStats:
     role: str
@@ -220,6 +238,9 @@ class HandoffStats:
     seconds: float = 0.0
     refetched: int = 0
     """Chunks that failed their MAC and were fetched again (a receiver's count)."""
+    mac_s: float = 0.0
+    """Time this member spent computing chunk MACs (a source while its chunks are on the wire, a receiver
+    while later chunks arrive): what authenticating the state costs, inside `seconds`."""
 
 
 def run_handoff(
@@ -235,7 +256,7 @@ def run_handoff(
     try:
         if rank in plan.sources:
             for receiver in plan.receivers:
-                stats.bytes += _serve(plan, session, rank, receiver, state, extra, links)
+                stats.bytes += _serve(plan, session, rank, receiver, state, extra, links, stats)
         elif rank in plan.receivers:
             meta_in = _receive(plan, session, rank, state, links, stats)
             stats.bytes = state.state_bytes()
@@ -256,7 +277,7 @@ def _shares(plan: HandoffPlan, n_chunks: int) -> list[list[int]]:
 
 
 def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int, state: TrainingState,
-           extra: Any, links: Links) -> int:
+           extra: Any, links: Links, stats: HandoffStats) -> int:
     nonce_r = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
     links.recv(nonce_r, receiver, TAG_NONCE)
     nonce_s = secrets.token_bytes(NONCE_BYTES)
@@ -275,7 +296,7 @@ def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int,
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
     share = plan.sources.index(rank)
     sent = _send_chunks(session, key, plan.target_step, tensors, layout, _shares(plan, len(layout))[share],
-                        receiver, TAG_MACS, links)
+                        receiver, TAG_MACS, links, stats)
     # The repair round: the receiver names the chunks that failed their MAC and that this source is to resend.
     count = torch.zeros(1, dtype=torch.int64)
     links.recv(count, receiver, TAG_REPAIR)
@@ -283,13 +304,13 @@ def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int,
         wanted = torch.zeros(int(count.item()), dtype=torch.int64)
         links.recv(wanted, receiver, TAG_REPAIR)
         sent += _send_chunks(session, key, plan.target_step, tensors, layout, wanted.tolist(), receiver,
-                             TAG_MACS + 1, links, repair=True)
+                             TAG_MACS + 1, links, stats, repair=True)
     return sent
 
 
 def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors: list[torch.Tensor],
                  layout: list[Chunk], indices: list[int], receiver: int, macs_tag: int, links: Links,
-                 repair: bool = False) -> int:
+                 stats: HandoffStats, repair: bool = False) -> int:
     works = []
     macs = []
     sent = 0
@@ -298,14 +319,15 @@ def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors:
             raise HandoffError(f"the receiver asked for chunk {j}, which does not exist")
         c = layout[j]
         piece = _slice(tensors[c.tensor].contiguous(), c)
-        mac = chunk_mac(key, target_step, j, _bytes_of(piece))
+        macs.append(_mac_later(key, target_step, j, _bytes_of(piece)))  # read-only, beside the send
         if not repair and session.fault("handoff_send", role="sender", chunk=n + 1):
             piece = piece.clone()
             piece.view(torch.uint8)[0] ^= 1  # one bit flipped on the way, after the MAC was taken
         works.append(links.isend(piece, receiver, TAG_CHUNK0 + j))
-        macs.append(mac)
         sent += piece.numel() * piece.element_size()
-    links.send(_as_tensor(b"".join(macs)), receiver, macs_tag)
+    done = [f.result() for f in macs]  # the MACs follow the chunks: the data never waits for the hashing
+    stats.mac_s += sum(t for _, t in done)
+    links.send(_as_tensor(b"".join(m for m, _ in done)), receiver, macs_tag)
     for w in works:
         w.wait()
     return sent
@@ -356,11 +378,15 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
         links.recv(macs, source, TAG_MACS)
         raw_macs = macs.numpy().tobytes()
         expected.update((j, raw_macs[i * MAC_BYTES : (i + 1) * MAC_BYTES]) for i, j in enumerate(shares[share]))
-    bad = []
+    checks = []
     for j, (w, c) in enumerate(zip(works, layout, strict=True)):
         w.wait()  # in order: each chunk is checked while the later ones are still arriving
-        if not hmac.compare_digest(chunk_mac(key, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c))),
-                                   expected[j]):
+        checks.append(_mac_later(key, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c))))
+    bad = []
+    for j, f in enumerate(checks):
+        got, took = f.result()
+        stats.mac_s += took
+        if not hmac.compare_digest(got, expected[j]):
             bad.append(j)
     # The repair round: every source hears which chunks it is to resend (usually none). A bad chunk goes to the
     # next source after the one that sent it, so that a bad link or a bad source is not asked twice.
