@@ -366,6 +366,10 @@ class Supervisor:
                     {"process": ev["proc"]},
                 )
             ]
+        if kind in ("job_finished", "job_failed") and self.control is not None:
+            # The job is over and its store is about to close: no call may reach it any more.
+            self.control.close()
+            self.control = None
         if kind == "job_finished":
             self.steps_done = max(self.steps_done, int(ev.get("step", 0) or 0))
             return [

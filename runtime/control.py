@@ -161,11 +161,9 @@ class JobControl:
     def store(self) -> dist.TCPStore:
         """The job's store, while the job runs. Once the coordinator said the job is over, the client is closed
         before its store goes away (torch prints a C++ stack trace for every call on a closed store)."""
-        if self._store is None:
-            raise JobEnded("this JobControl is closed")
-        if self._store.check([keys.k_over()]):
-            self.close()
-            raise JobEnded(f"the job at {self.host}:{self.port} has ended")
+        if self.ended:
+            raise JobEnded(f"the job at {self.host}:{self.port} has ended (or this client was closed)")
+        assert self._store is not None
         return self._store
 
     @property
@@ -173,10 +171,16 @@ class JobControl:
         """Whether the job is over (or this client was closed); no call reaches the store after that."""
         if self._store is None:
             return True
-        if self._store.check([keys.k_over()]):
+        # A plain connection first: the store's socket closes while the launcher process is still exiting, and
+        # a call on the client then would print torch's C++ trace.
+        try:
+            socket.create_connection((self.host, self.port), timeout=1.0).close()
+            over = self._store.check([keys.k_over()])
+        except (OSError, RuntimeError):
+            over = True
+        if over:
             self.close()
-            return True
-        return False
+        return over
 
     @property
     def records(self) -> keys.Records:
