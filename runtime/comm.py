@@ -141,6 +141,19 @@ class Communicator:
         if failure is not None:  # raised outside the except block: no traceback may pin the broken group
             raise CommFailure(f"buffer broadcast failed: {failure}")
 
+    def all_gather_bytes(self, data: bytes, world_size: int) -> list[bytes]:
+        """Every rank's `data` (all the same length), in rank order."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        out = [torch.zeros_like(mine) for _ in range(world_size)]
+        failure: str | None = None
+        try:
+            dist.all_gather(out, mine)
+        except RuntimeError as exc:
+            failure = error_text(exc)
+        if failure is not None:
+            raise CommFailure(f"all-gather failed: {failure}")
+        return [t.cpu().numpy().tobytes() for t in out]
+
     def mean_scalar(self, value: float, world_size: int) -> float:
         """The mean of one float over the group, computed in float64: the same value on every rank."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)

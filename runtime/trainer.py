@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hmac
 import logging
 import random
 import statistics
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime import store as keys
+from runtime.auth import prove
 from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.data import StepData, as_step_data, derive_seed
 from runtime.handoff import (
@@ -86,6 +88,25 @@ class StepResult:
     step_s: float
     global_loss: float | None = None
     """The loss averaged over every rank, where the step computed it (with a ReduceLROnPlateau scheduler)."""
+
+
+def check_group(comm: Communicator, token: str, job_id: str, record: Generation, rank: int) -> None:
+    """Every peer of a generation's new group proves it holds the job's secret, for the rank it holds in it.
+
+    torch writes the group's rendezvous addresses to the store unsealed: an outsider who won the race for one
+    would be a peer of the collectives. Its proof fails here and the group is refused (a collective error: the
+    coordinator rebuilds it) before any gradient or state is exchanged. No rank is blamed, since the impostor's
+    victim is an honest process. One all-gather of 32 bytes per generation.
+    """
+    g, world = record.gen, record.world_size
+
+    def proof(r: int) -> bytes:
+        return bytes.fromhex(prove(token, "group", job_id, g, r, record.members[r]))
+
+    for r, got in enumerate(comm.all_gather_bytes(proof(rank), world)):
+        if not hmac.compare_digest(got, proof(r)):
+            raise CommFailure(f"the peer holding rank {r} in the group of generation {g} failed to prove it "
+                              "belongs to the job; the group was refused")
 
 
 class Trainer:
@@ -392,6 +413,7 @@ class Trainer:
         t_all_joined = time.time()
         self.comm.build(g, rank, world, cfg.connect_timeout_s)
         self.gen, self.rank, self.world_size = g, rank, world
+        check_group(self.comm, cfg.job_token, cfg.job_id, record, rank)
         group_ready = time.time()
         split = {"teardown_s": self.comm.last_teardown_s, "joined_at": t_joined,
                  "join_wait_s": t_all_joined - t_joined, "group_init_s": group_ready - t_all_joined}

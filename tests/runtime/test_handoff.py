@@ -117,3 +117,23 @@ def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_step_a
         assert chunk_mac(key, 5, 1, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "index is bound"
         assert chunk_mac(key, 6, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "step is bound"
         assert chunk_mac(b"x" * 32, 5, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "keyed"
+
+
+def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_member(tmp_path: Path) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    tokens = ["the-secret", "an-impostor", "the-secret"]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "group_proof.py"), str(r), "3", str(server.port),
+                               tokens[r], str(tmp_path / f"g{r}.json")]) for r in range(3)]
+    try:
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = [json.loads((tmp_path / f"g{r}.json").read_text()) for r in range(3)]
+    assert not results[0]["ok"] and not results[2]["ok"]
+    assert "rank 1 in the group of generation 3 failed to prove it belongs to the job" in str(results[0]["error"])
+
