@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -184,28 +185,28 @@ class JobControl:
 
     @property
     def records(self) -> keys.Records:
+        """The store through the job's seal (one liveness check per call that takes it)."""
         return keys.Records(self.store, self._sealer)
 
-    def _command(self, key: str, request: str, seq: int | None = None) -> int:
+    def _command(self, key: str, request: Callable[[int], str]) -> int:
         """Write a sealed command with a fresh sequence number (the coordinator refuses one it has seen)."""
-        if seq is None:
-            seq = int(self.store.add(keys.k_control_seq(), 1))
-        self.records.put(key, {"seq": seq, "request": request})
+        records = self.records
+        seq = int(records.store.add(keys.k_control_seq(), 1))
+        records.put(key, {"seq": seq, "request": request(seq)})
         return seq
 
     def set_standby_target(self, n: int) -> None:
         """Keep `n` unpromoted warm standbys from now on (more are started, surplus ones are stopped)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_STANDBY_TARGET:
             raise ValueError(f"the standby target must be an integer in 0..{MAX_STANDBY_TARGET}, got {n!r}")
-        self._command(keys.k_control_standby_target(), str(n))
+        self._command(keys.k_control_standby_target(), lambda _: str(n))
 
     def move(self, ranks: list[int] | tuple[int, ...], reason: str = "requested") -> int:
         """Ask the coordinator to move `ranks` to standbys; returns the request's seq (see `wait_move`)."""
         if not ranks or len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and r >= 0 for r in ranks):
             raise ValueError(f"ranks must be distinct non-negative integers, got {ranks!r}")
         _check_reason(reason)
-        seq = int(self.store.add(keys.k_control_seq(), 1))
-        return self._command(keys.k_control_move(), MoveRequest(seq, tuple(ranks), reason).to_json(), seq)
+        return self._command(keys.k_control_move(), lambda seq: MoveRequest(seq, tuple(ranks), reason).to_json())
 
     def move_outcome(self, seq: int) -> MoveOutcome | None:
         """The answer to request `seq`, or None while it is unanswered (or was overwritten by a newer one)."""

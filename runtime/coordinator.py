@@ -662,7 +662,7 @@ class Coordinator:
             self.records.put(keys.k_chaos_done(), self.chaos.injected)
 
     def _all_done(self) -> bool:
-        return all(self.records.has(keys.k_done(self.gen.gen, r)) for r in range(self.gen.world_size))
+        return self.records.has_all([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)])
 
     def _progress_completion(self, now: float) -> JobResult | None:
         members = [self.procs[p] for p in self.gen.members]

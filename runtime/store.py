@@ -190,6 +190,10 @@ class Records:
     def has(self, key: str) -> bool:
         return self.get(key) is not None
 
+    def has_all(self, keys: Sequence[str]) -> bool:
+        """Whether every key holds a sealed value: one round trip while any is missing (the usual answer)."""
+        return self.store.check(list(keys)) and all(self.get(k) is not None for k in keys)
+
     def wait(
         self,
         keys: Sequence[str],

@@ -511,25 +511,21 @@ class TlsLinks:
             raise TlsLinkError(f"rank {self.rank} has no TLS link to rank {peer} in this handoff")
         return conn
 
-    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        conn = self._conn(peer)
-        view, keep = _send_view(t)
-        op = _Op("send", peer, tag, view, keep)
-        if len(view) == 0:
+    def _post(self, op: _Op) -> Waiter:
+        conn = self._conn(op.peer)
+        if len(op.view) == 0:
             op.finish(None)
         else:
             conn.submit(op)
         return op
 
+    def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
+        view, keep = _send_view(t)
+        return self._post(_Op("send", peer, tag, view, keep))
+
     def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        conn = self._conn(peer)
         view, keep, after = _recv_view(t)
-        op = _Op("recv", peer, tag, view, keep, after)
-        if len(view) == 0:
-            op.finish(None)
-        else:
-            conn.submit(op)
-        return op
+        return self._post(_Op("recv", peer, tag, view, keep, after))
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
         self.isend(t, peer, tag).wait()

@@ -193,10 +193,10 @@ def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) ->
         with job.control() as control:
             job.wait_for("generation")
             for i, value in enumerate(bad_targets):
-                control._command("control/standby_target", value)
+                control._command("control/standby_target", lambda _, v=value: v)
                 job.wait_for("control_rejected", count=i + 1)
             for i, value in enumerate(bad_moves):
-                control._command("control/move", value)
+                control._command("control/move", lambda _, v=value: v)
                 job.wait_for("control_rejected", count=len(bad_targets) + i + 1)
             with pytest.raises(ValueError):
                 control.set_standby_target(-1)  # the client refuses before anything is written

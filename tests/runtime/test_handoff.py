@@ -6,7 +6,9 @@ import datetime
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,20 +22,25 @@ def run_group(tmp_path: Path, world: int, receivers: str, token: str, chunk_byte
               **options: object) -> list[dict[str, object]]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPTS / "handoff_group.py"), str(r), str(world), str(server.port),
-                          token, receivers, str(chunk_bytes), str(tmp_path / f"r{r}.json"), json.dumps(options)])
-        for r in range(world)
-    ]
+    return run_ranks(world, lambda r: [
+        "handoff_group.py", str(r), str(world), str(server.port), token, receivers, str(chunk_bytes),
+        str(tmp_path / f"r{r}.json"), json.dumps(options)], lambda r: tmp_path / f"r{r}.json")
+
+
+def run_ranks(world: int, argv: Callable[[int], list[str]], result: Callable[[int], Path],
+              timeout_s: float = 120) -> list[Any]:
+    """Run one test script per rank (`argv(rank)`: script name and arguments; it writes JSON to `result(rank)`),
+    each bounded; returns the results in rank order."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / argv(r)[0]), *argv(r)[1:]]) for r in range(world)]
     try:
         for p in procs:
-            p.wait(timeout=120)
+            p.wait(timeout=timeout_s)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+    return [json.loads(result(r).read_text()) for r in range(world)]
 
 
 def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(tmp_path: Path) -> None:
@@ -123,17 +130,9 @@ def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_memb
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     tokens = ["the-secret", "an-impostor", "the-secret"]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "group_proof.py"), str(r), "3", str(server.port),
-                               tokens[r], str(tmp_path / f"g{r}.json")]) for r in range(3)]
-    try:
-        for p in procs:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = [json.loads((tmp_path / f"g{r}.json").read_text()) for r in range(3)]
+    results = run_ranks(3, lambda r: [
+        "group_proof.py", str(r), "3", str(server.port), tokens[r], str(tmp_path / f"g{r}.json")],
+        lambda r: tmp_path / f"g{r}.json", timeout_s=60)
     assert not results[0]["ok"] and not results[2]["ok"]
     assert "rank 1 in the group of generation 3 failed to prove it belongs to the job" in str(results[0]["error"])
 
