@@ -34,12 +34,29 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     sec = kinds.add_parser("security", help="what authentication costs: MACs, TLS and sealed records vs raw")
     sec.add_argument("--quick", action="store_true", help="a 48 MB state, 3 repetitions (full: 200 MB, 5)")
     sec.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    sc = kinds.add_parser("scale", help="the coordinator against simulated hosts: host loss to new generation, CPU")
+    sc.add_argument("--hosts", default="64,256,1024,4096", help="comma-separated host counts (default: %(default)s)")
+    sc.add_argument("--slots", type=_positive, default=1, help="processes per host (default: %(default)s)")
+    sc.add_argument("--trials", type=_positive, default=10, help="hosts killed per size (default: %(default)s)")
+    sc.add_argument("--quick", action="store_true", help="64 and 256 hosts, 3 trials")
+    sc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     s = kinds.add_parser("policy", help="learned standby policy vs static spares and the oracle; simulator timings")
     s.add_argument("--quick", action="store_true", help="small fleets, about a minute")
     s.add_argument("--json", metavar="FILE", help="write the full report as JSON")
 
 
 def bench_command(ns: argparse.Namespace) -> int:
+    if ns.kind == "scale":
+        from bench.scale import main as scale_main
+
+        try:
+            sizes = [int(x) for x in ns.hosts.split(",")]
+        except ValueError:
+            print(f"trainmover bench scale: --hosts takes comma-separated counts, e.g. 64,256, got {ns.hosts!r}")
+            return 2
+        if ns.quick:
+            sizes, ns.trials = [n for n in sizes if n <= 256] or [64], 3
+        return scale_main(sizes, slots=ns.slots, trials=ns.trials, json_path=ns.json)
     if ns.kind == "policy":
         from bench.policy import main as policy_main
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.hostloss import host_loss
 from bench.peers.checkpoint_restart import kill_fractions, lost_time_checkpoint_restart
 from bench.peers.common import rounded, spread, steady_step_s
 from bench.peers.p2p import measure_p2p_bandwidth
@@ -31,6 +32,9 @@ from bench.workload import WorkloadSpec
 
 KILLS = 5
 """Kills per system; the brief of the benchmark: at least 5, so that a median and a spread mean something."""
+
+HOST_KILLS = 2
+"""Whole hosts killed in the host-loss section (each needs a standby host of two slots)."""
 
 KILL_SPACING = 8
 """Steps between TrainMover's kills in its one killed job (see `kill_schedule`)."""
@@ -160,6 +164,10 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
         "benchmark_wall_s": time.time() - t0,
         "section_wall_s": sections,
     }
+    hl_steps, hl_total = kill_schedule(HOST_KILLS, spacing=KILL_SPACING)
+    hl = timed("host_loss", host_loss, spec, hl_steps, hl_total, handoff_floor_s, floor_s)
+    report["host_loss"] = hl if "skipped" in hl else rounded(hl)
+    report["benchmark_wall_s"] = time.time() - t0
     report["ratios"] = _ratios(report)
     return report
 
@@ -236,9 +244,19 @@ def format_report(r: dict[str, Any]) -> str:
         *(f"    {k['replay_step']:>5}{f(k['lost_time_s']):>9}{f(k['recovery_s']):>12}{f(k['step_s']):>9}"
           f"{f(k['redone_s']):>10}{f(k['recovery_bound_s']):>9}{f(k['floor_s']):>9}"
           f"{f(k['warmup_penalty_in_run_s']):>9}  {_verdict(k)}" for k in tm["kills"]),
+        _host_loss_line(r.get("host_loss", {}), f),
         f"  wall {r['benchmark_wall_s']:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["section_wall_s"].items()),
     ]
     return "\n".join(lines)
+
+
+def _host_loss_line(hl: dict[str, Any], f: Any) -> str:
+    if not hl or "skipped" in hl:
+        return f"  host loss across namespaces: skipped ({hl.get('skipped', 'not run')})"
+    return (f"  host loss (2 hosts x 2 + standby hosts, namespaces): lost_time_s median {f(hl['lost_time_s'])} "
+            f"(min {f(hl['lost_time_min_s'])}, max {f(hl['lost_time_max_s'])}) over {hl['kills_valid']} host kills of "
+            f"{hl['ranks_per_recovery']} ranks each; detect {f(hl['detect_s'])}, reconfigure {f(hl['reconfigure_s'])}, "
+            f"handoff {f(hl['handoff_s'])}, replay {f(hl['replay_s'])}; bit-exact {hl['bitwise_identical']}")
 
 
 def main(quick: bool, json_path: str | None, kills: int = KILLS) -> int:
@@ -247,7 +265,7 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS) -> int:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))
-    if not report["bitwise_identical"]:
+    if not report["bitwise_identical"] or report["host_loss"].get("bitwise_identical") is False:
         print("  MISMATCH: TrainMover's final state differs from the uninterrupted run's")
         return 1
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 import zipfile
@@ -20,8 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from policy.costs import StandbyCosts
+from policy.costs import (
+    DEFAULT_STOPPED_CAPACITY,
+    HOT_EXTRA_USD_PER_H,
+    NODE_PRICE_USD_PER_H,
+    STOPPED_WAKE_FAILURE_PROB,
+    TIER_NAMES,
+    StandbyCosts,
+    TierCosts,
+    TierName,
+    default_tiers,
+)
 from policy.features import DEFAULT_HORIZON_H
+from policy.traces import MAX_FLEET_NODES
 
 if TYPE_CHECKING:
     from policy.predictor import FailurePredictor, ModelScore
@@ -32,6 +44,7 @@ _COST_FLAGS = {
     "job_price_usd_per_h": "--job-price-usd-per-h",
     "lead_time_h": "--lead-time-h",
     "restart_downtime_s": "--restart-downtime-s",
+    "replacement_h": "--replacement-h",
     "budget_usd_per_h": "--budget-usd-per-h",
     "hysteresis": "--hysteresis",
     "min_hold_s": "--min-hold-s",
@@ -50,38 +63,98 @@ class PolicyUsageError(Exception):
 
 
 def _add_trace_and_costs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="'infinitehbd' (the shipped trace) or a CSV file (see load_csv)")
     p.add_argument(
-        "--nodes", type=int, help="fleet size incl. nodes that never failed (required for a CSV; 400 for infinitehbd)"
+        "--trace",
+        required=True,
+        help="'infinitehbd' or 'lanl-system20' (real fleets shipped with the package) or a CSV file (see read_csv)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help="fleet size incl. nodes that never failed (required for a CSV; 400 for infinitehbd, 512 for "
+        f"lanl-system20; at most {MAX_FLEET_NODES:,})",
+    )
+    p.add_argument(
+        "--duration-h",
+        type=float,
+        help="the trace's observation window in hours from hour 0 (default: up to its latest fault time)",
     )
     p.add_argument("--job-nodes", type=int, help="nodes the job runs on (default: the whole fleet)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     _add_cost_flags(p)
 
 
-def _add_cost_flags(p: argparse.ArgumentParser, *, job_price_from_nodes: bool = False) -> None:
-    """The StandbyCosts knobs (see `_COST_FLAGS`). With `job_price_from_nodes` the job price defaults to None,
-    which `_costs` turns into --nodes x the node price (a job that spans the whole fleet)."""
+def _add_cost_flags(p: argparse.ArgumentParser) -> None:
+    """The StandbyCosts knobs (see `_COST_FLAGS` and `policy.costs` for the source of every default). The job
+    price defaults to the job's node count (--job-nodes, else the fleet) x --node-price-usd-per-h; tier prices
+    default to what a node of that price costs in each tier."""
     defaults = StandbyCosts()
+    tiers = default_tiers()
+    p.add_argument(
+        "--node-price-usd-per-h",
+        type=float,
+        default=NODE_PRICE_USD_PER_H,
+        help="on-demand price of one node (default: %(default)s, AWS p5.48xlarge in us-east-1)",
+    )
     p.add_argument(
         "--job-price-usd-per-h",
         type=float,
-        default=None if job_price_from_nodes else defaults.job_price_usd_per_h,
-        help="whole-job price per hour (default: "
-        + ("--nodes x the node price" if job_price_from_nodes else "%(default)s")
-        + ")",
+        default=None,
+        help="whole-job price per hour (default: the job's nodes x --node-price-usd-per-h)",
+    )
+    p.add_argument(
+        "--tiers",
+        default=",".join(TIER_NAMES),
+        help="standby tiers offered, comma-separated (default: %(default)s)",
+    )
+    described: tuple[tuple[TierName, str], ...] = (
+        ("stopped", "a parked instance's volumes, plus the node price when --stopped-capacity reserved"),
+        ("warm", "the node price"),
+        ("hot", f"the node price + {HOT_EXTRA_USD_PER_H:g} for mirroring"),
+    )
+    for tier, what in described:
+        p.add_argument(
+            f"--{tier}-price-usd-per-h",
+            type=float,
+            default=None,
+            help=f"hourly price of a {tier} standby (default: {what})",
+        )
+        p.add_argument(
+            f"--{tier}-takeover-s",
+            type=float,
+            default=tiers[tier].takeover_s,
+            help=f"whole-job downtime when a {tier} standby takes over (default: %(default)s)",
+        )
+    p.add_argument(
+        "--stopped-capacity",
+        choices=("unreserved", "reserved"),
+        default=DEFAULT_STOPPED_CAPACITY,
+        help="unreserved: a stopped standby may fail to start (--stopped-wake-failure-prob); reserved: a capacity "
+        "reservation billed at the node price makes it always start (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stopped-wake-failure-prob",
+        type=float,
+        default=None,
+        help=f"P(a stopped standby cannot start) (default: {STOPPED_WAKE_FAILURE_PROB:g} unreserved, 0 reserved)",
     )
     p.add_argument(
         "--lead-time-h",
         type=float,
         default=defaults.lead_time_h,
-        help="replenishment lead time in hours (default: %(default)s)",
+        help="replenishment lead time: hours to obtain a fresh node (default: %(default)s)",
     )
     p.add_argument(
         "--restart-downtime-s",
         type=float,
         default=defaults.restart_downtime_s,
-        help="downtime of an uncovered failure in seconds (default: %(default)s)",
+        help="checkpoint-restart downtime of an uncovered failure once a host is there (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replacement-h",
+        type=float,
+        default=None,
+        help="hours an uncovered failure waits for a replacement host before restarting (default: --lead-time-h)",
     )
     p.add_argument("--budget-usd-per-h", type=float, default=None, help="cap on the standbys' hourly cost")
     p.add_argument("--hysteresis", type=float, default=defaults.hysteresis, help="(default: %(default)s)")
@@ -118,6 +191,13 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     g.add_argument("--nodes", type=int, default=1024, help="fleet size (default: %(default)s)")
     g.add_argument("--days", type=float, default=365.0, help="window length in days (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    g.add_argument(
+        "--burst-share",
+        type=float,
+        default=0.0,
+        help="share of faults in common-cause bursts across a failure domain (default: %(default)s, independent "
+        "nodes; 0.3 matches the InfiniteHBD trace's burst curve)",
+    )
     g.add_argument("--out", required=True, metavar="FILE.csv", help="where to write the CSV")
     g.add_argument("--json", metavar="FILE", help="also write a summary (faults, nodes, days, seed, path) as JSON")
     tr = actions.add_parser("train", help="fit the failure predictor on synthetic fleets and save it (skops)")
@@ -135,47 +215,104 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     ev.add_argument(
         "--multiplier", type=float, default=1.0, help="scales the learned policy's hazards (default: %(default)s)"
     )
+    ev.add_argument(
+        "--train-fraction",
+        type=float,
+        default=0.5,
+        help="share of the window, from its start, on which the reference static is chosen; the rest is judged "
+        "(default: %(default)s)",
+    )
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON")
-    _add_cost_flags(ev, job_price_from_nodes=True)
+    _add_cost_flags(ev)
 
 
-def _costs(ns: argparse.Namespace) -> StandbyCosts:
-    values = {field: getattr(ns, field) for field in _COST_FLAGS}
+def _costs(ns: argparse.Namespace, job_nodes: int) -> StandbyCosts:
+    """The prices of the flags, for a job of `job_nodes` nodes; a bad value names its flag."""
+    offered = [t.strip() for t in ns.tiers.split(",") if t.strip()]
+    unknown = sorted(set(offered) - set(TIER_NAMES))
+    if unknown or not offered or len(set(offered)) != len(offered):
+        raise PolicyUsageError(
+            f"--tiers {ns.tiers}: name each of {', '.join(TIER_NAMES)} at most once, e.g. hot,stopped"
+        )
     try:
-        if values["job_price_usd_per_h"] is None:  # evaluate: a job that spans the whole --nodes fleet
-            from policy.pipeline import job_costs
-
-            del values["job_price_usd_per_h"]
-            return job_costs(ns.nodes, **values)
-        return StandbyCosts(**values)
+        base = default_tiers(ns.node_price_usd_per_h, ns.stopped_capacity)
+    except ValidationError as exc:
+        raise PolicyUsageError(f"--node-price-usd-per-h: {exc.errors()[0]['msg']}") from None
+    tiers = {}
+    for tier in offered:
+        update: dict[str, float] = {"takeover_s": getattr(ns, f"{tier}_takeover_s")}
+        if getattr(ns, f"{tier}_price_usd_per_h") is not None:
+            update["price_usd_per_h"] = getattr(ns, f"{tier}_price_usd_per_h")
+        if tier == "stopped" and ns.stopped_wake_failure_prob is not None:
+            update["wake_failure_prob"] = ns.stopped_wake_failure_prob
+        try:
+            tiers[tier] = TierCosts.model_validate(base[tier].model_dump() | update)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "price_usd_per_h"
+            flag = {"price_usd_per_h": "price-usd-per-h", "takeover_s": "takeover-s"}.get(field, "wake-failure-prob")
+            raise PolicyUsageError(f"--{tier}-{flag}: {err['msg']}") from None
+    values = {field: getattr(ns, field) for field in _COST_FLAGS}
+    if values["job_price_usd_per_h"] is None:
+        values["job_price_usd_per_h"] = job_nodes * ns.node_price_usd_per_h
+    try:
+        return StandbyCosts(**values, tiers=tiers)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = err["loc"][0] if err["loc"] else ""
         flag = _COST_FLAGS.get(str(loc), "prices")
-        raise PolicyUsageError(f"{flag}: {err['msg']}") from None
+        raise PolicyUsageError(f"{flag}: {str(err['msg']).removeprefix('Value error, ')}") from None
+
+
+def _priced_job(costs: StandbyCosts, job_nodes: int, ns: argparse.Namespace) -> str:
+    """One line that says what the job and its failures were priced at."""
+    source = "given" if ns.job_price_usd_per_h is not None else f"{job_nodes} nodes x {ns.node_price_usd_per_h:g}"
+    tiers = ", ".join(
+        f"{t} {c.price_usd_per_h:g} USD/h, {c.takeover_s:g} s"
+        + (f", wakes {1 - c.wake_failure_prob:.0%}" if c.wake_failure_prob else "")
+        for t, c in costs.tiers.items()
+    )
+    return (
+        f"job {costs.job_price_usd_per_h:.2f} USD/h ({source}); uncovered failure {costs.uncovered_downtime_s:g} s "
+        f"(restart {costs.restart_downtime_s:g} s + replacement); standbys: {tiers}"
+    )
 
 
 def _trace(ns: argparse.Namespace) -> Any:
-    from policy.traces import INFINITEHBD_N_NODES, TraceFormatError, load_csv, load_infinitehbd
+    """The trace `--trace` names, on `--nodes` nodes over `--duration-h` hours; what the reader changed in a raw
+    export (duplicates, overlaps, a byte-order mark) is printed in one line."""
+    from policy.traces import SHIPPED_TRACES, TraceFormatError, load_shipped, read_csv, with_window
 
-    if ns.nodes is not None and ns.nodes < 1:
-        raise PolicyUsageError(f"--nodes {ns.nodes}: the fleet needs at least 1 node")
+    if ns.nodes is not None and not 1 <= ns.nodes <= MAX_FLEET_NODES:
+        raise PolicyUsageError(
+            f"--nodes {ns.nodes}: must lie in [1, {MAX_FLEET_NODES:,}]; the simulator names and places every node, "
+            "so for a larger fleet simulate a representative part of it (and its faults)"
+        )
+    if ns.duration_h is not None and not (math.isfinite(ns.duration_h) and ns.duration_h > 0):
+        raise PolicyUsageError(f"--duration-h {ns.duration_h:g}: must be a positive number of hours")
     try:
-        if ns.trace == "infinitehbd":
-            trace = load_infinitehbd(n_nodes=ns.nodes or INFINITEHBD_N_NODES)
+        if ns.trace in SHIPPED_TRACES:
+            trace, report = load_shipped(ns.trace, ns.nodes)
         else:
             path = Path(ns.trace)
             if not path.is_file():
-                raise PolicyUsageError(f"--trace {ns.trace}: no such file; pass 'infinitehbd' or a CSV trace")
+                raise PolicyUsageError(
+                    f"--trace {ns.trace}: no such file; pass {' or '.join(map(repr, SHIPPED_TRACES))} or a CSV trace"
+                )
             if ns.nodes is None:
                 raise PolicyUsageError(
                     "--nodes is required with a CSV trace: the fleet size incl. nodes that never failed"
                 )
-            trace = load_csv(path, n_nodes=ns.nodes)
+            trace, report = read_csv(path, n_nodes=ns.nodes)
+        if ns.duration_h is not None:
+            trace = with_window(trace, ns.duration_h)
     except (TraceFormatError, ValueError, OSError) as exc:
         if isinstance(exc, PolicyUsageError):
             raise
-        raise PolicyUsageError(f"--trace {ns.trace}: {exc}") from None
+        flag = "--duration-h" if "duration_h" in str(exc) else "--trace " + ns.trace
+        raise PolicyUsageError(f"{flag}: {exc}") from None
+    if report is not None:
+        print(f"trace {report.summary()}")
     if not trace.duration_h > 0:
         raise PolicyUsageError(f"--trace {ns.trace}: the trace spans 0 hours; it needs faults at positive times")
     if ns.job_nodes is not None and not 1 <= ns.job_nodes <= trace.n_nodes:
@@ -192,11 +329,19 @@ def _write_json(path: str | None, payload: Any) -> None:
 
 
 def _simulate(ns: argparse.Namespace) -> int:
-    from policy.simulator import compare_policies, format_table
+    from policy.simulator import compare_policies, default_policies, format_table, frontier_names, static_pools
 
-    costs, trace = _costs(ns), _trace(ns)
-    rows = compare_policies(trace, costs, job_nodes=ns.job_nodes)
+    trace = _trace(ns)
+    job_nodes = ns.job_nodes or trace.n_nodes
+    costs = _costs(ns, job_nodes)
+    print(_priced_job(costs, job_nodes, ns))
+    pools = static_pools(costs.tiers)
+    rows = compare_policies(trace, costs, [*default_policies(costs.tiers), *pools], job_nodes=ns.job_nodes)
+    # Every mixed-tier pool is replayed; the table shows those on the Pareto frontier (the others are beaten).
+    front, pool_names = set(frontier_names(rows)), {p.name for p in pools}
+    rows = [r for r in rows if r.name not in pool_names or r.name in front]
     print(format_table(rows))
+    print(f"('*': Pareto frontier; {len(pools)} mixed-tier pools replayed, those on the frontier shown)")
     _write_json(
         ns.json,
         [
@@ -209,6 +354,7 @@ def _simulate(ns: argparse.Namespace) -> int:
                 "uncovered_failures": r.uncovered_failures,
                 "standby_cost_usd": r.standby_cost_usd,
                 "downtime_cost_usd": r.downtime_cost_usd,
+                "frontier": r.name in front,
             }
             for r in rows
         ],
@@ -221,7 +367,10 @@ def _tune(ns: argparse.Namespace) -> int:
 
     if ns.min_ettr is not None and not 0.0 <= ns.min_ettr <= 1.0:
         raise PolicyUsageError(f"--min-ettr {ns.min_ettr}: must lie in [0, 1], e.g. 0.995")
-    costs, trace = _costs(ns), _trace(ns)
+    trace = _trace(ns)
+    job_nodes = ns.job_nodes or trace.n_nodes
+    costs = _costs(ns, job_nodes)
+    print(_priced_job(costs, job_nodes, ns))
     points = sweep(trace, costs, job_nodes=ns.job_nodes)
     try:
         best = recommend(points, ns.min_ettr)
@@ -251,19 +400,19 @@ def _generate(ns: argparse.Namespace) -> int:
     from policy.traces import write_csv
 
     try:
-        config = SyntheticFleetConfig(n_nodes=ns.nodes, days=ns.days, seed=ns.seed)
+        config = SyntheticFleetConfig(n_nodes=ns.nodes, days=ns.days, seed=ns.seed, burst_share=ns.burst_share)
     except ValidationError as exc:
         err = exc.errors()[0]
-        flag = {"n_nodes": "--nodes", "days": "--days", "seed": "--seed"}.get(str(err["loc"][0]), "config")
+        flag = {"n_nodes": "--nodes", "days": "--days", "seed": "--seed", "burst_share": "--burst-share"}.get(
+            str(err["loc"][0]), "config"
+        )
         raise PolicyUsageError(f"{flag}: {err['msg']}") from None
     trace = generate_fleet(config).trace  # a node under repair never faults again, so no record overlaps
     try:
         write_csv(trace, ns.out)
     except OSError as exc:
         raise PolicyUsageError(f"--out {ns.out}: cannot write ({exc.strerror})") from None
-    print(
-        f"wrote {len(trace.records)} faults of {config.n_nodes} nodes over {config.days:g} days to {ns.out}"
-    )
+    print(f"wrote {len(trace.records)} faults of {config.n_nodes} nodes over {config.days:g} days to {ns.out}")
     _write_json(
         ns.json,
         {
@@ -323,9 +472,7 @@ def _train(ns: argparse.Namespace) -> int:
     configs = _fleet_configs(ns, seeds)
     horizon_h = DEFAULT_HORIZON_H if ns.horizon_h is None else ns.horizon_h
     try:
-        model, report = train_predictor(
-            configs, horizon_h=horizon_h, predictor=FailurePredictor(max_iter=ns.max_iter)
-        )
+        model, report = train_predictor(configs, horizon_h=horizon_h, predictor=FailurePredictor(max_iter=ns.max_iter))
     except ValueError as exc:  # e.g. no fault at all in the training fleets
         raise PolicyUsageError(f"{exc}; train on more --seeds or a larger --nodes / --days") from None
     try:
@@ -389,8 +536,10 @@ def _evaluate(ns: argparse.Namespace) -> int:
 
     if not ns.multiplier > 0:
         raise PolicyUsageError(f"--multiplier {ns.multiplier:g}: must be > 0, e.g. 1.0")
+    if not 0.0 < ns.train_fraction < 1.0:
+        raise PolicyUsageError(f"--train-fraction {ns.train_fraction:g}: must lie strictly between 0 and 1, e.g. 0.5")
     (config,) = _fleet_configs(ns, [ns.seed])
-    costs = _costs(ns)
+    costs = _costs(ns, ns.nodes)
     model = _load_model(ns.model)
     try:
         model_horizon(model, ns.horizon_h)
@@ -400,10 +549,13 @@ def _evaluate(ns: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             # A test period without faults makes sklearn warn per metric; the note below says it once.
             warnings.filterwarnings("ignore", message="No positive class found", category=UserWarning)
-            result = evaluate_fleet(model, config, costs, multiplier=ns.multiplier, horizon_h=ns.horizon_h)
+            result = evaluate_fleet(
+                model, config, costs, multiplier=ns.multiplier, horizon_h=ns.horizon_h, train_fraction=ns.train_fraction
+            )
     except ValueError as exc:  # too few rows or faults to split, or a model fitted on other features
         raise PolicyUsageError(f"{exc}; evaluate on a larger --nodes / --days or retrain the model") from None
     pred = result.prediction
+    print(_priced_job(costs, ns.nodes, ns))
     print(f"prediction on fleet {result.seed} ({result.faults} faults; {pred.n_train} train / {pred.n_test} test rows)")
     print(f"{'scorer':<10} {'pr_auc':>7} {'prec@recall':>12} {'brier':>8} {'mean_lead_h':>12} {'alarmed/faults':>14}")
     for name, score in (("predictor", pred.predictor), ("rule", pred.rule), ("logistic", pred.logistic)):
@@ -412,8 +564,13 @@ def _evaluate(ns: argparse.Namespace) -> int:
     if pred.predictor.test_faults == 0:
         print("note: the test period holds no fault, so these metrics mean little; use a larger --nodes / --days")
     print()
-    print(format_table(result.rows))
     v = result.verdict
+    print(
+        f"judged on hours {result.split_h:.0f}-{result.split_h + result.rows[0].result.wall_h:.0f}; the reference "
+        f"static was chosen on {v.chosen_on} ('*': Pareto frontier of the judged hours)"
+    )
+    print(format_table(result.rows))
+    print(f"verdict: {v.summary}")
     print(
         f"{v.learned}: {v.learned_usd_per_useful_h:.2f} USD/useful h at ETTR {v.learned_ettr:.5f} "
         f"vs best static {v.best_static} {v.best_static_usd_per_useful_h:.2f} at ETTR {v.best_static_ettr:.5f}: "

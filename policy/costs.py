@@ -24,13 +24,28 @@ DEFAULT_JOB_NODES = 64
 STOPPED_STORAGE_USD_PER_H = 0.5
 # A hot standby mirrors the training state every step: full price plus an assumed 1 USD/h for the extra traffic.
 HOT_EXTRA_USD_PER_H = 1.0
-# Takeover downtime per covered failure: stopped = instance start + warm-up (minutes), warm = join a new
-# generation and fetch state (seconds), hot = state already mirrored (sub-second, rounded up to 1 s).
-STOPPED_TAKEOVER_S = 180.0
+# Takeover downtime per covered failure: warm = join a new generation and fetch state (seconds), hot = state
+# already mirrored (sub-second, rounded up to 1 s). Stopped = StartInstances on a parked instance (EC2 promises no
+# bound; minutes for a large GPU instance), GPU driver and fabric-manager start, container start, state fetch: an
+# assumed 10 minutes (the 3 minutes assumed before issue 13 were optimistic).
+STOPPED_TAKEOVER_S = 600.0
 WARM_TAKEOVER_S = 5.0
 HOT_TAKEOVER_S = 1.0
-# Uncovered failure: checkpoint-restart, i.e. relaunch + reload + work lost since the last checkpoint.
+# A stopped instance holds no capacity: starting it can fail with InsufficientInstanceCapacity (EC2 API,
+# StateReason "Server.InsufficientInstanceCapacity"), common for scarce GPU types. No public rate exists for P5:
+# an assumed 10%; measure your own start-failure rate and pass it. The failure then costs an uncovered failure.
+STOPPED_WAKE_FAILURE_PROB = 0.1
+# Or reserve the capacity: an EC2 On-Demand Capacity Reservation is billed at the on-demand rate whether an
+# instance runs in it or not (AWS, "Capacity Reservation pricing and billing"), so a reserved stopped standby
+# costs a whole node plus its volumes and never fails to wake.
+StoppedCapacity = Literal["unreserved", "reserved"]
+DEFAULT_STOPPED_CAPACITY: StoppedCapacity = "unreserved"
+# Uncovered failure: checkpoint-restart, i.e. relaunch + reload + work lost since the last checkpoint, an
+# assumption for a large job (the recovery bench measures 34 s for a 629 MB model on 2 CPU workers, without a
+# lost node to replace) ...
 RESTART_DOWNTIME_S = 900.0
+# ... after a replacement host is there: the job cannot relaunch on a node it lost. The wait is the replenishment
+# lead time L (`StandbyCosts.replacement_h`, None = L) unless the cost owner says otherwise.
 # Replenishment lead time L: how long it takes to obtain a fresh node after one is consumed.
 LEAD_TIME_H = 0.5
 HYSTERESIS = 0.2
@@ -51,14 +66,33 @@ class TierCosts(BaseModel):
         ge=0.0,
         le=86_400.0,
     )
+    wake_failure_prob: float = Field(
+        default=0.0,
+        description="Probability that taking over fails (a stopped instance that cannot start for lack of "
+        "capacity); the failure then also costs an uncovered failure's downtime.",
+        ge=0.0,
+        le=1.0,
+    )
 
 
-def default_tiers() -> dict[TierName, TierCosts]:
-    """The three tiers of DESIGN.md priced with the defaults above."""
+def default_tiers(
+    node_price_usd_per_h: float = NODE_PRICE_USD_PER_H, stopped_capacity: StoppedCapacity = DEFAULT_STOPPED_CAPACITY
+) -> dict[TierName, TierCosts]:
+    """The three tiers of DESIGN.md priced with the defaults above, for a node of `node_price_usd_per_h`.
+
+    `stopped_capacity` is the cost owner's choice for the stopped tier: "unreserved" (pay only for the volumes,
+    and risk `STOPPED_WAKE_FAILURE_PROB` that it cannot start) or "reserved" (a capacity reservation at the node
+    price, and it always starts).
+    """
+    reserved = stopped_capacity == "reserved"
     return {
-        "stopped": TierCosts(price_usd_per_h=STOPPED_STORAGE_USD_PER_H, takeover_s=STOPPED_TAKEOVER_S),
-        "warm": TierCosts(price_usd_per_h=NODE_PRICE_USD_PER_H, takeover_s=WARM_TAKEOVER_S),
-        "hot": TierCosts(price_usd_per_h=NODE_PRICE_USD_PER_H + HOT_EXTRA_USD_PER_H, takeover_s=HOT_TAKEOVER_S),
+        "stopped": TierCosts(
+            price_usd_per_h=STOPPED_STORAGE_USD_PER_H + (node_price_usd_per_h if reserved else 0.0),
+            takeover_s=STOPPED_TAKEOVER_S,
+            wake_failure_prob=0.0 if reserved else STOPPED_WAKE_FAILURE_PROB,
+        ),
+        "warm": TierCosts(price_usd_per_h=node_price_usd_per_h, takeover_s=WARM_TAKEOVER_S),
+        "hot": TierCosts(price_usd_per_h=node_price_usd_per_h + HOT_EXTRA_USD_PER_H, takeover_s=HOT_TAKEOVER_S),
     }
 
 
@@ -71,13 +105,21 @@ class StandbyCosts(BaseModel):
         default=DEFAULT_JOB_NODES * NODE_PRICE_USD_PER_H,
         description="Price of the whole job per hour; every second of downtime wastes all of it, USD per hour.",
         gt=0.0,
-        le=10_000_000.0,
+        le=1_000_000_000.0,  # a million nodes at 1,000 USD/h
     )
     restart_downtime_s: float = Field(
         default=RESTART_DOWNTIME_S,
-        description="Downtime of a failure that no standby covers (checkpoint-restart plus lost work), seconds.",
+        description="Downtime of a failure that no standby covers (checkpoint-restart plus lost work), seconds, "
+        "once a replacement host is there (see replacement_h).",
         ge=0.0,
         le=604_800.0,
+    )
+    replacement_h: float | None = Field(
+        default=None,
+        description="Hours an uncovered failure waits for a replacement host before the restart can begin; none "
+        "means the lead time L. 0 for a job that can restart on fewer nodes.",
+        ge=0.0,
+        le=168.0,
     )
     lead_time_h: float = Field(
         default=LEAD_TIME_H,
@@ -114,17 +156,30 @@ class StandbyCosts(BaseModel):
     @model_validator(mode="after")
     def _tiers_save_time(self) -> StandbyCosts:
         for name, tier in self.tiers.items():
-            if tier.takeover_s >= self.restart_downtime_s:
+            if self.expected_takeover_s(name) >= self.uncovered_downtime_s:
                 raise ValueError(
-                    f"tier {name!r}: takeover_s={tier.takeover_s} is not below restart_downtime_s="
-                    f"{self.restart_downtime_s}, so such a standby would never save time; lower its takeover_s "
-                    "or leave the tier out"
+                    f"tier {name!r}: takeover_s={tier.takeover_s} with wake_failure_prob={tier.wake_failure_prob} "
+                    f"is not below an uncovered failure's {self.uncovered_downtime_s:g} s (restart_downtime_s + "
+                    "replacement_h), so such a standby would never save time; lower its takeover_s or leave the "
+                    "tier out"
                 )
         return self
 
+    @property
+    def uncovered_downtime_s(self) -> float:
+        """Downtime of a failure no standby covers: wait for a replacement host, then checkpoint-restart."""
+        replacement_h = self.lead_time_h if self.replacement_h is None else self.replacement_h
+        return self.restart_downtime_s + replacement_h * 3600.0
+
+    def expected_takeover_s(self, tier: TierName) -> float:
+        """Expected downtime of a failure a standby of `tier` takes: its takeover, plus an uncovered failure's
+        downtime in the cases where it fails to wake."""
+        t = self.tiers[tier]
+        return t.takeover_s + t.wake_failure_prob * self.uncovered_downtime_s
+
     def avoided_usd(self, tier: TierName) -> float:
-        """C_avoid: the downtime cost, in USD, that one standby of `tier` avoids per covered failure."""
-        saved_h = (self.restart_downtime_s - self.tiers[tier].takeover_s) / 3600.0
+        """C_avoid: the downtime cost, in USD, that one standby of `tier` avoids per covered failure (expected)."""
+        saved_h = (self.uncovered_downtime_s - self.expected_takeover_s(tier)) / 3600.0
         return saved_h * self.job_price_usd_per_h
 
     def threshold(self, tier: TierName) -> float:

@@ -54,6 +54,36 @@ def poisson_binomial_tail(p: npt.ArrayLike) -> npt.NDArray[np.float64]:
     return np.clip(tail, 0.0, 1.0)
 
 
+def binomial_tail(n: int, p: float, floor: float = 1e-15) -> npt.NDArray[np.float64]:
+    """Return t with t[k] = P(at least k of n independent events of probability p happen), k = 0..K.
+
+    The same as `poisson_binomial_tail(np.full(n, p))` but in O(K) time and memory rather than O(n^2), so a fleet
+    of a million nodes costs nothing: K stops where the tail falls below `floor` (entries beyond K are below it).
+    The pmf is built in log space from the ratio pmf(k+1)/pmf(k) = (n-k)/(k+1) x p/(1-p), so it cannot underflow
+    for a large n x p.
+    """
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    if not (math.isfinite(p) and 0.0 <= p <= 1.0):
+        raise ValueError(f"p={p} must lie in [0, 1]")
+    if n == 0 or p == 0.0:
+        return np.ones(1)
+    if p == 1.0:
+        return np.ones(n + 1)
+    mean, sd = n * p, math.sqrt(n * p * (1.0 - p))
+    k_hi = int(min(n, math.ceil(mean + 40.0 * sd + 60.0)))
+    k = np.arange(k_hi, dtype=np.float64)
+    log_pmf = np.empty(k_hi + 1)
+    log_pmf[0] = n * math.log1p(-p)
+    log_pmf[1:] = log_pmf[0] + np.cumsum(np.log((n - k) / (k + 1.0)) + math.log(p / (1.0 - p)))
+    pmf = np.exp(log_pmf - log_pmf.max())
+    pmf /= pmf.sum()  # the mass beyond k_hi (40 sd above the mean) is far below double precision
+    tail = np.cumsum(pmf[::-1])[::-1]
+    tail[0] = 1.0
+    keep = int(np.searchsorted(-tail, -floor, side="right"))  # tail is non-increasing
+    return np.clip(tail[: max(keep, 1)], 0.0, 1.0)
+
+
 class NodeHazards(BaseModel):
     """Per-node probability of failing within the lead time L, as the failure predictor reports it."""
 
@@ -189,7 +219,7 @@ def decide_from_tail(
 
 
 def _speed_order(costs: StandbyCosts) -> list[TierName]:
-    return sorted(costs.tiers, key=lambda t: (costs.tiers[t].takeover_s, costs.tiers[t].price_usd_per_h))
+    return sorted(costs.tiers, key=lambda t: (costs.expected_takeover_s(t), costs.tiers[t].price_usd_per_h))
 
 
 def _q(tail: npt.NDArray[np.float64], k: int) -> float:

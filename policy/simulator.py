@@ -15,9 +15,11 @@ Model, in the order the simulator applies it:
   replacement takes. So no policy can conjure a standby the instant before a failure: foresight must reach at
   least L ahead to pay off, which is what makes a predictor's lead time worth something.
 - When a target falls, pending orders are cancelled first (latest first), then available standbys released.
-- A job failure takes the fastest available standby ("covered": downtime = that tier's `takeover_s`); with none
-  available it is "uncovered" (downtime = `restart_downtime_s`). The consumed standby is reordered at once
-  while the target still asks for it.
+- A job failure takes the fastest available standby ("covered": downtime = that tier's expected takeover,
+  `StandbyCosts.expected_takeover_s`: its `takeover_s` plus, with its `wake_failure_prob`, an uncovered failure's
+  downtime); with none available it is "uncovered" (downtime = `StandbyCosts.uncovered_downtime_s`: waiting for a
+  replacement host, then the restart). The consumed standby is reordered at once while the target still asks
+  for it. Expected downtimes keep the replay deterministic.
 - Standby hours accrue for available and ordered standbys (the cloud bills a launching instance too).
 - Downtimes add up (a failure during another failure's downtime adds its own); productive time is the wall time
   minus the total downtime, floored at zero.
@@ -35,15 +37,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from policy.costs import TIER_NAMES, StandbyCosts, TierName
-from policy.decision import FleetState, decide_from_tail, poisson_binomial_tail, poisson_binomial_tails
+from policy.decision import FleetState, binomial_tail, decide_from_tail, poisson_binomial_tails
 from policy.traces import FaultTrace
 
 _SECONDS_PER_HOUR = 3600.0
@@ -83,6 +85,20 @@ class JobView:
         return self.trace.duration_h
 
 
+def fleet_node_ids(trace: FaultTrace) -> tuple[str, ...]:
+    """Every node of the fleet: the trace's affected nodes, then `never-failed-<i>` for the others. Pass it as
+    `node_ids` to place the same job on two parts of one trace (`split_trace`), whose affected nodes differ."""
+    affected = sorted(trace.affected_nodes())
+    return (*affected, *(f"never-failed-{i}" for i in range(trace.n_nodes - len(affected))))
+
+
+def shifted(policy: StandbyPolicy, offset_h: float) -> StandbyPolicy:
+    """`policy` for a job that starts `offset_h` hours into the hazards' clock (only `HazardPolicy` has one)."""
+    if isinstance(policy, HazardPolicy):
+        return replace(policy, offset_h=policy.offset_h + offset_h)
+    return policy
+
+
 def job_view(
     trace: FaultTrace,
     costs: StandbyCosts,
@@ -106,8 +122,7 @@ def job_view(
         if missing:
             raise ValueError(f"node_ids lacks nodes that appear in the trace, e.g. {sorted(missing)[:3]}")
     else:
-        affected = sorted(trace.affected_nodes())
-        fleet = affected + [f"never-failed-{i}" for i in range(trace.n_nodes - len(affected))]
+        fleet = list(fleet_node_ids(trace))
     if n == trace.n_nodes:
         chosen = tuple(fleet)
     else:
@@ -170,7 +185,7 @@ def _check_tier(tier: TierName, costs: StandbyCosts) -> None:
 
 @dataclass(frozen=True, slots=True)
 class NoStandby:
-    """Checkpoint-restart only: every failure costs `restart_downtime_s` of whole-job downtime."""
+    """Checkpoint-restart only: every failure costs `uncovered_downtime_s` of whole-job downtime."""
 
     name: str = "no-standby"
 
@@ -199,6 +214,65 @@ class StaticFraction:
         return constant_schedule({self.tier: math.ceil(self.fraction * job.job_nodes - 1e-9)})
 
 
+@dataclass(frozen=True, slots=True)
+class StaticPool:
+    """Always hold a fixed pool that may mix tiers, e.g. one hot standby plus two stopped ones.
+
+    Failures take the fastest available standby first, so a pool like "1 hot + 2 stopped" covers the first
+    failure in about a second and a burst of up to three within the lead time in minutes, for little more than
+    the price of one standby.
+    """
+
+    hot: int = 0
+    warm: int = 0
+    stopped: int = 0
+    label: str | None = None
+    """A name for tables (e.g. the rule this pool was frozen from); default `static-h{hot}-w{warm}-s{stopped}`."""
+
+    def __post_init__(self) -> None:
+        if min(self.hot, self.warm, self.stopped) < 0:
+            raise ValueError(
+                f"a pool holds >= 0 standbys per tier, got hot={self.hot} warm={self.warm} stopped={self.stopped}"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.label or f"static-h{self.hot}-w{self.warm}-s{self.stopped}"
+
+    def counts(self) -> dict[TierName, int]:
+        return {"hot": self.hot, "warm": self.warm, "stopped": self.stopped}
+
+    def schedule(self, job: JobView) -> StandbySchedule:
+        for tier, n in self.counts().items():
+            if n:
+                _check_tier(tier, job.costs)
+        return constant_schedule(self.counts())
+
+
+POOL_HOT: tuple[int, ...] = (0, 1, 2)
+POOL_WARM: tuple[int, ...] = (0, 1, 2)
+POOL_STOPPED: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+"""The grid of mixed-tier pools that `static_pools` offers: few fast standbys for the first failures of a burst,
+more cheap stopped ones behind them (a burst of failures within one lead time is what a pool must absorb)."""
+
+
+def static_pools(
+    tiers: Iterable[TierName] = TIER_NAMES,
+    hot: Sequence[int] = POOL_HOT,
+    warm: Sequence[int] = POOL_WARM,
+    stopped: Sequence[int] = POOL_STOPPED,
+) -> list[StaticPool]:
+    """Every pool of the grid (hot x warm x stopped) that uses only `tiers` and holds at least one standby."""
+    offered = set(tiers)
+    return [
+        StaticPool(hot=h, warm=w, stopped=s)
+        for h in (hot if "hot" in offered else (0,))
+        for w in (warm if "warm" in offered else (0,))
+        for s in (stopped if "stopped" in offered else (0,))
+        if h + w + s > 0
+    ]
+
+
 def static_5pct(tier: TierName = "warm") -> StaticFraction:
     return StaticFraction(0.05, tier)
 
@@ -224,9 +298,30 @@ class BinomialP99:
         node_h = trace.n_nodes * trace.duration_h
         rate_per_node_h = len(trace.records) / node_h if node_h > 0 else 0.0
         p = -math.expm1(-rate_per_node_h * job.costs.lead_time_h)
-        tail = poisson_binomial_tail(np.full(job.job_nodes, p))  # tail[k] = P(failures >= k)
+        tail = binomial_tail(job.job_nodes, p)  # tail[k] = P(failures >= k); O(k), not O(nodes^2)
         k = next(k for k in range(tail.size) if k + 1 >= tail.size or tail[k + 1] < 1.0 - self.quantile)
         return constant_schedule({self.tier: k})
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantHazard:
+    """The standby decision for a fleet whose every node fails within L with the same probability `p_fail`.
+
+    The decision then never changes, so it is taken once, from the binomial tail (`binomial_tail`, O(standbys)
+    rather than O(nodes^2)), and held: the same schedule `HazardPolicy` would produce with a constant hazard,
+    for a fleet of any size.
+    """
+
+    p_fail: float
+    name: str = "constant-hazard"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.p_fail) and 0.0 <= self.p_fail <= 1.0):
+            raise ValueError(f"p_fail={self.p_fail} must lie in [0, 1]")
+
+    def schedule(self, job: JobView) -> StandbySchedule:
+        plan = decide_from_tail(binomial_tail(job.job_nodes, self.p_fail), job.costs, FleetState(), now_s=0.0)
+        return constant_schedule({t: plan.count(t) for t in TIER_NAMES})
 
 
 def best_tier(costs: StandbyCosts) -> TierName | None:
@@ -257,7 +352,8 @@ class Oracle:
         held_h = np.minimum(f, costs.lead_time_h)
         # options[:, 0] is "uncovered"; column 1 + i is tiers[i].
         standby_usd = np.column_stack([np.zeros(f.size)] + [held_h * costs.tiers[t].price_usd_per_h for t in tiers])
-        down_h = np.array([costs.restart_downtime_s] + [costs.tiers[t].takeover_s for t in tiers]) / _SECONDS_PER_HOUR
+        down_s = [costs.uncovered_downtime_s] + [costs.expected_takeover_s(t) for t in tiers]
+        down_h = np.array(down_s) / _SECONDS_PER_HOUR
         duration = job.duration_h
         lam = 0.0
         pick = np.zeros(f.size, dtype=np.int64)
@@ -281,20 +377,27 @@ class Oracle:
         lead = job.costs.lead_time_h
         # Each covered failure contributes +1 to its tier's target from its order time until its own instant
         # (the target falls after the failure, see the event order), so the order arrives exactly in time.
-        changes: list[tuple[float, int, int]] = []  # (time, tier index, +1/-1)
+        # A failure earlier than L is covered by a standby provisioned with the job, in the first row; one at
+        # hour 0 needs its standby in that row too, so its fall goes into a second row at hour 0, which applies
+        # after the failure (failures come before schedule changes at equal times).
+        first = [0] * len(TIER_NAMES)
+        changes: list[tuple[float, int, int]] = []  # (time, tier index, +1/-1) after hour 0's provisioning
         for t_h, tier in zip(f.tolist(), chosen, strict=True):
             if tier is None:
                 continue
             k = TIER_NAMES.index(tier)
-            changes.append((max(0.0, t_h - lead - _ORDER_SLACK_H) if t_h >= lead else 0.0, k, +1))
+            if t_h >= lead:
+                changes.append((max(0.0, t_h - lead - _ORDER_SLACK_H), k, +1))
+            else:
+                first[k] += 1
             changes.append((t_h, k, -1))
         if not changes:
             return constant_schedule({})
         changes.sort()
         times = [0.0]
-        rows = [[0] * len(TIER_NAMES)]
+        rows = [first]
         for t_h, k, d in changes:
-            if t_h > times[-1]:
+            if t_h > times[-1] or len(times) == 1:
                 times.append(t_h)
                 rows.append(list(rows[-1]))
             rows[-1][k] += d
@@ -315,6 +418,9 @@ class HazardPolicy:
     hazard_fn: HazardFn
     every_h: float = 1.0
     name: str = "hazard"
+    offset_h: float = 0.0
+    """Hour of the hazards' clock at the job's hour 0: a job on the later part of a trace (`split_trace`) asks
+    `hazard_fn` for hour t + offset_h."""
 
     def __post_init__(self) -> None:
         if not self.every_h > 0:
@@ -329,7 +435,12 @@ class HazardPolicy:
         batch = 512
         for b0 in range(0, times.size, batch):
             chunk = times[b0 : b0 + batch]
-            p = np.stack([np.asarray(self.hazard_fn(float(t_h), job.node_ids), dtype=np.float64) for t_h in chunk])
+            p = np.stack(
+                [
+                    np.asarray(self.hazard_fn(float(t_h) + self.offset_h, job.node_ids), dtype=np.float64)
+                    for t_h in chunk
+                ]
+            )
             if p.shape != (chunk.size, job.job_nodes):
                 raise ValueError(f"{self.name}: hazard_fn must return one probability per job node ({job.job_nodes})")
             k_max = 32
@@ -390,11 +501,16 @@ def simulate(
     return _run(job, policy.name, policy.schedule(job))
 
 
+def run_schedule(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
+    """Replay `job` with the standby targets of `sched` (what `simulate` does once it has the job and schedule)."""
+    return _run(job, name, sched)
+
+
 def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
     costs, duration = job.costs, job.duration_h
     if not duration > 0:
         raise ValueError("the trace's duration_h is 0; a simulation needs a window of positive length")
-    offered = [TIER_NAMES.index(t) for t in sorted(costs.tiers, key=lambda t: costs.tiers[t].takeover_s)]
+    offered = [TIER_NAMES.index(t) for t in sorted(costs.tiers, key=costs.expected_takeover_s)]
     n_tiers = len(TIER_NAMES)
     lead = costs.lead_time_h
 
@@ -459,12 +575,12 @@ def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
             tier = next((k for k in offered if avail[k] > 0), None)
             if tier is None:
                 uncovered += 1
-                downtime_s += costs.restart_downtime_s
+                downtime_s += costs.uncovered_downtime_s
             else:
                 covered[tier] += 1
                 avail[tier] -= 1
                 reconcile(tier, t)
-                downtime_s += costs.tiers[TIER_NAMES[tier]].takeover_s
+                downtime_s += costs.expected_takeover_s(TIER_NAMES[tier])
     accrue(duration)
 
     downtime_h = downtime_s / _SECONDS_PER_HOUR
@@ -507,9 +623,12 @@ class ComparisonRow:
     result: SimulationResult
 
 
-def default_policies() -> list[StandbyPolicy]:
-    """The baselines a cost owner compares against: none, static 5% and 10% warm, binomial p99 warm, oracle."""
-    return [NoStandby(), static_5pct(), static_10pct(), BinomialP99(), Oracle()]
+def default_policies(tiers: Iterable[TierName] = TIER_NAMES) -> list[StandbyPolicy]:
+    """The baselines a cost owner compares against: none, static 5% and 10%, binomial p99 (warm, or the first of
+    stopped and hot offered), oracle. The mixed-tier pools are in `static_pools`."""
+    offered = list(tiers)
+    tier = next(t for t in ("warm", "stopped", "hot") if t in offered)
+    return [NoStandby(), static_5pct(tier), static_10pct(tier), BinomialP99(tier), Oracle()]
 
 
 def compare_policies(
@@ -543,17 +662,30 @@ def compare_policies(
     ]
 
 
+def frontier_names(rows: Sequence[ComparisonRow]) -> list[str]:
+    """The policies no other policy beats on both ETTR and cost (the oracle, a bound, left out), cheapest first."""
+    ordered = sorted((r for r in rows if r.name != "oracle"), key=lambda r: (r.cost_per_useful_hour, -r.ettr))
+    out: list[ComparisonRow] = []
+    for r in ordered:
+        if not out or r.ettr > out[-1].ettr:
+            out.append(r)
+    return [r.name for r in out]
+
+
 def format_table(rows: Sequence[ComparisonRow]) -> str:
-    """The comparison as a fixed-width text table, one policy a line."""
+    """The comparison as a fixed-width text table, one policy a line; '*' marks the Pareto frontier."""
+    front = set(frontier_names(rows))
+    width = max([22, *(len(r.name) + 1 for r in rows)])
     head = (
-        f"{'policy':<22} {'ettr':>8} {'usd/useful_h':>13} {'regret':>9} {'covered':>8} {'uncovered':>9} "
-        f"{'standby_usd':>12} {'downtime_usd':>13}"
+        f"{'policy':<{width}} {'front':>5} {'ettr':>8} {'usd/useful_h':>13} {'regret':>9} {'covered':>8} "
+        f"{'uncovered':>9} {'standby_usd':>12} {'downtime_usd':>13}"
     )
     lines = [head]
     for r in rows:
+        mark = "*" if r.name in front else ""
         lines.append(
-            f"{r.name:<22} {r.ettr:>8.5f} {r.cost_per_useful_hour:>13.2f} {r.regret_usd_per_useful_h:>9.2f} "
-            f"{r.covered_failures:>8d} {r.uncovered_failures:>9d} {r.standby_cost_usd:>12.0f} "
-            f"{r.downtime_cost_usd:>13.0f}"
+            f"{r.name:<{width}} {mark:>5} {r.ettr:>8.5f} {r.cost_per_useful_hour:>13.2f} "
+            f"{r.regret_usd_per_useful_h:>9.2f} {r.covered_failures:>8d} {r.uncovered_failures:>9d} "
+            f"{r.standby_cost_usd:>12.0f} {r.downtime_cost_usd:>13.0f}"
         )
     return "\n".join(lines)

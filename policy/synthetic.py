@@ -4,7 +4,9 @@ This module owns *making up a fleet that behaves like the real one*: `SyntheticF
 calibration (defaults fitted to `trace_statistics(load_infinitehbd())`), and `generate_fleet` draws
 
 - a `FaultTrace` of bursty, repeat-offender faults (per node, Weibull up times with shape below 1 alternating
-  with repairs, and a gamma-distributed per-node rate multiplier), scaled to a target rate, with repair times
+  with repairs, and a gamma-distributed per-node rate multiplier), optionally with common-cause bursts across
+  the nodes of a failure domain (`burst_share`, off by default; `BURSTS_LIKE_INFINITEHBD` matches the real
+  trace's burst curve), scaled to a target rate, with repair times
   from a mixture of quick fixes and a slow lognormal, and
   causes drawn from the trace's Level/Class mix;
 - spot preemptions, each with the provider's notice (AWS 120 s, Azure 30 s);
@@ -155,6 +157,29 @@ class SyntheticFleetConfig(BaseModel):
     telemetry_interval_s: float = Field(
         default=300.0, ge=10, le=86_400, description="Seconds between a node's telemetry samples."
     )
+    burst_share: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "Share of faults that come in common-cause bursts (a rack, switch or power feed takes several nodes of "
+            "one failure domain at once); the rest stay per-node renewals. 0 keeps nodes independent (the default, "
+            "so existing fleets are unchanged); 0.3 matches InfiniteHBD's burst curve (see BURSTS_LIKE_INFINITEHBD)."
+        ),
+    )
+    burst_size_exponent: float = Field(
+        default=3.3,
+        gt=1,
+        le=10,
+        description="Nodes a burst takes: P(m) proportional to m^-exponent for m >= 2, up to the domain size "
+        "(3.3 gives InfiniteHBD's cluster sizes within 0.5 h: 68% pairs, 18% triples, then a heavy tail).",
+    )
+    domain_size: int = Field(
+        default=16, ge=2, le=1024, description="Nodes per failure domain (consecutive node ids); caps a burst."
+    )
+    burst_spread_h: float = Field(
+        default=0.25, ge=0, le=24, description="The faults of one burst start within this many hours of each other."
+    )
     seed: int = Field(default=0, ge=0, description="Seed of every random draw; equal configs give equal fleets.")
 
     @model_validator(mode="after")
@@ -295,7 +320,8 @@ def _faults(cfg: SyntheticFleetConfig, rng: np.random.Generator) -> tuple[np.nda
     under repair cannot fault again, as in the trace (2 of its 584 faults start on a node that is still down).
     """
     k = cfg.weibull_shape
-    rate_per_h = cfg.faults_per_1000_node_days / 1000 / _HOURS_PER_DAY
+    # Bursts carry `burst_share` of the rate; the per-node renewals the rest.
+    rate_per_h = cfg.faults_per_1000_node_days / 1000 / _HOURS_PER_DAY * (1 - cfg.burst_share)
     frailty = np.maximum(rng.gamma(cfg.frailty_shape, 1 / cfg.frailty_shape, cfg.n_nodes), 1e-12)
     # A node's mean cycle (up time + repair) is 1 / (rate * frailty), so the fleet's mean rate is the target.
     # The most frail nodes would need a negative up time; they keep at least a tenth of their cycle up.
@@ -315,7 +341,73 @@ def _faults(cfg: SyntheticFleetConfig, rng: np.random.Generator) -> tuple[np.nda
         starts_out.append(t)
         ends_out.append(end)
         t = end + scale[active] * rng.weibull(k, active.size)
-    return np.concatenate(nodes_out), np.concatenate(starts_out), np.concatenate(ends_out)
+    nodes, starts, ends = np.concatenate(nodes_out), np.concatenate(starts_out), np.concatenate(ends_out)
+    if cfg.burst_share > 0:  # drawn only then, so fleets without bursts are bit for bit what they were
+        b_nodes, b_starts, b_ends = _burst_faults(cfg, rng)
+        nodes, starts, ends = _drop_faults_while_down(
+            np.concatenate([nodes, b_nodes]), np.concatenate([starts, b_starts]), np.concatenate([ends, b_ends])
+        )
+    return nodes, starts, ends
+
+
+BURSTS_LIKE_INFINITEHBD: dict[str, float] = {"burst_share": 0.3, "burst_size_exponent": 3.3, "burst_spread_h": 0.25}
+"""Config overrides whose bursts match the InfiniteHBD trace: 33% of its faults fall in clusters of two or more
+within 0.5 h (some by chance), and P(>= 4 failures within 0.5 h) is about 8,000x the independent value."""
+
+
+def _burst_sizes(cfg: SyntheticFleetConfig, rng: np.random.Generator, n: int) -> np.ndarray:
+    sizes = np.arange(2, min(cfg.domain_size, cfg.n_nodes) + 1)
+    if sizes.size == 0:
+        return np.zeros(n, dtype=np.int64)
+    weights = sizes.astype(np.float64) ** -cfg.burst_size_exponent
+    return rng.choice(sizes, size=n, p=weights / weights.sum())
+
+
+def _burst_faults(cfg: SyntheticFleetConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Common-cause bursts: Poisson events, each taking m nodes of one failure domain within `burst_spread_h`."""
+    sizes_all = np.arange(2, min(cfg.domain_size, cfg.n_nodes) + 1)
+    if sizes_all.size == 0:  # a one-node fleet has no domain to share
+        empty = np.empty(0)
+        return empty.astype(np.int64), empty, empty
+    w = sizes_all.astype(np.float64) ** -cfg.burst_size_exponent
+    mean_size = float(np.dot(sizes_all, w) / w.sum())
+    rate_per_h = cfg.faults_per_1000_node_days / 1000 / _HOURS_PER_DAY * cfg.n_nodes * cfg.burst_share / mean_size
+    n_events = rng.poisson(rate_per_h * cfg.duration_h)
+    at = rng.uniform(0, cfg.duration_h, n_events)
+    sizes = _burst_sizes(cfg, rng, n_events)
+    n_domains = math.ceil(cfg.n_nodes / cfg.domain_size)
+    domain = rng.integers(0, n_domains, n_events)
+    nodes_out, starts_out = [], []
+    for t0, m, d in zip(at.tolist(), sizes.tolist(), domain.tolist(), strict=True):
+        members = np.arange(d * cfg.domain_size, min((d + 1) * cfg.domain_size, cfg.n_nodes))
+        hit = rng.choice(members, size=min(m, members.size), replace=False)
+        nodes_out.append(hit)
+        starts_out.append(t0 + rng.uniform(0, cfg.burst_spread_h, hit.size))
+    if not nodes_out:
+        empty = np.empty(0)
+        return empty.astype(np.int64), empty, empty
+    nodes, starts = np.concatenate(nodes_out), np.concatenate(starts_out)
+    keep = starts < cfg.duration_h
+    nodes, starts = nodes[keep], starts[keep]
+    return nodes, starts, starts + cfg.draw_repairs_h(rng, starts.size)
+
+
+def _drop_faults_while_down(
+    nodes: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drop every fault that starts while its node is still down from an earlier one (as in the trace)."""
+    order = np.lexsort((starts, nodes))
+    nodes, starts, ends = nodes[order], starts[order], ends[order]
+    keep = np.ones(nodes.size, dtype=bool)
+    down_until = -math.inf
+    for i in range(nodes.size):
+        if i and nodes[i] != nodes[i - 1]:
+            down_until = -math.inf
+        if starts[i] < down_until:
+            keep[i] = False
+            continue
+        down_until = ends[i]
+    return nodes[keep], starts[keep], ends[keep]
 
 
 def generate_fleet(config: SyntheticFleetConfig) -> SyntheticFleet:

@@ -1,12 +1,14 @@
 """Policy tuning: sweep the standby policy's knobs on a trace and find the ETTR-versus-cost frontier.
 
 This module owns the *which setting* question a cost owner asks after `compare_policies`: how much ETTR each
-extra dollar buys. `sweep` replays one trace under a grid of settings, two families of them:
+extra dollar buys. `sweep` replays one trace under a grid of settings, three families of them:
 
-- `hazard x m`: `HazardPolicy` fed the fleet-mean failure probability within the lead time (the rate
-  `BinomialP99` uses) scaled by `m`. That acts roughly like dividing every tier's decision threshold by `m`
-  (not exactly: the decision compares tail probabilities of the failure count), so large `m` holds more standbys.
+- `hazard x m`: the standby decision fed the fleet-mean failure probability within the lead time (the rate
+  `BinomialP99` uses) scaled by `m` (`ConstantHazard`). That acts roughly like dividing every tier's decision
+  threshold by `m` (not exactly: the decision compares tail probabilities of the failure count), so large `m`
+  holds more standbys; the decision mixes tiers itself (hot for the likeliest failures, then warm, then stopped).
 - `static f`: `StaticFraction(f)` of the tier that saves most per covered failure (`best_tier`), the rule of thumb.
+- `pool`: fixed mixed-tier pools of k_hot, k_warm and k_stopped standbys (`static_pools`), e.g. 1 hot + 2 stopped.
 
 `pareto_frontier` keeps the settings no other setting beats on both ETTR and cost; `recommend` picks the cheapest
 setting that meets an ETTR floor. matplotlib is imported inside `plot_frontier` only, so importing `policy` stays
@@ -21,20 +23,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
-from policy.costs import StandbyCosts, TierName
-from policy.simulator import HazardPolicy, StandbyPolicy, StaticFraction, best_tier, simulate
+from policy.costs import TIER_NAMES, StandbyCosts, TierName
+from policy.simulator import (
+    ConstantHazard,
+    StandbyPolicy,
+    StaticFraction,
+    StaticPool,
+    best_tier,
+    job_view,
+    run_schedule,
+    static_pools,
+)
 from policy.traces import FaultTrace
 
 DEFAULT_HAZARD_MULTIPLIERS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
 """Hazard scalings swept by default: from a quarter to 64 times the fleet-mean failure probability."""
 DEFAULT_STATIC_FRACTIONS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.10)
 """Static standby fractions of the job's nodes swept by default."""
-DEFAULT_EVERY_H = 24.0
-"""How often the hazard policy re-decides in a sweep; a constant hazard needs no finer grid."""
 
-SettingKind = Literal["hazard", "static"]
+SettingKind = Literal["hazard", "static", "pool"]
 
 
 class NoSettingMeetsFloor(ValueError):
@@ -49,7 +56,8 @@ class FrontierPoint:
     """Human-readable name, e.g. "hazard x4" or "static 5% warm"."""
     kind: SettingKind
     knob: float
-    """The hazard multiplier (kind "hazard") or the standby fraction of the job's nodes (kind "static")."""
+    """The hazard multiplier (kind "hazard"), the standby fraction of the job's nodes (kind "static"), or the
+    number of standbys (kind "pool")."""
     ettr: float
     cost_per_useful_hour: float
     """(standby + downtime cost) / productive hours, USD per hour."""
@@ -57,6 +65,8 @@ class FrontierPoint:
     downtime_usd: float
     covered_failures: int
     uncovered_failures: int
+    pool: tuple[int, int, int] = (0, 0, 0)
+    """Standbys held at hour 0 as (hot, warm, stopped); constant over the run for every swept setting."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,13 +79,8 @@ def fleet_mean_p_fail(trace: FaultTrace, lead_time_h: float) -> float:
     return -math.expm1(-rate_per_node_h * lead_time_h)
 
 
-def _hazard_policy(p_fail: float, multiplier: float, every_h: float) -> HazardPolicy:
-    p = min(1.0, p_fail * multiplier)
-
-    def hazard_fn(_t_h: float, node_ids: tuple[str, ...]) -> np.ndarray:
-        return np.full(len(node_ids), p)
-
-    return HazardPolicy(hazard_fn, every_h=every_h, name=f"hazard x{multiplier:g}")
+def _hazard_policy(p_fail: float, multiplier: float) -> ConstantHazard:
+    return ConstantHazard(min(1.0, p_fail * multiplier), name=f"hazard x{multiplier:g}")
 
 
 def sweep(
@@ -85,9 +90,11 @@ def sweep(
     static_fractions: Sequence[float] = DEFAULT_STATIC_FRACTIONS,
     job_nodes: int | None = None,
     seed: int = 0,
-    every_h: float = DEFAULT_EVERY_H,
+    pools: Sequence[StaticPool] | None = None,
 ) -> list[FrontierPoint]:
-    """Simulate every setting of the grid on the same job and return one point per setting, in grid order."""
+    """Simulate every setting of the grid on the same job and return one point per setting, in grid order:
+    hazard multipliers, static fractions, then the mixed-tier pools (`static_pools` of the offered tiers unless
+    `pools` says otherwise; pass `()` for none)."""
     for m in hazard_multipliers:
         if not m >= 0:
             raise ValueError(f"hazard multiplier {m} must be >= 0")
@@ -95,14 +102,18 @@ def sweep(
     # When no tier saves money, sweep the cheapest anyway so the table shows what holding one costs.
     cheapest: TierName = min(base_costs.tiers, key=lambda t: base_costs.tiers[t].price_usd_per_h)
     tier: TierName = best_tier(base_costs) or cheapest
-    runs: list[tuple[SettingKind, float, StandbyPolicy]] = [
-        ("hazard", float(m), _hazard_policy(p_fail, m, every_h)) for m in hazard_multipliers
+    runs: list[tuple[SettingKind, float, str, StandbyPolicy]] = [
+        ("hazard", float(m), f"hazard x{m:g}", _hazard_policy(p_fail, m)) for m in hazard_multipliers
     ]
-    runs += [("static", float(f), StaticFraction(float(f), tier)) for f in static_fractions]
+    runs += [("static", float(f), f"static {f:.0%} {tier}", StaticFraction(float(f), tier)) for f in static_fractions]
+    chosen_pools = static_pools(base_costs.tiers) if pools is None else pools
+    runs += [("pool", float(p.hot + p.warm + p.stopped), _pool_setting(p), p) for p in chosen_pools]
+    job = job_view(trace, base_costs, job_nodes, seed)  # once: naming a large fleet's nodes is the costly part
     points = []
-    for kind, knob, policy in runs:
-        name = policy.name if kind == "hazard" else f"static {knob:.0%} {tier}"
-        r = simulate(trace, base_costs, policy, job_nodes, seed)
+    for kind, knob, name, policy in runs:
+        sched = policy.schedule(job)
+        r = run_schedule(job, name, sched)
+        hot, warm, stopped = (int(sched.counts[0, TIER_NAMES.index(t)]) for t in ("hot", "warm", "stopped"))
         points.append(
             FrontierPoint(
                 setting=name,
@@ -114,9 +125,15 @@ def sweep(
                 downtime_usd=r.downtime_cost_usd,
                 covered_failures=r.covered_failures,
                 uncovered_failures=r.uncovered_failures,
+                pool=(hot, warm, stopped),
             )
         )
     return points
+
+
+def _pool_setting(pool: StaticPool) -> str:
+    parts = [f"{n} {t}" for t, n in (("hot", pool.hot), ("warm", pool.warm), ("stopped", pool.stopped)) if n]
+    return "pool " + " + ".join(parts)
 
 
 def pareto_frontier(points: Sequence[FrontierPoint]) -> list[FrontierPoint]:
@@ -149,13 +166,18 @@ def recommend(points: Sequence[FrontierPoint], min_ettr: float | None = None) ->
 def frontier_table(points: Sequence[FrontierPoint]) -> str:
     """The points as a fixed-width text table, frontier members marked with '*'."""
     on_frontier = {id(p) for p in pareto_frontier(points)}
-    head = f"{'setting':<20} {'frontier':>8} {'ettr':>8} {'usd/useful_h':>13} {'standby_usd':>12} {'downtime_usd':>13}"
+    width = max([20, *(len(p.setting) + 1 for p in points)])
+    head = (
+        f"{'setting':<{width}} {'frontier':>8} {'hot/warm/stopped':>16} {'ettr':>8} {'usd/useful_h':>13} "
+        f"{'standby_usd':>12} {'downtime_usd':>13}"
+    )
     lines = [head]
     for p in points:
         mark = "*" if id(p) in on_frontier else ""
+        pool = "/".join(str(n) for n in p.pool)
         lines.append(
-            f"{p.setting:<20} {mark:>8} {p.ettr:>8.5f} {p.cost_per_useful_hour:>13.2f} {p.standby_usd:>12.0f} "
-            f"{p.downtime_usd:>13.0f}"
+            f"{p.setting:<{width}} {mark:>8} {pool:>16} {p.ettr:>8.5f} {p.cost_per_useful_hour:>13.2f} "
+            f"{p.standby_usd:>12.0f} {p.downtime_usd:>13.0f}"
         )
     return "\n".join(lines)
 
@@ -169,7 +191,7 @@ def plot_frontier(points: Sequence[FrontierPoint], path: str | Path, recommended
 
     frontier = pareto_frontier(points)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, marker in (("hazard", "o"), ("static", "s")):
+    for kind, marker in (("hazard", "o"), ("static", "s"), ("pool", "^")):
         chosen = [p for p in points if p.kind == kind]
         ax.scatter([p.ettr for p in chosen], [p.cost_per_useful_hour for p in chosen], marker=marker, label=kind)
     ax.plot([p.ettr for p in frontier], [p.cost_per_useful_hour for p in frontier], "k--", label="Pareto frontier")

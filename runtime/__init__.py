@@ -13,8 +13,25 @@ The training-script API::
         ...
 """
 
-from runtime.data import ShardedLoader, StepData, derive_seed
-from runtime.job import Job, init
-from runtime.trainer import StepResult, Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.data import ShardedLoader, StepData, derive_seed
+    from runtime.job import Job, init
+    from runtime.trainer import StepResult, Trainer
+
+_WHERE = {"ShardedLoader": "runtime.data", "StepData": "runtime.data", "derive_seed": "runtime.data",
+          "Job": "runtime.job", "init": "runtime.job", "StepResult": "runtime.trainer", "Trainer": "runtime.trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    """The script API, imported on first use: `trainmover agent` loads this package without torch."""
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+
 
 __all__ = ["Job", "ShardedLoader", "StepData", "StepResult", "Trainer", "derive_seed", "init"]

@@ -1,11 +1,9 @@
-"""The runtime's subcommands: `trainmover run` (the launcher) and `trainmover demo` (the local demo)."""
+"""The runtime's subcommands: `trainmover run` (one machine), `coordinator` and `agent` (across hosts), `demo`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-from runtime.launcher import ConfigError, LaunchConfig, launch
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -14,6 +12,74 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         description="Start the coordinator, N workers and K warm standbys on this machine. A lost worker's rank "
                     "goes to a standby; the survivors never restart.",
     )
+    _add_job_options(p)
+
+
+def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "coordinator", help="coordinate a job across hosts, each running `trainmover agent`",
+        description="Run the coordinator alone: wait for --agents hosts (each runs `trainmover agent`), place N "
+                    "workers and K standbys in their slots, and move a lost host's ranks to standbys. It never "
+                    "starts a training process itself. Ports: --port (the store: every process and an "
+                    "orchestrator connect) and --agent-port (the agents' links).",
+    )
+    p.add_argument("--agents", type=int, required=True, metavar="N", help="hosts to wait for before starting")
+    p.add_argument("--agent-port", type=int, default=0,
+                   help="port the agents connect to (default: a free one, named in the job_started event)")
+    p.add_argument("--host-timeout", type=float, default=3.0, metavar="S",
+                   help="an agent silent this long loses its host and every process on it (default 3 s)")
+    p.add_argument("--agents-wait", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the agents to join (default 120 s)")
+    _add_job_options(p)
+
+
+def add_agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "agent", help="run this host's agent: start the processes a coordinator assigns to its slots",
+        description="One per host. Joins the coordinator at --coordinator with --slots slots, starts the workers "
+                    "and standbys it assigns, reports their exits at once, and kills them all when it loses the "
+                    "coordinator for longer than its lease. The job's secret comes from --secret-file or "
+                    "$TRAINMOVER_JOB_SECRET (never the command line).",
+    )
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's agent port")
+    p.add_argument("--slots", type=int, default=1, help="processes this host runs (one per GPU; default 1)")
+    p.add_argument("--secret-file", metavar="FILE", help="the job's secret (mode 600)")
+    p.add_argument("--name", help="this host's name in the job's events (default: the hostname)")
+    p.add_argument("--address", help="address this host's processes listen on (default: the one facing the "
+                                     "coordinator)")
+    p.add_argument("--job-id", default="", help="join only this job")
+    p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                   help="how long to keep trying to reach the coordinator (default 60 s)")
+    p.add_argument("--no-rejoin", action="store_true", help="exit after being fenced instead of rejoining as a "
+                                                            "new host")
+    p.add_argument("--quiet", action="store_true", help="log errors only")
+
+
+def agent_command(ns: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    from runtime.agent import Agent, AgentConfig, AgentError, configure_agent_logging
+    from runtime.auth import ENV_SECRET, check_secret, read_secret_file
+
+    try:
+        if ns.secret_file:
+            secret = read_secret_file(ns.secret_file)
+        elif os.environ.get(ENV_SECRET):
+            secret = check_secret(os.environ[ENV_SECRET], ENV_SECRET)
+        else:
+            raise AgentError(f"the agent needs the job's secret: --secret-file FILE or ${ENV_SECRET}")
+        configure_agent_logging(ns.quiet)
+        agent = Agent(AgentConfig(
+            coordinator=ns.coordinator, slots=ns.slots, secret=secret, name=ns.name or socket.gethostname(),
+            address=ns.address, job_id=ns.job_id, connect_timeout_s=ns.connect_timeout, rejoin=not ns.no_rejoin))
+        return agent.run()
+    except (AgentError, ValueError, OSError) as exc:
+        print(f"trainmover agent: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="number of workers (logical data-parallel ranks)")
     p.add_argument("--standby", type=int, default=1, help="number of warm standby processes")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
@@ -51,6 +117,8 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def run_command(ns: argparse.Namespace) -> int:
+    from runtime.launcher import ConfigError, LaunchConfig, launch
+
     try:
         cfg = LaunchConfig(
             script=ns.script, args=tuple(ns.script_args), nproc=ns.nproc, standby=ns.standby, backend=ns.backend,
@@ -60,10 +128,12 @@ def run_command(ns: argparse.Namespace) -> int:
             tls_key=ns.tls_key, tls_ca=ns.tls_ca,
             quiet=ns.quiet,
             wait_for_standbys=ns.wait_for_standbys, fork_server=not ns.no_fork_server,
+            **({"agents": ns.agents, "agent_port": ns.agent_port, "host_timeout_s": ns.host_timeout,
+                "agents_wait_s": ns.agents_wait} if getattr(ns, "agents", None) else {}),
         )
         result = launch(cfg)
     except ConfigError as exc:
-        print(f"trainmover run: {exc}", file=sys.stderr)
+        print(f"trainmover {ns.command}: {exc}", file=sys.stderr)
         return 2
     return result.exit_code
 

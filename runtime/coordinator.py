@@ -33,12 +33,16 @@ from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.events import EventLog
 from runtime.faults import parse_plan
+from runtime.hosts import NoSlot
 from runtime.membership import Generation
 
 log = logging.getLogger("trainmover.coordinator")
 
 LOOP_S = 0.005
 HEALTH_EVERY_S = 0.2
+HOST_SETTLE_S = 0.05
+"""Across hosts, how long after the last declared death the coordinator waits for more before it publishes the
+new generation: losses seen together move together."""
 SPAWN_WINDOW_S = 10.0
 SPAWN_MIN_PER_WINDOW = 20
 SPAWN_PER_STANDBY = 10
@@ -206,6 +210,11 @@ class Coordinator:
         self._chaos_hit: dict[str, float] = {}
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
+        self._health_due = True
+        self._wake_fd: int | None = getattr(pool, "wake_fd", lambda: None)()
+        """A pool across hosts (runtime.hosts) wakes the loop through this when a process exits or a host is lost."""
+        if self._wake_fd is not None:
+            self._selector.register(self._wake_fd, selectors.EVENT_READ, None)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -213,17 +222,18 @@ class Coordinator:
         self.records.put(keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
         helpers: dict[str, int] = getattr(self.pool, "helpers", dict)()
         self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
-                         port=self.store.port, helpers=helpers)
-        for name in self.gen.members:
-            self._spawn(name, "worker")
-        for _ in range(self.s.standby):
-            self._spawn_standby()
-        self.started = not self.s.start_when_standbys_ready
-        if self.started:
-            self._publish(self.gen)
-            self._emit_generation(self.gen)
+                         port=self.store.port, helpers=helpers, **getattr(self.pool, "describe", dict)())
+        self._pool_events()
         next_health = 0.0
         try:
+            for name in self.gen.members:
+                self._spawn(name, "worker")
+            for _ in range(self.s.standby):
+                self._spawn_standby()
+            self.started = not self.s.start_when_standbys_ready
+            if self.started:
+                self._publish(self.gen)
+                self._emit_generation(self.gen)
             while True:
                 # Block until a child exits or the next health check is due: the coordinator shares the
                 # machine with the workers (here, two cores), so it must not spin.
@@ -231,6 +241,7 @@ class Coordinator:
                 now = time.monotonic()
                 exited = self._wait_for_exit(LOOP_S if busy or not self._exit_fds else max(0.0, next_health - now))
                 now = time.monotonic()
+                self._pool_events()
                 self._poll_exits()
                 due = now >= next_health
                 if due:
@@ -240,6 +251,7 @@ class Coordinator:
                         self._poll_control()
                         self._tick_chaos(now)
                 if due or busy or exited:
+                    self._health_due = due
                     result = self._progress(now)
                     if result is not None:
                         return self._finish(result, t0)
@@ -259,6 +271,7 @@ class Coordinator:
         refused = dict(self.records.sealer.refused)
         if result.exit_code == 0:
             self.events.emit("job_finished", wall_s=time.time() - t0, generation=self.gen.gen, digests=digests,
+                             step=self.records.get_int(keys.k_progress(), -1),
                              final_digest=digests.get(self.gen.members[0]), refused_values=refused)
         else:
             self.events.emit("job_failed", wall_s=time.time() - t0, reason=result.message, exit_code=result.exit_code,
@@ -295,7 +308,10 @@ class Coordinator:
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> None:
-        handle = self.pool.spawn(name, role)
+        try:
+            handle = self.pool.spawn(name, role)
+        except NoSlot as exc:
+            raise JobFailed(f"cannot place {role} {name}: {exc}; start more agents or fewer workers") from None
         now = time.monotonic()
         self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=time.time())
         fd = handle.exit_fd()
@@ -305,18 +321,25 @@ class Coordinator:
 
     def _wait_for_exit(self, timeout_s: float) -> bool:
         """Sleep until a child process exits (its pidfd turns readable) or the timeout passes."""
-        if not self._exit_fds:
+        if not self._exit_fds and self._wake_fd is None:
             time.sleep(timeout_s)
             return False
         ready = self._selector.select(timeout_s)
         seen = time.time()
         for key, _ in ready:
+            if key.data is None:
+                self.pool.drain_wake()  # type: ignore[attr-defined]
+                continue
             self._selector.unregister(key.fileobj)
             self._exit_fds.pop(key.data, None)
             self.procs[key.data].exit_seen_at = seen
         return bool(ready)
 
-    def _spawn_standby(self) -> str:
+    def _spawn_standby(self) -> str | None:
+        """Start a standby; None when no host has a free slot (a pool across hosts), tried again later."""
+        free = getattr(self.pool, "free_slots", None)
+        if free is not None and free() < 1:
+            return None
         name = f"s{self.next_standby}"
         self.next_standby += 1
         self.spawned_standbys += 1
@@ -332,7 +355,15 @@ class Coordinator:
                 continue
             code = m.handle.poll()
             if code is not None:
-                self._declare_dead(name, describe_exit(code), code)
+                cause = getattr(m.handle, "exit_cause", lambda: None)() or describe_exit(code)
+                if m.exit_seen_at is None:
+                    m.exit_seen_at = getattr(m.handle, "exited_at", None)
+                self._declare_dead(name, cause, code)
+
+    def _pool_events(self) -> None:
+        """Hosts that joined or were lost, as the pool across hosts saw them."""
+        for kind, fields in getattr(self.pool, "take_events", list)():
+            self.events.emit(kind, **fields)
 
     def _declare_dead(self, name: str, cause: str, code: int | None, failure_at: float | None = None) -> None:
         m = self.procs[name]
@@ -401,18 +432,22 @@ class Coordinator:
         return matches[-1] if matches else None
 
     def _poll_health(self, now: float) -> None:
+        # Processes that beat before have a heartbeat key: all of them are read in one round trip.
+        beating = [n for n, m in self.procs.items() if not m.dead and m.hello_ok and m.hb_value >= 0]
+        beats = self.records.get_present([keys.k_heartbeat(n) for n in beating])
         for name, m in list(self.procs.items()):
             if m.dead:
                 continue
             if not m.hello_ok:
                 m.hello_ok = self._hello_ok(name, m)
-            beat = self.records.get(keys.k_heartbeat(name)) if m.hello_ok else None
+            key = keys.k_heartbeat(name)
+            beat = (beats[key] if key in beats else self.records.get(key)) if m.hello_ok else None
             value = beat if isinstance(beat, int) and not isinstance(beat, bool) else -1  # -1 until the first beat
             if value > m.hb_value:  # a replayed older beat is no sign of life
                 m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, time.time()
             elif m.hb_value < 0 and now - m.started_at > self.s.startup_timeout_s:
                 self._fence(name, f"did not start within {self.s.startup_timeout_s:.0f} s")
-            elif m.hb_value >= 0 and now - m.hb_changed_at > self.s.hang_timeout_s:
+            elif m.hb_value >= 0 and now - m.hb_changed_at > self.s.hang_timeout_s and not self._suspect(name):
                 self._fence(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)", m.hb_changed_wall)
             if (
                 m.handle.role == "standby" and not m.ready and not m.dead and m.hello_ok
@@ -422,6 +457,11 @@ class Coordinator:
                 self.standby_failures_in_row = 0
                 self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
                                  ready_after_s=now - m.started_at)
+
+    def _suspect(self, name: str) -> bool:
+        """Whether the process's whole host went silent: the host timeout then takes all its ranks at once."""
+        suspect = getattr(self.pool, "suspect", None)
+        return bool(suspect(name)) if suspect is not None else False
 
     def _hello_ok(self, name: str, m: Member) -> bool:
         """Whether the process said hello, sealed with the job's secret, from the pid the pool started.
@@ -474,8 +514,11 @@ class Coordinator:
             self._spawn_times.popleft()
         allowed = max(SPAWN_MIN_PER_WINDOW, SPAWN_PER_STANDBY * self._max_standby_target) - len(self._spawn_times)
         for _ in range(min(allowed, self.standby_target - len(self._unpromoted_standbys()))):
+            proc = self._spawn_standby()
+            if proc is None:
+                return  # no free slot; the next tick tries again (a new host may join)
             self._spawn_times.append(now)
-            self.events.emit("standby_spawned", proc=self._spawn_standby(), reason=reason)
+            self.events.emit("standby_spawned", proc=proc, reason=reason)
 
     def _release_surplus(self, reason: str) -> None:
         """Stop unpromoted standbys beyond the target, never one that a pending death is waiting for."""
@@ -608,7 +651,10 @@ class Coordinator:
             self._top_up("keep the standby target")
         if self.pending_deaths:
             self._replace(now)
-        self._flush_recoveries()
+        if self._health_due:
+            # Reports are read on health ticks only: a recovery of N ranks costs 2N store round trips per read,
+            # which the busy loop (every 5 ms while a death is pending) must not pay.
+            self._flush_recoveries()
         return None
 
     def _update_holders(self) -> None:
@@ -651,7 +697,11 @@ class Coordinator:
             m = self.procs[shot.proc]
             at = time.time()
             self._chaos_hit[shot.proc] = at
-            os.kill(m.handle.pid, signal.SIGKILL if shot.signal == "kill" else signal.SIGSTOP)
+            remote = getattr(m.handle, "send_signal", None)
+            if remote is not None:
+                remote(shot.signal)
+            else:
+                os.kill(m.handle.pid, signal.SIGKILL if shot.signal == "kill" else signal.SIGSTOP)
             state = next(c.state for c in candidates if c.proc == shot.proc)
             self.events.emit("chaos_injected", proc=shot.proc, pid=m.handle.pid, signal=shot.signal,
                              role="worker" if shot.proc in members else "standby", state=state, time=at,
@@ -717,16 +767,23 @@ class Coordinator:
     def _replace(self, now: float) -> None:
         ready = self._ready_standbys()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
+        if self._wake_fd is not None and time.time() - max(d.declared_at for d in deaths) < HOST_SETTLE_S:
+            return  # across hosts, hosts failing together (a rack, a switch) are seen within ms: one generation
         if len(ready) < len(deaths):
             if self.s.replenish:
                 for _ in range(len(deaths) - len(self._unpromoted_standbys())):
-                    self.events.emit("standby_spawned", proc=self._spawn_standby(), reason="cover a lost worker")
+                    if (proc := self._spawn_standby()) is not None:
+                        self.events.emit("standby_spawned", proc=proc, reason="cover a lost worker")
             assert self.waiting_since is not None
             if now - self.waiting_since > self.s.standby_wait_s:
                 lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
+                hint = ("Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS).")
+                if getattr(self.pool, "free_slots", None) is not None:
+                    hint = ("No standby host is left: start `trainmover agent` on another host (it joins as a standby "
+                            "host), or keep more standby slots (--standby K), or allow a longer --standby-wait.")
                 raise JobFailed(
                     f"lost {lost} and no standby became ready within {self.s.standby_wait_s:.0f} s; the job was "
-                    "stopped. Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS)."
+                    f"stopped. {hint}"
                 )
             return
         assignment = {d.rank: ready[i] for i, d in enumerate(deaths)}
@@ -764,6 +821,9 @@ class Coordinator:
             self.records.put(keys.k_assign(proc), gen.gen)
         self.records.put(keys.k_current_gen(), gen.gen)
         self.gen = gen
+        announce = getattr(self.pool, "announce", None)
+        if announce is not None:
+            announce(gen.gen, list(gen.members))
 
     def _emit_generation(self, gen: Generation) -> None:
         self.events.emit(

@@ -8,7 +8,9 @@ A plan is a `;`-separated list of faults, each `ACTION:key=value,...`, for examp
     corrupt:role=sender,phase=handoff_send,chunk=2  # chunk 2 leaves the sender with one bit flipped
 
 Actions are real signals sent by the process to itself: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM),
-exit (os._exit(1)); and corrupt, which flips a bit of the handoff chunk being sent (after its MAC was taken:
+exit (os._exit(1)); host (SIGKILL the host's agent, then itself: every process of the host follows the
+agent within a heartbeat, so the host is lost as a whole); and corrupt, which flips a bit of the handoff
+chunk being sent (after its MAC was taken:
 what a bad link or a forger does), for the handoff's MAC and refetch. Each fault fires once per job: the first
 process to claim it in the store fires it.
 Before it fires, the process records the wall-clock time, so benchmarks can measure detection from the
@@ -17,6 +19,7 @@ moment of failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -33,7 +36,8 @@ PHASES: tuple[str, ...] = (
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
     "standby_wait",
 )
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None, "corrupt": None}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None, "corrupt": None,
+           "host": None}
 
 
 class FaultPlanError(ValueError):
@@ -139,6 +143,14 @@ class FaultInjector:
             self.records.put(k_fault(index), record)
         if fault.action == "corrupt":
             return True
+        if fault.action == "host":
+            # The whole host dies: its agent first (every other process of the host follows it within a
+            # heartbeat, runtime.job), then this process. Without an agent (one machine) only this process.
+            agent = os.environ.get("TM_AGENT_PID", "")
+            if agent.isdigit():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(agent), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         sig = ACTIONS[fault.action]
         if sig is None:
             os._exit(1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -57,7 +59,13 @@ class Heartbeat(threading.Thread):
     def _beat(self, records: keys.Records) -> None:
         last_ok = time.monotonic()
         beats = 0
+        agent = _agent_pidfd()
         while not self._halt.is_set():
+            if agent is not None and select.select([agent], [], [], 0)[0]:
+                # The host's agent is gone (runtime.agent): nobody on this host can fence or report this process
+                # any more, so it fences itself; the coordinator has lost the host and moves its ranks.
+                sys.stderr.write(f"[trainmover] {self.cfg.proc}: the host's agent exited; this process stops\n")
+                os.kill(os.getpid(), signal.SIGKILL)
             try:
                 records.put(keys.k_heartbeat(self.cfg.proc), beats)
                 beats += 1
@@ -83,6 +91,20 @@ class Heartbeat(threading.Thread):
 
     def halt(self) -> None:
         self._halt.set()
+
+
+def _agent_pidfd() -> int | None:
+    """A pidfd of the agent that started this process (multi-host), readable once the agent exits."""
+    pid = os.environ.get("TM_AGENT_PID", "")
+    if not pid.isdigit():
+        return None
+    try:
+        return os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # the agent died before this process got going
+    except (OSError, AttributeError):
+        return None
+    return None
 
 
 class Job:

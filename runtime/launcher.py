@@ -29,6 +29,8 @@ from runtime.config import ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.events import EventLog
 from runtime.faults import parse_plan
+from runtime.hosts import HostPool, HostTiming
+from runtime.netaddr import interface_of
 from runtime.zygote import ChildProcess, ForkedProcess, ZygoteClient
 
 log = logging.getLogger("trainmover.launcher")
@@ -98,6 +100,17 @@ class LaunchConfig:
     """Its private key (PEM, mode 600)."""
     tls_ca: str | None = None
     """What a peer's certificate must chain to; default: the job's certificate."""
+    agents: int = 0
+    """0: every process runs on this machine. N > 0: the coordinator alone; it waits for N agents
+    (`trainmover agent`, one per host) and places every process in their slots, never starting one itself."""
+    agent_port: int = 0
+    """Where the agents connect (with --agents); 0 picks a free one (the `job_started` event names it)."""
+    host_timeout_s: float = 3.0
+    """With --agents: a host whose agent is silent this long is lost, with every process on it."""
+    agent_heartbeat_s: float = 0.5
+    """With --agents: beats each way on every agent link; an agent's lease is host_timeout - 2 beats."""
+    agents_wait_s: float = 120.0
+    """With --agents: how long to wait for the agents to join before giving up."""
     fork_server: bool = True
     """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
     milliseconds instead of seconds. Gloo only; without it (or when the zygote fails) processes start as usual."""
@@ -109,8 +122,20 @@ class LaunchConfig:
             raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
-        if not Path(self.script).is_file():
+        if self.agents < 0:
+            raise ConfigError(f"--agents must be 0 (this machine) or the number of hosts, got {self.agents}")
+        if self.agents == 0 and not Path(self.script).is_file():
             raise ConfigError(f"training script {self.script!r} does not exist")
+        if self.agents and self.handoff_transport == "tls" and self.tls_cert is None:
+            raise ConfigError("--handoff-transport tls across hosts needs --tls-cert and --tls-key files at the same "
+                              "path on every host (a per-job certificate made here would not be on the hosts)")
+        if self.agents:
+            try:
+                self.host_timing().validate()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if not 0 <= self.agent_port <= 65535:
+            raise ConfigError(f"--agent-port must be a TCP port (0 picks a free one), got {self.agent_port}")
         if self.hang_timeout_s <= self.heartbeat_s * 2:
             raise ConfigError(
                 f"--hang-timeout ({self.hang_timeout_s} s) must exceed two heartbeats ({2 * self.heartbeat_s} s), "
@@ -168,6 +193,10 @@ class LaunchConfig:
         except (ValueError, OSError) as exc:
             raise ConfigError(str(exc)) from None
         return new_token()
+
+    def host_timing(self) -> HostTiming:
+        beat = self.agent_heartbeat_s
+        return HostTiming(heartbeat_s=beat, lease_s=self.host_timeout_s - 2 * beat, host_timeout_s=self.host_timeout_s)
 
     def threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
@@ -279,7 +308,15 @@ def launch(cfg: LaunchConfig) -> JobResult:
             tls = (cert, key, cfg.tls_ca or cert)
     server = listen_store(cfg.host, cfg.port)
     events = EventLog(cfg.events_path)
-    pool = LocalProcessPool(cfg, server.port, token, tls)
+    pool: LocalProcessPool | HostPool
+    if cfg.agents:
+        try:
+            pool = start_host_pool(cfg, server.port, token, tls)
+        except ConfigError:
+            events.close()
+            raise
+    else:
+        pool = LocalProcessPool(cfg, server.port, token, tls)
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
@@ -305,6 +342,48 @@ def launch(cfg: LaunchConfig) -> JobResult:
     return result
 
 
+def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None) -> HostPool:
+    """The coordinator's side of the agents: listen on the agent port, wait for `cfg.agents` hosts."""
+    listener = bind(cfg.host, cfg.agent_port, "--agent-port")
+    pc = ProcessConfig(
+        store_host=cfg.host, store_port=store_port, job_id=cfg.job_id, job_token="", proc="", role="worker",
+        backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
+        recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
+        handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
+        tls_ca=tls[2] if tls else "",
+    )
+    env = {k: v for k, v in pc.to_env().items() if k not in ("TM_JOB_TOKEN", "TM_PROC", "TM_ROLE", "TM_BIND_HOST")}
+    env.update({"OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"})
+    pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing())
+    log.info("waiting for %d agents on %s:%d", cfg.agents, cfg.host, pool.port)
+    try:
+        pool.wait_for_hosts(cfg.agents, cfg.agents_wait_s)
+    except TimeoutError as exc:
+        pool.close(2)
+        raise ConfigError(f"{exc}: start `trainmover agent --coordinator {cfg.host}:{pool.port} --slots G` on each "
+                          "host, with the job's secret in --secret-file or $TRAINMOVER_JOB_SECRET") from None
+    slots = sum(h.slots for h in pool.live_hosts())
+    if slots < cfg.nproc:
+        pool.close(2)
+        raise ConfigError(f"the {cfg.agents} hosts have {slots} slots, fewer than the {cfg.nproc} workers")
+    return pool
+
+
+def bind(host: str, port: int, flag: str) -> socket.socket:
+    """A listening socket on `host` only; a clear error when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another {flag}, or 0 for "
+                          "a free one, and a --host that is an address of this machine") from None
+    return sock
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -317,16 +396,7 @@ def listen_store(host: str, port: int) -> dist.TCPStore:
     """
     import datetime
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port, or 0 for "
-                          "a free one, and a --host that is an address of this machine") from None
+    sock = bind(host, port, "--port")
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the socket from here on
     try:
@@ -335,28 +405,3 @@ def listen_store(host: str, port: int) -> dist.TCPStore:
     except RuntimeError as exc:
         os.close(fd)
         raise ConfigError(f"cannot start the job's store on {host}:{bound} ({str(exc).splitlines()[0]})") from None
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds `address` (Linux), or None when unknown or a wildcard."""
-    if address in ("", "0.0.0.0", "::"):
-        return None
-    try:
-        wanted = {str(info[4][0]) for info in socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)}
-    except OSError:
-        return None
-    if any(a.startswith("127.") for a in wanted) or "::1" in wanted:
-        return "lo"
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) in wanted:
-                return name
-    return None

@@ -16,13 +16,25 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     if command == "demo" and "--runtime" not in argv:
         return _flow_demo(parser, sub, argv)
-    if command in ("run", "demo"):
-        from runtime.cli import add_demo_parser, add_run_parser, demo_command, run_command
+    if command in ("run", "demo", "coordinator", "agent"):
+        from runtime.cli import (
+            add_agent_parser,
+            add_coordinator_parser,
+            add_demo_parser,
+            add_run_parser,
+            agent_command,
+            demo_command,
+            run_command,
+        )
 
         add_run_parser(sub)
+        add_coordinator_parser(sub)
+        add_agent_parser(sub)
         add_demo_parser(sub)
         ns = parser.parse_args([a for a in argv if a != "--runtime"])
-        return run_command(ns) if ns.command == "run" else demo_command(ns)
+        if ns.command == "agent":
+            return agent_command(ns)
+        return run_command(ns) if ns.command in ("run", "coordinator") else demo_command(ns)
     if command == "policy":
         from policy.cli import add_policy_parser, policy_command
 
@@ -39,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         add_bench_parser(sub)
         return bench_command(parser.parse_args(argv))
     sub.add_parser("run", help="run a training script with N workers and K warm standbys")
+    sub.add_parser("coordinator", help="coordinate a job across hosts, each running `trainmover agent`")
+    sub.add_parser("agent", help="this host's agent: start the processes a coordinator assigns to its slots")
     sub.add_parser("demo", help="the main job on this machine: a resilient training flow with two failures")
     sub.add_parser("bench", help="benchmarks (recovery)")
     sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")

@@ -147,13 +147,19 @@ def run_job(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        if check and result.exit_code != 0:
-            raise PeerError(f"TrainMover benchmark job failed: {result.message}")
-        record = json.loads(out.read_text()) if out.exists() else {}
-        member_digests = {p.name[len(out.name) + 1 : -len(".digest")]: p.read_text()
-                          for p in Path(tmp).glob(f"{out.name}.*.digest")}
-        proc_commits = {p.name[len(out.name) + 1 : -len(".commits")]: parse_commit_log(p.read_text())
-                        for p in Path(tmp).glob(f"{out.name}.*.commits")}
+        return collect(out, list(result.events), result.exit_code, result.message, dict(result.digests), check)
+
+
+def collect(out: Path, events: list[dict[str, Any]], exit_code: int, message: str, digests: dict[str, str],
+            check: bool = True) -> JobRun:
+    """A finished job's run, from the files its members wrote next to `out` and its events."""
+    if check and exit_code != 0:
+        raise PeerError(f"TrainMover benchmark job failed: {message}")
+    record = json.loads(out.read_text()) if out.exists() else {}
+    member_digests = {p.name[len(out.name) + 1 : -len(".digest")]: p.read_text()
+                      for p in out.parent.glob(f"{out.name}.*.digest")}
+    proc_commits = {p.name[len(out.name) + 1 : -len(".commits")]: parse_commit_log(p.read_text())
+                    for p in out.parent.glob(f"{out.name}.*.commits")}
     commits = tuple(Commit(int(s), int(g), float(t)) for s, g, t, *_ in record.get("commits", []))
     if check and not commits:
         raise PeerError("the TrainMover job finished without rank 0's step record")
@@ -161,12 +167,12 @@ def run_job(
         commits=commits,
         digest=str(record.get("digest", "")),
         member_digests=member_digests,
-        runtime_digests=dict(result.digests),
+        runtime_digests=digests,
         proc_commits=proc_commits,
         state_bytes=int(record.get("state_bytes", 0)),
-        events=list(result.events),
-        exit_code=result.exit_code,
-        message=result.message,
+        events=events,
+        exit_code=exit_code,
+        message=message,
     )
 
 

@@ -22,13 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # (script, script args, steps, faults, signals, targets). `--pace-ms` adds wall time after each step while the
 # monkey is at work (a sleep: no CPU, numbers unchanged; the coordinator sets `chaos/done` after the last fault),
-# so that training outlasts the faults and then finishes at full speed.
+# so that training outlasts the faults and then finishes at full speed; `--pace-end-factor` makes the last quarter
+# of the steps ten times slower while the monkey is still at work, so that a short run (a cheap reference run,
+# few steps after the last fault) still leaves the monkey 100 s or more on a slow machine.
 # Two jobs hit every kind of process with both signals; two hit workers only, so that each fault is a recovery.
+PACE = ("--pace-ms", "100", "--pace-end-factor", "10")
 JOBS: list[tuple[Path, tuple[str, ...], int, int, str, str]] = [
-    (SCRIPTS / "tiny_job.py", ("--pace-ms", "100"), 1000, 50, "kill|stop", "worker|standby"),
-    (SCRIPTS / "bn_aug_job.py", ("--pace-ms", "100"), 800, 55, "kill", "worker"),
-    (SCRIPTS / "ema_job.py", ("--pace-ms", "100"), 700, 55, "kill", "worker"),
-    (SCRIPTS / "bn_aug_job.py", ("--amp", "bf16", "--accumulation-steps", "2", "--pace-ms", "100"), 700, 45,
+    (SCRIPTS / "tiny_job.py", PACE, 400, 50, "kill|stop", "worker|standby"),
+    (SCRIPTS / "bn_aug_job.py", PACE, 350, 55, "kill", "worker"),
+    (SCRIPTS / "ema_job.py", PACE, 300, 55, "kill", "worker"),
+    (SCRIPTS / "bn_aug_job.py", ("--amp", "bf16", "--accumulation-steps", "2", *PACE), 300, 45,
      "kill|stop", "worker|standby"),
 ]
 EVERY_S = 0.2
@@ -38,8 +41,8 @@ INJECTED: dict[str, int] = {}
 
 
 def _without_pace(args: tuple[str, ...]) -> tuple[str, ...]:
-    i = args.index("--pace-ms")
-    return args[:i] + args[i + 2:]
+    assert args[-len(PACE):] == PACE
+    return args[:-len(PACE)]
 
 
 def _alive(pid: int) -> bool:
@@ -88,7 +91,8 @@ def _check_accounting(result: JobResult) -> dict[str, Any]:
 def test_random_faults_leave_the_job_exact_and_accounted(
     script: Path, args: tuple[str, ...], steps: int, faults: int, signals: str, targets: str
 ) -> None:
-    seed = sum(map(ord, script.stem)) + len(args)
+    # The seeds the jobs always had (their arguments then ended with `--pace-ms 100`: two, not len(PACE)).
+    seed = sum(map(ord, script.stem)) + len(_without_pace(args)) + 2
     chaos = f"seed={seed},every_s={EVERY_S},max={faults},signals={signals},targets={targets},burst=2,covered=1"
     result = run_job(nproc=2, standby=2, steps=steps, script=script, script_args=args, chaos=chaos,
                      wait_for_standbys=True, recovery_timeout_s=90.0, hang_timeout_s=1.0)

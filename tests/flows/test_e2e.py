@@ -109,17 +109,12 @@ def test_bad_parameters_are_refused_before_the_flow_starts(run: dict[str, Any], 
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    s = PrefectStack(tmp_path_factory.mktemp("prefect"))
-    try:
-        s.start()
-        t0 = time.monotonic()
-        s.cli("deploy", "--all")
-        s.timings["deploy_s"] = time.monotonic() - t0
-        yield s
-    finally:
-        s.close()
-        print(f"\n[e2e timings] {', '.join(f'{k}={v:.1f}' for k, v in s.timings.items())}")
+def stack(prefect_stack: PrefectStack) -> PrefectStack:
+    """The session's server, pool and worker (tests/flows/conftest.py), with prefect.yaml's deployments."""
+    t0 = time.monotonic()
+    prefect_stack.cli("deploy", "--all")
+    prefect_stack.timings["deploy_s"] = time.monotonic() - t0
+    return prefect_stack
 
 
 def trigger(stack: PrefectStack, params: dict[str, Any], check: bool = True) -> tuple[str | None, str]:

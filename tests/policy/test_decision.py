@@ -21,6 +21,7 @@ def warm_only(**overrides: object) -> StandbyCosts:
     fields: dict[str, object] = {
         "job_price_usd_per_h": 1000.0,
         "restart_downtime_s": 3600.0,
+        "replacement_h": 0.0,  # an uncovered failure costs the restart alone: round numbers for the rule
         "lead_time_h": 1.0,
         "tiers": {"warm": TierCosts(price_usd_per_h=10.0, takeover_s=0.0)},
         "hysteresis": 0.0,
@@ -132,13 +133,15 @@ def test_threshold_rule_with_round_numbers(p: list[float], expected_warm: int) -
 
 
 def test_likely_failures_go_to_fast_tiers_and_the_tail_to_stopped() -> None:
-    # Defaults: a hot standby pays above ~3 %, a stopped one above ~0.02 %.
+    # Defaults: a hot standby pays above ~1 %, a stopped one above ~0.014 %. (Since issue 13 an uncovered failure
+    # also waits for a replacement host, 2,700 s instead of 900 s, so the second failure, P ~ 0.1, earns a hot
+    # standby too; it used to be 1 hot.)
     plan = decide_standby(hazards(*[0.002] * 60, 0.3, 0.2, 0.05, 0.01), StandbyCosts(), NO_FLEET, now_s=0.0)
-    assert plan.hot == 1 and plan.warm == 0 and plan.stopped >= 2
+    assert plan.hot == 2 and plan.warm == 0 and plan.stopped >= 2
     rule_lines = [r for r in plan.reasons if "(failure #" in r]
     # Each failure position is covered once, fastest tier first.
     assert [int(r.split("(failure #")[1].split(")")[0]) for r in rule_lines] == list(range(1, plan.total + 1))
-    assert [r.split(" ")[0] for r in rule_lines] == ["hot"] + ["stopped"] * plan.stopped
+    assert [r.split(" ")[0] for r in rule_lines] == ["hot"] * plan.hot + ["stopped"] * plan.stopped
     assert_every_standby_has_a_reason(plan)
     assert "> threshold" in rule_lines[0] and "kUSD avoided" in rule_lines[0]
 
@@ -240,3 +243,13 @@ def test_expected_covered_failures_is_the_tail_sum() -> None:
     assert plan.warm == 3
     assert plan.expected_covered_failures == pytest.approx(float(tail[1:].sum()))  # = E[failures] = 1.5
     assert plan.expected_covered_failures == pytest.approx(1.5)
+
+
+def test_the_decision_mixes_tiers_in_one_pool_under_the_default_prices() -> None:
+    # 400 nodes at InfiniteHBD's mean rate x 4 (p = 4.4e-4 within L): the first failure is likely enough to pay
+    # for a hot standby; the next ones only for cheap stopped standbys. One pool of k_hot + k_stopped, decided
+    # together (position k goes to the tier that saves most there).
+    plan = decide_standby(hazards(*([4.4e-4] * 400)), StandbyCosts(), NO_FLEET, now_s=0.0)
+    assert (plan.hot, plan.warm) == (1, 0) and plan.stopped >= 1
+    assert any(r.startswith("hot #1 (failure #1)") for r in plan.reasons)
+    assert any(r.startswith("stopped #1 (failure #2)") for r in plan.reasons)

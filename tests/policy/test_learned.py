@@ -103,7 +103,14 @@ def test_pipeline_trains_and_replays_a_held_out_fleet(small_pipeline: tuple[obje
         assert r.result.failures == oracle.result.failures == ev.rows[0].uncovered_failures
         assert oracle.cost_per_useful_hour <= r.cost_per_useful_hour + 1e-9, r.name
     v = ev.verdict
-    assert v.learned_ettr >= v.best_static_ettr
+    # The reference static is chosen on the first half (at least as available as the learned policy there, or the
+    # most available static), never on the judged half. The old check, learned ETTR >= the static's on the judged
+    # data, held only because the static used to be picked in hindsight among the less available ones.
+    train = {r.name: r for r in ev.train_rows}
+    assert v.best_static_train_ettr == train[v.best_static].ettr
+    assert v.best_static_train_ettr >= v.learned_train_ettr or v.best_static_train_ettr == max(
+        r.ettr for r in ev.train_rows if r.name.startswith(("static-", "binomial-", "no-standby"))
+    )
     assert v.cost_ratio == pytest.approx(v.learned_usd_per_useful_h / v.best_static_usd_per_useful_h)
     d = ev.to_dict()
     assert set(d) >= {"seed", "prediction", "policies", "verdict"}

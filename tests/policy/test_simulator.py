@@ -9,13 +9,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from policy.costs import StandbyCosts, TierCosts
+from policy.costs import StandbyCosts, TierCosts, default_tiers
+from policy.decision import binomial_tail, poisson_binomial_tail
 from policy.simulator import (
     BinomialP99,
+    ConstantHazard,
     HazardPolicy,
     NoStandby,
     Oracle,
     StaticFraction,
+    StaticPool,
     compare_policies,
     default_policies,
     format_table,
@@ -23,6 +26,7 @@ from policy.simulator import (
     simulate,
     static_5pct,
     static_10pct,
+    static_pools,
 )
 from policy.traces import FaultRecord, FaultTrace, load_infinitehbd
 
@@ -32,6 +36,7 @@ def costs(**overrides: object) -> StandbyCosts:
     fields: dict[str, object] = {
         "job_price_usd_per_h": 1000.0,
         "restart_downtime_s": 3600.0,
+        "replacement_h": 0.0,  # an uncovered failure costs the restart alone: round numbers for the replay
         "lead_time_h": 2.0,
         "tiers": {"warm": TierCosts(price_usd_per_h=10.0, takeover_s=36.0)},
         "hysteresis": 0.0,
@@ -125,6 +130,21 @@ def test_oracle_holds_from_hour_0_for_a_failure_earlier_than_the_lead_time() -> 
     assert (r.covered_failures, r.standby_hours["warm"]) == (1, pytest.approx(0.5))
 
 
+def test_oracle_is_a_lower_bound_when_a_fault_starts_at_hour_0() -> None:
+    t = trace(("a", 0.0, 5.0), ("b", 0.0, 5.0), ("c", 30.0, 40.0))
+    # Holds one warm standby from hour 0 for half an hour only: it covers a fault at hour 0 almost for free.
+    brief = HazardPolicy(lambda t_h, nodes: np.full(len(nodes), 0.9 if t_h < 0.5 else 0.0), every_h=0.5)
+    r_brief = simulate(t, costs(), brief)
+    assert r_brief.covered_failures >= 1
+    r = simulate(t, costs(), Oracle())
+    # Both faults at hour 0 are covered by standbys provisioned with the job and consumed at once (0 hours each).
+    assert (r.covered_failures, r.uncovered_failures) == (3, 0)
+    assert r.standby_hours["warm"] == pytest.approx(2.0)  # only the one ordered L = 2 h before hour 30
+    assert r.cost_per_useful_hour <= r_brief.cost_per_useful_hour + 1e-12
+    for policy in (NoStandby(), ONE_WARM, StaticFraction(0.2)):
+        assert r.cost_per_useful_hour <= simulate(t, costs(), policy).cost_per_useful_hour + 1e-12
+
+
 def test_oracle_leaves_a_failure_uncovered_when_a_standby_costs_more_than_the_restart() -> None:
     c = costs(tiers={"warm": TierCosts(price_usd_per_h=600.0, takeover_s=36.0)})  # 2 h x 600 > 1 h x 1000
     r = simulate(trace(("a", 10.0, 20.0)), c, Oracle())
@@ -141,6 +161,29 @@ def test_binomial_p99_holds_enough_for_the_fleet_rate() -> None:
     p_more_fewer = 1.0 - sum(math.comb(10, j) * p**j * (1 - p) ** (10 - j) for j in range(k))
     assert p_more < 0.01 <= p_more_fewer
     assert simulate(t, costs(), BinomialP99()).covered_failures == 10
+
+
+def test_binomial_p99_and_a_constant_hazard_scale_to_a_million_nodes() -> None:
+    t = trace(("a", 10.0, 20.0), ("b", 50.0, 60.0), n_nodes=1_000_000, duration_h=1000.0)
+    started = time.perf_counter()
+    r = simulate(t, costs(), BinomialP99())
+    r_const = simulate(t, costs(), ConstantHazard(1e-4))
+    assert time.perf_counter() - started < 5.0
+    assert r.failures == r_const.failures == 2
+    # The binomial tail agrees with the exact Poisson-binomial dynamic programme where both can run.
+    for n, p in ((10, 0.02), (400, 1e-3), (1000, 0.3)):
+        fast, exact = binomial_tail(n, p), poisson_binomial_tail(np.full(n, p))
+        assert fast == pytest.approx(exact[: fast.size], abs=1e-12)
+        assert np.all(exact[fast.size :] < 1e-15)
+
+
+def test_a_constant_hazard_holds_what_the_hourly_decision_would() -> None:
+    t = trace(("a", 10.0, 20.0), ("b", 11.0, 20.0), ("c", 50.0, 60.0))
+    for p in (0.0, 0.05, 0.3, 0.9):
+        hourly = HazardPolicy(lambda t_h, nodes, p=p: np.full(len(nodes), p), every_h=1.0)
+        a, b = simulate(t, costs(), hourly), simulate(t, costs(), ConstantHazard(p))
+        assert a.covered_failures == b.covered_failures
+        assert a.cost_per_useful_hour == pytest.approx(b.cost_per_useful_hour)
 
 
 def synthetic_trace(n_nodes: int, days: float, seed: int = 7) -> FaultTrace:
@@ -236,3 +279,51 @@ def test_bad_inputs_get_clear_errors() -> None:
         simulate(trace(("a", 1.0, 2.0)), costs(), NoStandby(), job_nodes=11)
     with pytest.raises(ValueError, match="not offered"):
         simulate(trace(("a", 1.0, 2.0)), costs(), StaticFraction(0.1, tier="hot"))
+
+
+def test_an_uncovered_failure_waits_for_a_replacement_host_then_restarts() -> None:
+    # Defaults: restart 900 s after a replacement that takes the lead time L = 0.5 h: 2,700 s in all.
+    c = StandbyCosts()
+    assert c.uncovered_downtime_s == 900.0 + 1800.0
+    r = simulate(trace(("a", 10.0, 20.0)), c, NoStandby())
+    assert r.downtime_h == pytest.approx(0.75)
+    assert StandbyCosts(replacement_h=0.0).uncovered_downtime_s == 900.0
+    assert StandbyCosts(replacement_h=2.0, lead_time_h=0.5).uncovered_downtime_s == 900.0 + 7200.0
+
+
+def test_a_stopped_standby_that_may_not_wake_costs_its_expected_downtime() -> None:
+    stopped = TierCosts(price_usd_per_h=1.0, takeover_s=360.0, wake_failure_prob=0.25)
+    c = costs(tiers={"stopped": stopped})
+    r = simulate(trace(("a", 10.0, 20.0)), c, StaticPool(stopped=1))
+    assert r.covered_failures == 1
+    # 360 s to start it, and in a quarter of the cases it does not start: then the 1 h restart on top.
+    assert r.downtime_h == pytest.approx((360.0 + 0.25 * 3600.0) / 3600.0)
+    assert c.avoided_usd("stopped") == pytest.approx((3600.0 - 360.0 - 900.0) / 3600.0 * 1000.0)
+    with pytest.raises(ValueError, match="never save time"):
+        costs(tiers={"stopped": TierCosts(price_usd_per_h=1.0, takeover_s=360.0, wake_failure_prob=0.95)})
+
+
+def test_a_reserved_stopped_standby_always_wakes_and_costs_a_node() -> None:
+    unreserved, reserved = default_tiers(50.0), default_tiers(50.0, "reserved")
+    assert unreserved["stopped"].wake_failure_prob == pytest.approx(0.1)
+    assert unreserved["stopped"].price_usd_per_h == pytest.approx(0.5)
+    assert reserved["stopped"].wake_failure_prob == 0.0
+    assert reserved["stopped"].price_usd_per_h == pytest.approx(50.5)
+    assert reserved["warm"].price_usd_per_h == 50.0 and reserved["hot"].price_usd_per_h == 51.0
+
+
+def test_mixed_tier_pools_cover_fastest_first_and_name_themselves() -> None:
+    tiers = {
+        "stopped": TierCosts(price_usd_per_h=1.0, takeover_s=360.0),
+        "warm": TierCosts(price_usd_per_h=10.0, takeover_s=36.0),
+    }
+    t = trace(("a", 10.0, 20.0), ("b", 10.5, 20.0), ("c", 11.0, 20.0))
+    pool = StaticPool(warm=1, stopped=1)
+    assert pool.name == "static-h0-w1-s1"
+    r = simulate(t, costs(tiers=tiers), pool)
+    assert r.covered_by_tier == {"warm": 1, "stopped": 1} and r.uncovered_failures == 1
+    assert r.downtime_h == pytest.approx((36.0 + 360.0 + 3600.0) / 3600.0)
+    assert len(static_pools()) == 3 * 3 * 9 - 1
+    assert all(p.hot == 0 for p in static_pools(("warm", "stopped")))
+    with pytest.raises(ValueError, match="not offered"):
+        simulate(t, costs(tiers=tiers), StaticPool(hot=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +13,18 @@ import pytest
 from policy.traces import (
     CSV_HEADER,
     INFINITEHBD_PATH,
+    LANL_SYSTEM20_PATH,
+    MAX_FLEET_NODES,
     FaultRecord,
     FaultTrace,
     TraceFormatError,
     fit_weibull,
     load_csv,
     load_infinitehbd,
+    load_lanl_system20,
+    read_csv,
     trace_statistics,
+    with_window,
     write_csv,
 )
 
@@ -141,15 +147,6 @@ GOOD = "a,1,2,GPU\n"
         pytest.param(",".join(CSV_HEADER) + "\nb,5,2,GPU\n", 2, "before fault_start_h", id="end-before-start"),
         pytest.param(",".join(CSV_HEADER) + "\n,1,2,GPU\n", 2, "node_id is empty", id="empty-node"),
         pytest.param(
-            ",".join(CSV_HEADER) + "\n" + GOOD + "b,0,1,GPU\na,1.5,3,NIC\n",
-            4,
-            "overlapping the one on line 2",
-            id="overlap",
-        ),
-        pytest.param(
-            ",".join(CSV_HEADER) + "\na,1,,GPU\na,7,8,NIC\n", 3, "overlapping the one on line 2", id="after-open"
-        ),
-        pytest.param(
             ",".join(CSV_HEADER) + "\n" + GOOD + "b,1,2,GPU\nc,1,2,GPU\n", 4, "n_nodes=2", id="too-many-nodes"
         ),
     ],
@@ -162,6 +159,103 @@ def test_each_bad_csv_gives_one_clear_error(tmp_path: Path, body: str, line: int
     message = str(excinfo.value)
     assert f"line {line}" in message
     assert fix in message
+
+
+# Overlaps are merged by default now (a raw export has them: issue 13); refusing them is the opt-in, and then
+# every overlap is listed at once. These two cases moved here from the table above, with `overlaps="refuse"`.
+@pytest.mark.parametrize(
+    ("body", "line", "fix"),
+    [
+        pytest.param(GOOD + "b,0,1,GPU\na,1.5,3,NIC\n", 4, "overlapping the one on line 2", id="overlap"),
+        pytest.param("a,1,,GPU\na,7,8,NIC\n", 3, "overlapping the one on line 2", id="after-open"),
+    ],
+)
+def test_refusing_overlaps_names_the_lines(tmp_path: Path, body: str, line: int, fix: str) -> None:
+    path = tmp_path / "fleet.csv"
+    path.write_text(",".join(CSV_HEADER) + "\n" + body)
+    with pytest.raises(TraceFormatError) as excinfo:
+        load_csv(path, n_nodes=2, overlaps="refuse")
+    assert f"line {line}: node 'a' has a fault {fix}" in str(excinfo.value)
+
+
+def test_refusing_overlaps_reports_every_one_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.csv"
+    path.write_text(",".join(CSV_HEADER) + "\na,1,5,GPU\nb,1,5,GPU\na,2,3,NIC\nb,4,6,NIC\na,4,9,PSU\n")
+    with pytest.raises(TraceFormatError) as excinfo:
+        load_csv(path, n_nodes=2, overlaps="refuse")
+    message = str(excinfo.value)
+    assert "3 overlapping fault(s)" in message
+    for clash in ("line 4: node 'a'", "line 6: node 'a'", "line 5: node 'b'"):
+        assert clash in message
+
+
+def test_a_raw_export_loads_with_duplicates_and_overlaps_merged_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "export.csv"
+    path.write_bytes(
+        b"\xef\xbb\xbf"  # a spreadsheet's UTF-8 byte-order mark
+        + (",".join(CSV_HEADER) + "\r\n").encode()
+        + b"a,1,5,GPU\r\nb,2,3,NIC\r\na,1,5,GPU\r\na,4,9,PSU\r\na,8,12,Fan\r\na,20,,GPU\r\nb,2,3,NIC\r\n"
+    )
+    trace, report = read_csv(path, n_nodes=2)
+    assert report.byte_order_mark
+    assert report.duplicate_lines == (4, 8)  # exact repeats of lines 2 and 3: duplicates, not "overlaps"
+    assert report.merged_lines == ((2, 5, 6),)  # 1-5 overlaps 4-9, which overlaps 8-12
+    assert (report.rows, report.faults) == (7, 3)
+    assert [(r.node_id, r.start_h, r.end_h, r.cause) for r in trace.records] == [
+        ("a", 1.0, 12.0, "GPU + PSU + Fan"),
+        ("b", 2.0, 3.0, "NIC"),
+        ("a", 20.0, None, "GPU"),
+    ]
+    summary = report.summary()
+    assert "7 rows -> 3 faults" in summary and "byte-order mark" in summary
+    assert "2 exact duplicate row(s) dropped (lines 4, 8)" in summary and "(lines 2+5+6)" in summary
+    assert load_csv(path, n_nodes=2) == trace
+
+
+def test_a_utf16_file_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "export.csv"
+    path.write_text(",".join(CSV_HEADER) + "\n" + GOOD, encoding="utf-16")
+    with pytest.raises(TraceFormatError, match=r"UTF-16.*save it as UTF-8"):
+        load_csv(path, n_nodes=2)
+    path.write_bytes((",".join(CSV_HEADER) + "\n").encode() + b"a,1,2,caf\xe9\n")  # Latin-1
+    with pytest.raises(TraceFormatError, match="line 2: byte 0xe9 is not UTF-8"):
+        load_csv(path, n_nodes=2)
+
+
+def test_the_shipped_lanl_trace_loads_raw_and_reports_its_repairs() -> None:
+    trace, report = load_lanl_system20()
+    assert "Los Alamos" in (LANL_SYSTEM20_PATH.parent / "SOURCE.md").read_text()
+    assert (report.rows, len(report.duplicate_lines), len(report.merged_lines)) == (2478, 2, 10)
+    assert len(trace.records) == report.faults == 2464
+    assert trace.n_nodes == 512 and len(trace.affected_nodes()) == 400
+    assert trace.duration_h / 24 == pytest.approx(1378.3, abs=0.1)
+    by_node = trace.by_node()
+    for faults in by_node.values():  # merged: no node is down twice at once any more
+        for a, b in itertools.pairwise(faults):
+            assert a.end_h is not None and b.start_h >= a.end_h
+
+
+def test_the_observation_window_can_be_set_but_must_hold_every_fault(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.csv"
+    path.write_text(",".join(CSV_HEADER) + "\n" + GOOD)
+    assert load_csv(path, n_nodes=2, duration_h=100.0).duration_h == 100.0
+    assert with_window(load_csv(path, n_nodes=2), 50.0).duration_h == 50.0
+    with pytest.raises(ValueError, match="latest time"):
+        with_window(load_csv(path, n_nodes=2), 1.0)
+
+
+def test_a_fleet_above_the_supported_size_is_refused_with_the_limit() -> None:
+    FaultTrace((), MAX_FLEET_NODES, 1.0)
+    with pytest.raises(ValueError, match="1,000,000"):
+        FaultTrace((), MAX_FLEET_NODES + 1, 1.0)
+
+
+def test_the_readme_shows_the_header_the_reader_requires() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("## Standby policy, for cost owners") :]
+    section = section[: section.index("\n## ", 5)]
+    assert ",".join(CSV_HEADER) in section
+    assert "start_h,end_h" not in section.replace("fault_start_h,fault_end_h", "")
 
 
 def test_duration_shorter_than_the_faults_is_refused(tmp_path: Path) -> None:

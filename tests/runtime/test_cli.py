@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.conftest import TINY_JOB
+from tests.runtime.test_control import STEPS
 from tests.stack_dumps import assert_no_stack_dump
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +42,14 @@ def wait_for_event(path: Path, kind: str, proc: subprocess.Popen[str], timeout_s
 def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
-    steps = 1500
+    steps = STEPS  # test_control's: one clean reference run serves both
     events = tmp_path / "events.jsonl"
     # --wait-for-standbys: generation 0 is published once the standby is warm, and the kill follows at once,
-    # so it lands while the workers connect, broadcast the initial model or run their first steps.
+    # so it lands while the workers connect, broadcast the initial model or run their first steps. A 5 ms pace
+    # (a sleep; numbers unchanged) keeps the job running past the kill on a fast machine too.
     job = subprocess.Popen(
         [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
-         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", str(steps)],
+         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", str(steps), "--pace-ms", "5"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

@@ -28,7 +28,8 @@ from tests.stack_dumps import assert_no_stack_dump
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 1500  # long enough (about 10 s here) to warm a standby mid-training; shares test_cli's reference run
+STEPS = 300  # one clean reference run of this length serves test_cli's, test_outsider's and these scenarios
+PACE_MS = 25  # with it, a job of STEPS lasts 7.5 s or more on any machine (a sleep: no CPU, numbers unchanged)
 SHORT = 100  # for scenarios that steer the job as soon as its generation 0 is published
 SECRET = "0123456789abcdef" * 4  # the job's and the orchestrator's: JobControl signs commands with it
 Event = dict[str, Any]
@@ -37,11 +38,12 @@ Event = dict[str, Any]
 class Job:
     """A `trainmover run` subprocess and its events file."""
 
-    def __init__(self, tmp_path: Path, *args: str, steps: int = STEPS) -> None:
+    def __init__(self, tmp_path: Path, *args: str, steps: int = STEPS, pace_ms: float = 0.0) -> None:
         self.events_path = tmp_path / "events.jsonl"
+        pace = ("--pace-ms", str(pace_ms)) if pace_ms else ()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--threads", "1", "--quiet",
-             "--events", str(self.events_path), *args, str(TINY_JOB), "--steps", str(steps)],
+             "--events", str(self.events_path), *args, str(TINY_JOB), "--steps", str(steps), *pace],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, ENV_SECRET: SECRET},
         )
@@ -78,8 +80,10 @@ class Job:
 
 
 @contextmanager
-def running(tmp_path: Path, *args: str, steps: int = STEPS) -> Iterator[Job]:
-    job = Job(tmp_path, *args, steps=steps)
+def running(tmp_path: Path, *args: str, steps: int = STEPS, pace_ms: float = 0.0) -> Iterator[Job]:
+    """The job; `pace_ms` adds that much wall time after each step (without CPU; the numbers are unchanged, so
+    the unpaced reference run of the same steps still applies), for a scenario that needs the job to last."""
+    job = Job(tmp_path, *args, steps=steps, pace_ms=pace_ms)
     try:
         yield job
     finally:
@@ -102,10 +106,12 @@ def test_a_raised_standby_target_starts_a_standby_that_then_covers_a_failure(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
     port = free_port()
-    # Rank 1 is SIGKILLed at step 1400, long after the new standby is warm (about 8 s in; the run takes 15 s).
-    # On a slower machine the coordinator would wait for the standby still warming: covered either way.
+    # Rank 1 is SIGKILLed at step 200, long after the new standby is warm (5 s or more in, paced; a forked standby
+    # warms in well under a second). On a slower machine the coordinator would wait for the standby still warming:
+    # covered either way.
     kill = f"kill:rank=1,step={STEPS - 100},phase=exchange"
-    with running(tmp_path, "--standby", "0", "--port", str(port), "--standby-wait", "120", "--faults", kill) as job:
+    with running(tmp_path, "--standby", "0", "--port", str(port), "--standby-wait", "120", "--faults", kill,
+                 pace_ms=PACE_MS) as job:
         job.wait_for("job_started")
         with JobControl("127.0.0.1", port, timeout_s=10, secret=SECRET) as control:
             control.set_standby_target(1)
@@ -130,14 +136,14 @@ def test_a_planned_move_hands_the_rank_to_the_standby_bit_exactly(
 ) -> None:
     # Generation 0 is published once the standby is warm; the move follows at once and lands while the workers
     # connect, broadcast the initial model or run their first steps.
-    with running(tmp_path, "--standby", "1", "--wait-for-standbys", steps=SHORT) as job:
+    with running(tmp_path, "--standby", "1", "--wait-for-standbys") as job:
         job.wait_for("generation")
         with job.control() as control:
             outcome = control.wait_move(control.move([1], "spot_interruption"), timeout_s=10)
         assert outcome.accepted, outcome.reason
         finished = job.finish()
 
-    assert set(finished["digests"].values()) == {reference_digest(2, SHORT)}
+    assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
     assert set(finished["digests"]) == {"w0", "s0"}
     (accepted,) = job.events("move_accepted")
     assert accepted["ranks"] == [1] and accepted["procs"] == ["w1"] and accepted["reason"] == "spot_interruption"
@@ -146,23 +152,6 @@ def test_a_planned_move_hands_the_rank_to_the_standby_bit_exactly(
     (recovered,) = job.events("recovered")
     assert recovered["causes"] == ["planned_move:spot_interruption"]
     assert recovered["ranks"] == [{"rank": 1, "old": "w1", "new": "s0"}] and recovered["tier"] == "warm"
-
-
-def test_a_move_with_no_standby_ready_is_refused_and_training_goes_on(
-    tmp_path: Path, reference_digest: Callable[[int, int], str]
-) -> None:
-    with running(tmp_path, "--standby", "0", steps=SHORT) as job:
-        with job.control() as control:
-            job.wait_for("generation")  # the move is answered within a tick, long before the workers are done
-            outcome = control.wait_move(control.move([1], "maintenance"), timeout_s=10)
-        assert not outcome.accepted and outcome.reason == "no standby ready"
-        finished = job.finish()
-
-    (rejected,) = job.events("control_rejected")
-    assert (rejected["control"], rejected["reason"], rejected["ranks"]) == ("move", "no standby ready", [1])
-    assert not job.events("member_failed") and not job.events("move_accepted")
-    assert set(finished["digests"]) == {"w0", "w1"}
-    assert set(finished["digests"].values()) == {reference_digest(2, SHORT)}
 
 
 def test_a_lowered_standby_target_releases_the_standbys(tmp_path: Path) -> None:
@@ -185,11 +174,15 @@ def test_a_lowered_standby_target_releases_the_standbys(tmp_path: Path) -> None:
             os.kill(e["pid"], 0)  # killed and reaped
 
 
-def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) -> None:
+def test_garbage_in_the_control_keys_and_a_move_with_no_standby_are_rejected_and_training_goes_on(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    # One job without standbys: every bad value is answered once, then a well-formed move is refused because no
+    # standby is ready; none of it touches the workers, which end exactly as an uninterrupted run.
     bad_targets = ["many", "-1", "65"]
     bad_moves = ["not json", '{"ranks": [1]}', '{"seq": 1, "ranks": "1"}', '{"seq": 2, "ranks": [7]}',
                  '{"seq": 3, "ranks": [0, 1]}']
-    with running(tmp_path, "--standby", "0", steps=600) as job:
+    with running(tmp_path, "--standby", "0", pace_ms=PACE_MS) as job:
         with job.control() as control:
             job.wait_for("generation")
             for i, value in enumerate(bad_targets):
@@ -200,17 +193,23 @@ def test_garbage_in_the_control_keys_is_rejected_without_harm(tmp_path: Path) ->
                 job.wait_for("control_rejected", count=len(bad_targets) + i + 1)
             with pytest.raises(ValueError):
                 control.set_standby_target(-1)  # the client refuses before anything is written
+            outcome = control.wait_move(control.move([1], "maintenance"), timeout_s=10)
+        assert not outcome.accepted and outcome.reason == "no standby ready"
         finished = job.finish()
 
-    reasons = [(e["control"], e["reason"]) for e in job.events("control_rejected")]
-    assert len(reasons) == len(bad_targets) + len(bad_moves), "each bad value is answered once"
+    rejected = job.events("control_rejected")
+    reasons = [(e["control"], e["reason"]) for e in rejected]
+    assert len(reasons) == len(bad_targets) + len(bad_moves) + 1, "each bad value is answered once"
     assert reasons[0] == ("standby_target", "standby target 'many' is not an integer")
     assert reasons[2] == ("standby_target", "standby target 65 is outside 0..64")
     assert reasons[3] == ("move", "move request is not JSON")
     assert reasons[6][1] == "ranks [7] are not all worker ranks (0..1)"
     assert reasons[7][1].startswith("moving every rank at once would lose the training state")
+    assert (rejected[-1]["control"], rejected[-1]["reason"], rejected[-1]["ranks"]) == ("move", "no standby ready", [1])
     assert not job.events("standby_target_changed") and not job.events("member_failed")
+    assert not job.events("move_accepted")
     assert set(finished["digests"]) == {"w0", "w1"}
+    assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
 
 
 def test_a_client_of_a_job_that_is_not_there_gets_one_clear_error() -> None:

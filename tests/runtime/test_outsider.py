@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from runtime import store as keys
 from runtime.control import JobControl, JobNotFound
-from tests.runtime.test_control import SECRET, STEPS, running
+from tests.runtime.test_control import PACE_MS, SECRET, STEPS, running
 
 pytestmark = pytest.mark.slow
 
@@ -57,11 +57,22 @@ def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
 def test_an_outsider_without_the_secret_steers_nothing_and_the_job_ends_bit_exact(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
+    """Also: the store and Gloo listen only on the job's address (checked first, while every process is up)."""
     kill = f"kill:rank=1,step={STEPS // 2},phase=exchange"
-    with running(tmp_path, "--standby", "1", "--wait-for-standbys", "--faults", kill) as job:
+    # Paced so that the kill (5 s or more in) comes after the forgeries below, and the job outlasts the waits.
+    with running(tmp_path, "--standby", "1", "--wait-for-standbys", "--faults", kill, pace_ms=1.4 * PACE_MS) as job:
         (started,) = job.wait_for("job_started")
         port = started["port"]
-        job.wait_for("standby_ready")
+        (gen,) = job.wait_for("generation")  # published once the standby is warm (--wait-for-standbys)
+        (ready,) = job.wait_for("standby_ready")
+
+        # 0. Where the job listens: the launcher's store, every member's and the standby's sockets.
+        addresses = listening_addresses([job.proc.pid, ready["pid"]] + [m["pid"] for m in gen["members"]])
+        assert ("127.0.0.1", port) in addresses
+        assert all(host == "127.0.0.1" for host, _ in addresses), addresses
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.2", port), timeout=2).close()
+
         outsider = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))
 
         # 1. It reads what it can name: nothing there is the secret, or a proof it could use elsewhere.
@@ -129,19 +140,3 @@ def test_an_outsider_without_the_secret_steers_nothing_and_the_job_ends_bit_exac
         assert f"ignored a value of {kind}" in job.stderr, f"a member refused the forged {kind}"
     assert [e for e in job.events("untrusted_value") if e["key_kind"] == "proc/w#/fatal"], "read when w1 died"
     assert "Traceback" not in job.stderr and "Exception raised from" not in job.stderr
-
-
-def test_the_store_and_gloo_listen_only_on_the_jobs_address(tmp_path: Path) -> None:
-    with running(tmp_path, "--standby", "1", steps=600) as job:
-        (started,) = job.wait_for("job_started")
-        (gen,) = job.wait_for("generation")
-        job.wait_for("standby_ready")
-        pids = [job.proc.pid] + [m["pid"] for m in gen["members"]] + [
-            e["pid"] for e in job.events("standby_ready")]
-        addresses = listening_addresses(pids)
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.2", started["port"]), timeout=2).close()
-        job.finish()
-
-    assert ("127.0.0.1", started["port"]) in addresses
-    assert all(host == "127.0.0.1" for host, _ in addresses), addresses

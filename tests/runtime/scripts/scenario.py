@@ -17,11 +17,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pace-ms", type=float, default=0.0,
                    help="wall time added after each step while a chaos monkey is at work (a slower model, without "
                         "its CPU); numbers unchanged")
+    p.add_argument("--pace-end-factor", type=float, default=1.0,
+                   help="in the last quarter of the steps, a monkey still at work meets a model this many times "
+                        "slower (so that a short run outlasts the faults on a slow machine too); numbers unchanged")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="wall time added after every step (a slower model, without its CPU), so that a test's outside "
+                        "action (a cut link, a killed agent) lands mid-training; numbers unchanged")
     return p
 
 
 def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
     if args.pace_ms and not job.store.check([k_chaos_done()]):
-        time.sleep(args.pace_ms / 1000)
+        factor = args.pace_end_factor if result.step > args.steps * 3 // 4 else 1.0
+        time.sleep(args.pace_ms * factor / 1000)
+    if args.step_ms:
+        time.sleep(args.step_ms / 1000)
     if result.step == args.raise_at:
         raise ValueError(f"a bug in the training script at step {result.step}")

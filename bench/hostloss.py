@@ -1,0 +1,88 @@
+"""The recovery benchmark's `host_loss` section: a whole host killed mid-exchange, across network namespaces.
+
+Two hosts of two workers each and one standby host of two slots per kill, each host a Linux network namespace
+running `trainmover agent`, the coordinator beside them (bench.netns). Each kill is the `host` fault action on
+whoever holds rank 3 (rank 0, whose commits are timed, survives), mid gradient exchange: its agent and then
+itself are SIGKILLed, the host's other process follows its agent, the coordinator sees the host's link close,
+and both ranks of the host go to the next standby host in one generation, fed by the other host's members.
+Figures have the single-host section's keys (bench.recovery.summarize_trainmover), against a clean run of the
+same hosts and world size.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.netns import ROOT, Cluster, Events, cluster, unavailable
+from bench.peers.trainmover import OUT_ENV, TM_SCRIPT, JobRun, collect
+from bench.workload import SPEC_ENV, WorkloadSpec
+
+SLOTS = 2
+WORKER_HOSTS = 2
+
+
+def run_hosts_job(spec: WorkloadSpec, steps: int, faults: str, standby_hosts: int) -> JobRun:
+    with tempfile.TemporaryDirectory(prefix="tm-hosts-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        with cluster(WORKER_HOSTS + standby_hosts, Path(tmp)) as c:
+            return _run(c, Path(tmp), out, spec, steps, faults, standby_hosts)
+
+
+def _run(c: Cluster, tmp: Path, out: Path, spec: WorkloadSpec, steps: int, faults: str,
+         standby_hosts: int) -> JobRun:
+    secret = secrets.token_hex(32)
+    with socket.socket() as probe:
+        probe.bind((c.coordinator_ip, 0))
+        port = probe.getsockname()[1]
+    events = Events(tmp / "events.jsonl")
+    cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", str(len(c.hosts)), "--agent-port",
+           str(port), "--host", c.coordinator_ip, "--nproc", str(WORKER_HOSTS * SLOTS), "--standby",
+           str(standby_hosts * SLOTS), "--threads", "1", "--no-replenish", "--wait-for-standbys", "--quiet",
+           "--hang-timeout", "6",
+           "--events", str(events.path), *(["--faults", faults] if faults else []), str(TM_SCRIPT), str(steps)]
+    env = {SPEC_ENV: spec.to_env(), OUT_ENV: str(out)}
+    with open(tmp / "coordinator.log", "wb") as log:
+        coord = subprocess.Popen(cmd, env={**os.environ, **env, "TRAINMOVER_JOB_SECRET": secret}, stdout=log,
+                                 stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        for i in range(len(c.hosts)):
+            c.start_agent(i, port, secret, SLOTS, "--quiet", env=env)
+        code = coord.wait(timeout=1800)
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+            coord.wait(timeout=10)
+    evs = events.read()
+    finished = [e for e in evs if e["event"] == "job_finished"]
+    failed = [e for e in evs if e["event"] == "job_failed"]
+    message = failed[0]["reason"] if failed else (tmp / "coordinator.log").read_text()[-2000:] if code else "done"
+    digests = finished[0]["digests"] if finished else {}
+    return collect(out, evs, code, message, digests)
+
+
+def host_loss(spec: WorkloadSpec, kill_steps: list[int], steps: int, handoff_floor_s: float, floor_s: float
+              ) -> dict[str, Any]:
+    """The host-loss section, or why it was skipped (network namespaces need root and iproute2)."""
+    from bench.recovery import summarize_trainmover
+
+    reason = unavailable()
+    if reason:
+        return {"skipped": reason}
+    clean = run_hosts_job(spec, steps, "", len(kill_steps))
+    plan = ";".join(f"host:rank=3,step={k},phase=exchange" for k in kill_steps)  # rank 0 (the recorder) survives
+    killed = run_hosts_job(spec, steps, plan, len(kill_steps))
+    tm = summarize_trainmover([clean], killed, kill_steps, handoff_floor_s, floor_s)
+    tm["settings"] = {"hosts": WORKER_HOSTS, "slots": SLOTS, "standby_hosts": len(kill_steps),
+                      "workers": WORKER_HOSTS * SLOTS, "replenish": False, "wait_for_standbys": True,
+                      "kills": f"the whole host of whoever holds rank 3 (its agent, then every process), mid "
+                               f"gradient exchange, at steps {kill_steps}; each host a network namespace"}
+    tm["ranks_per_recovery"] = [len(e["ranks"]) for e in killed.of_kind("recovered")]
+    tm["generations_per_recovery"] = [e.get("generations") for e in killed.of_kind("recovered")]
+    return tm

@@ -1,0 +1,295 @@
+"""`trainmover agent`: one per host. It starts the processes the coordinator assigns to this host's slots.
+
+Started by whatever starts a command on every host (cloud-init, a Kubernetes pod, Slurm `srun`, SkyPilot's
+`run:`) with the coordinator's agent address, the host's slot count and the job's secret (from a file or the
+`TRAINMOVER_JOB_SECRET` variable, never the command line: that shows in `ps`). It:
+
+- opens one authenticated link to the coordinator (`runtime.protocol`) and refuses a coordinator that cannot
+  prove the job's secret;
+- starts each assigned worker or standby in its slot (its local rank, and on NCCL its own GPU), with the
+  job's secret in its environment, and watches it with a pidfd: an exit is reported at once, with its status;
+- heartbeats for the host; the coordinator's beats renew its lease. **Fencing**: when it has heard nothing from
+  the coordinator for longer than the lease (a partition, a dead coordinator), it kills every process it
+  started, then comes back as a new host (a new incarnation, which the coordinator treats as a fresh standby
+  host at most, never as the old one) until `--connect-timeout` passes without a coordinator;
+- is the parent its processes watch: each training process kills itself within one heartbeat when its agent
+  dies (runtime.job), so an agent crash fences its processes and the coordinator sees a lost host. This is the
+  documented choice over re-adopting orphans: a new agent could not prove that an orphan is what the old one
+  started, and the host's ranks move to standbys in one generation either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from runtime.auth import ENV_SECRET
+from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN
+from runtime.netaddr import interface_of
+from runtime.protocol import (
+    Beat,
+    Exited,
+    Fence,
+    GenerationNotice,
+    Hello,
+    Link,
+    ProtocolError,
+    Signal,
+    Spawn,
+    Started,
+    Stop,
+    Welcome,
+    new_nonce,
+    session_key,
+)
+
+log = logging.getLogger("trainmover.agent")
+
+ENV_AGENT_PID = "TM_AGENT_PID"
+"""The agent's pid, in every process it starts: the process kills itself when that pid is gone."""
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ALLOWED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+"""What a spawn order may set besides the runtime's own TM_* launch variables."""
+HANDSHAKE_S = 10.0
+RETRY_S = 0.2
+
+
+class AgentError(RuntimeError):
+    """A setting the user got wrong, or a coordinator that could not be joined; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    coordinator: str
+    """HOST:PORT of the coordinator's agent port."""
+    slots: int
+    """Processes this host runs at once (one per GPU)."""
+    secret: str = field(repr=False)
+    name: str = field(default_factory=socket.gethostname)
+    """This host's name in the job's events."""
+    address: str | None = None
+    """Where this host's processes listen for their peers; default: this end of the link to the coordinator."""
+    job_id: str = ""
+    """Join only this job (empty: whichever job the coordinator runs)."""
+    connect_timeout_s: float = 60.0
+    """How long to keep trying to reach the coordinator, at start and after being fenced."""
+    rejoin: bool = True
+    """After being fenced, come back as a new host (a standby host) instead of exiting."""
+
+    def endpoint(self) -> tuple[str, int]:
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise AgentError(f"--coordinator must be HOST:PORT (the agent port), got {self.coordinator!r}")
+        return host.strip("[]"), int(port)
+
+
+class _Child:
+    def __init__(self, proc: str, slot: int, popen: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.slot = slot
+        self.popen = popen
+        self.pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self.pidfd = os.pidfd_open(popen.pid)
+
+
+Outcome = Literal["stop", "fenced", "lease", "closed"]
+
+
+class Agent:
+    """One host's agent; `run()` returns its exit status."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        if cfg.slots < 1:
+            raise AgentError(f"--slots must be 1 or more (the host's GPUs, or processes on CPU), got {cfg.slots}")
+        cfg.endpoint()
+        self.cfg = cfg
+        self.children: dict[str, _Child] = {}
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.exit_code = 0
+        self.fenced = 0
+        """Times this agent fenced itself or was fenced (a test reads it from the log)."""
+
+    # -- the outer loop: connect, serve, fence, come back as new -------------------------------------
+    def run(self) -> int:
+        while True:
+            sock = self._connect()
+            if sock is None:
+                log.error("agent %s: no coordinator at %s within %.0f s; exiting", self.cfg.name, self.cfg.coordinator,
+                          self.cfg.connect_timeout_s)
+                return 4
+            try:
+                outcome = self._serve(sock)
+            except (ProtocolError, OSError) as exc:
+                log.error("agent %s: the link to the coordinator failed: %s", self.cfg.name, exc)
+                outcome = "closed"
+            finally:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            self._kill_all()
+            if outcome == "stop":
+                return self.exit_code
+            self.fenced += 1
+            if not self.cfg.rejoin:
+                return 3
+            self.incarnation = uuid.uuid4().hex[:8]
+            log.warning("agent %s: fenced (%s); every process it started is gone; coming back as incarnation %s",
+                        self.cfg.name, outcome, self.incarnation)
+
+    def _connect(self) -> socket.socket | None:
+        host, port = self.cfg.endpoint()
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            try:
+                return socket.create_connection((host, port), timeout=min(2.0, self.cfg.connect_timeout_s))
+            except OSError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(RETRY_S)  # a retry pace, not a synchronisation: the coordinator may not be up yet
+
+    # -- one link ------------------------------------------------------------------------------------
+    def _serve(self, sock: socket.socket) -> Outcome:
+        link = Link(sock, "agent")
+        nonce = new_nonce()
+        address = self.cfg.address or sock.getsockname()[0]
+        link.send(Hello(job_id=self.cfg.job_id, host=self.cfg.name, incarnation=self.incarnation,
+                        slots=self.cfg.slots, address=address, pid=os.getpid(), nonce=nonce))
+        welcome, raw = link.recv(HANDSHAKE_S)
+        if isinstance(welcome, Fence):
+            raise AgentError(f"the coordinator refused this host: {welcome.reason}")
+        if not isinstance(welcome, Welcome) or not isinstance(raw.get("cn"), str):
+            raise ProtocolError(f"expected welcome, got {type(welcome).__name__}")
+        link.key = session_key(self.cfg.secret, nonce, raw["cn"])
+        if not link.check_last():
+            raise AgentError("the coordinator could not prove the job's secret: check that this agent and the "
+                             "coordinator read the same secret (a different job, or an impostor, is listening there)")
+        link.send(Beat())  # sealed: this host's proof of the secret
+        log.info("agent %s (incarnation %s): joined the coordinator at %s with %d slots, address %s",
+                 self.cfg.name, self.incarnation, self.cfg.coordinator, self.cfg.slots, address)
+        sock.settimeout(5.0)  # sends only; reads happen when the selector says so
+        heard = time.monotonic()
+        beat_due = heard + welcome.heartbeat_s
+        sel = selectors.DefaultSelector()
+        sel.register(sock, selectors.EVENT_READ, None)
+        try:
+            for msg, _ in link.feed(b""):  # orders that arrived with the welcome
+                outcome = self._handle(msg, link, sel, address)
+                if outcome is not None:
+                    return outcome
+            while True:
+                now = time.monotonic()
+                if now - heard > welcome.lease_s:
+                    log.error("agent %s: nothing from the coordinator for %.1f s (lease %.1f s): fencing this host",
+                              self.cfg.name, now - heard, welcome.lease_s)
+                    return "lease"
+                for key, _ in sel.select(max(0.0, min(beat_due, heard + welcome.lease_s) - now)):
+                    if key.data is None:
+                        data = sock.recv(65536)
+                        if not data:
+                            return "closed"
+                        heard = time.monotonic()
+                        for msg, _ in link.feed(data):
+                            outcome = self._handle(msg, link, sel, address)
+                            if outcome is not None:
+                                return outcome
+                    else:
+                        self._reap(key.data, link, sel)
+                if time.monotonic() >= beat_due:
+                    link.send(Beat())
+                    beat_due = time.monotonic() + welcome.heartbeat_s
+        finally:
+            sel.close()
+
+    def _handle(self, msg: object, link: Link, sel: selectors.BaseSelector, address: str) -> Outcome | None:
+        if isinstance(msg, Spawn):
+            link.send(self._spawn(msg, address, sel))
+        elif isinstance(msg, Signal):
+            child = self.children.get(msg.proc)
+            if child is not None and child.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.popen.send_signal(signal.SIGKILL if msg.signal == "kill" else signal.SIGSTOP)
+        elif isinstance(msg, Fence):
+            log.error("agent %s: the coordinator fenced this host: %s", self.cfg.name, msg.reason)
+            return "fenced"
+        elif isinstance(msg, Stop):
+            self.exit_code = 0
+            return "stop"
+        elif isinstance(msg, (Beat, GenerationNotice)):
+            pass
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the coordinator")
+        return None
+
+    def _spawn(self, order: Spawn, address: str, sel: selectors.BaseSelector) -> Started:
+        if not 0 <= order.slot < self.cfg.slots:
+            return Started(order.proc, -1, f"slot {order.slot} does not exist (this host has {self.cfg.slots})")
+        if order.proc in self.children and self.children[order.proc].popen.poll() is None:
+            return Started(order.proc, -1, f"{order.proc} is running already")
+        busy = [c.proc for c in self.children.values() if c.slot == order.slot and c.popen.poll() is None]
+        if busy:
+            return Started(order.proc, -1, f"slot {order.slot} is held by {busy[0]}")
+        unknown = [k for k in order.env if not (k.startswith("TM_") or k in ALLOWED_ENV)]
+        if unknown or ENV_JOB_TOKEN in order.env:
+            return Started(order.proc, -1, f"refused environment variables {sorted(unknown) or [ENV_JOB_TOKEN]}")
+        env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
+        env.update(order.env)
+        env.update({ENV_JOB_TOKEN: self.cfg.secret, ENV_AGENT_PID: str(os.getpid()), ENV_LOCAL_RANK: str(order.slot),
+                    ENV_BIND_HOST: address})
+        iface = interface_of(address)
+        if iface is not None:
+            env.setdefault("GLOO_SOCKET_IFNAME", iface)
+            env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        if order.env.get(ENV_BACKEND) == "nccl":
+            env["CUDA_VISIBLE_DEVICES"] = str(order.slot)
+        try:
+            popen = subprocess.Popen([sys.executable, *order.argv], env=env, start_new_session=True)
+        except OSError as exc:
+            return Started(order.proc, -1, f"cannot start {order.argv[:1]}: {exc}")
+        child = _Child(order.proc, order.slot, popen)
+        self.children[order.proc] = child
+        if child.pidfd is not None:
+            sel.register(child.pidfd, selectors.EVENT_READ, child)
+        log.info("agent %s: started %s %s in slot %d (pid %d)", self.cfg.name, order.role, order.proc, order.slot,
+                 popen.pid)
+        return Started(order.proc, popen.pid)
+
+    def _reap(self, child: _Child, link: Link, sel: selectors.BaseSelector) -> None:
+        at = time.time()
+        assert child.pidfd is not None
+        sel.unregister(child.pidfd)
+        os.close(child.pidfd)
+        child.pidfd = None
+        code = child.popen.wait(timeout=5.0)
+        link.send(Exited(child.proc, child.popen.pid, code, at))
+
+    def _kill_all(self) -> None:
+        """Fence: every process this agent started is dead when this returns."""
+        for child in self.children.values():
+            if child.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.popen.send_signal(signal.SIGKILL)
+        for child in self.children.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=5.0)
+            if child.pidfd is not None:
+                os.close(child.pidfd)
+                child.pidfd = None
+        self.children.clear()
+
+
+def configure_agent_logging(quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[trainmover] %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.ERROR if quiet else logging.INFO)
+    log.propagate = False

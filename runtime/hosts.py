@@ -1,0 +1,502 @@
+"""The coordinator's side of the agents: hosts, their slots, their processes, and whole-host failures.
+
+`HostPool` is the coordinator's `ProcessPool` across machines: it never starts a process itself; it places
+each worker and standby in a slot of a host whose agent joined (`runtime.agent`), orders the agent to start
+it, and hands the coordinator a `RemoteProcess` that behaves like a local child (poll, kill, wait). One thread
+serves every agent link (accept, handshake, frames, beats, timeouts) and wakes the coordinator's loop through
+a pipe when a process exits or a host is lost.
+
+A host is **lost** when its agent's link closes (the agent died: the kernel closes its socket, so this is seen
+at once) or when nothing arrives from it for `host_timeout_s` (a partition, a frozen machine). Every process of
+a lost host exits at that moment as far as the coordinator is concerned, so all its ranks go to standbys in
+one generation. The agent fences itself on its side after `lease_s` < `host_timeout_s` of silence, so by the
+time its ranks are given away its processes are dead; a host that comes back is a new incarnation, never
+readmitted in its old role.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.protocol import (
+    Beat,
+    Exited,
+    Fence,
+    GenerationNotice,
+    Hello,
+    Link,
+    Message,
+    ProtocolError,
+    Signal,
+    Spawn,
+    Started,
+    Stop,
+    Welcome,
+    new_nonce,
+    session_key,
+)
+
+log = logging.getLogger("trainmover.coordinator")
+
+SPAWN_ANSWER_S = 10.0
+HANDSHAKE_S = 5.0
+
+
+class NoSlot(RuntimeError):
+    """No host has a free slot for one more process."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostTiming:
+    heartbeat_s: float = 0.5
+    """Beats each way."""
+    lease_s: float = 2.0
+    """An agent that hears nothing for this long kills its processes."""
+    host_timeout_s: float = 3.0
+    """A host silent this long is lost. Longer than the lease plus a beat: its processes are fenced by then."""
+
+    def validate(self) -> None:
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"the agents' heartbeat must be positive, got {self.heartbeat_s}")
+        if self.lease_s < 2 * self.heartbeat_s:
+            raise ValueError(f"the agents' lease ({self.lease_s} s) must span two heartbeats ({self.heartbeat_s} s)")
+        if self.host_timeout_s < self.lease_s + self.heartbeat_s:
+            raise ValueError(f"--host-timeout ({self.host_timeout_s} s) must exceed the agents' lease plus a heartbeat "
+                             f"({self.lease_s + self.heartbeat_s} s): a host's processes must be fenced before "
+                             "its ranks are given away")
+
+
+@dataclass
+class Host:
+    name: str
+    incarnation: str
+    slots: int
+    address: str
+    pid: int
+    link: Link
+    joined_wall: float
+    last_seen: float
+    last_seen_wall: float
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    procs: dict[int, RemoteProcess] = field(default_factory=dict)
+    """slot -> the process the coordinator placed there (alive or not yet reported gone)."""
+    lost: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}#{self.incarnation}"
+
+
+class RemoteProcess:
+    """A training process on an agent's host, as the coordinator sees it."""
+
+    def __init__(self, pool: HostPool, name: str, role: str, host: Host, slot: int) -> None:
+        self.pool = pool
+        self.name = name
+        self.role = role
+        self.host = host
+        self.slot = slot
+        self.pid = -1
+        self.code: int | None = None
+        self.cause: str | None = None
+        self.exited_at: float | None = None
+        self.start_error = ""
+        self.started = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def exit_cause(self) -> str | None:
+        return self.cause
+
+    def kill(self) -> None:
+        self.send_signal("kill")
+
+    def send_signal(self, sig: str) -> None:
+        if self.code is None:
+            self.pool.order(self.host, Signal(self.name, "kill" if sig == "kill" else "stop"))
+
+    def wait(self, timeout_s: float) -> int | None:
+        return self.pool.wait_exit(self, timeout_s)
+
+    def exit_fd(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class HostPool:
+    """Places processes on the agents' hosts; see the module's docstring."""
+
+    def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
+                 env: dict[str, str], timing: HostTiming) -> None:
+        self.listener = listen
+        self.token = token
+        self.job_id = job_id
+        self.argv = argv
+        self.env = env
+        """Launch variables of every process, without the secret and without the per-process ones."""
+        self.timing = timing
+        self.hosts: list[Host] = []
+        self._by_sock: dict[socket.socket, Host | _Pending] = {}
+        self._cond = threading.Condition()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._events: list[tuple[str, dict[str, Any]]] = []
+        self._members: set[str] = set()
+        self._halt = False
+        self._closing = False
+        self.frames_in = 0
+        self.frames_out = 0
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listen, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._serve, name="trainmover-agents", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    # -- the coordinator's side ----------------------------------------------------------------------
+    def wake_fd(self) -> int:
+        """Readable when a process exited or a host was lost; `drain_wake` empties it."""
+        return self._wake_r
+
+    def drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def take_events(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._cond:
+            out, self._events = self._events, []
+        return out
+
+    def live_hosts(self) -> list[Host]:
+        with self._cond:
+            return [h for h in self.hosts if h.lost is None]
+
+    def wait_for_hosts(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len([h for h in self.hosts if h.lost is None]) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = len([h for h in self.hosts if h.lost is None])
+                    raise TimeoutError(f"{have} of {count} agents joined within {timeout_s:.0f} s")
+                self._cond.wait(left)
+
+    def free_slots(self) -> int:
+        with self._cond:
+            return sum(h.slots - len(h.procs) for h in self.hosts if h.lost is None)
+
+    def spawn(self, name: str, role: str) -> RemoteProcess:
+        with self._cond:
+            host, slot = self._place(role)
+            handle = RemoteProcess(self, name, role, host, slot)
+            host.procs[slot] = handle
+        env = {**self.env, "TM_PROC": name, "TM_ROLE": role}
+        self.order(host, Spawn(name, role, slot, list(self.argv), env))
+        handle.started.wait(SPAWN_ANSWER_S)
+        with self._cond:
+            if handle.pid < 0 and handle.code is None:
+                why = handle.start_error or f"its agent did not answer within {SPAWN_ANSWER_S:.0f} s"
+                self._exit(handle, 127, f"could not start on host {host.key}: {why}", time.time())
+            self._events.append(("placed", {"proc": name, "role": role, "host": host.name,
+                                            "incarnation": host.incarnation, "slot": slot, "pid": handle.pid}))
+        return handle
+
+    def _place(self, role: str) -> tuple[Host, int]:
+        """Workers fill hosts in the order they joined; a standby goes to a host that holds no member (a
+        standby host) first, else to any free slot."""
+        live = [h for h in self.hosts if h.lost is None]
+
+        def free(h: Host) -> list[int]:
+            return [s for s in range(h.slots) if s not in h.procs]
+
+        def holds_member(h: Host) -> bool:
+            return any(p.role == "worker" or p.name in self._members for p in h.procs.values())
+
+        order = live if role == "worker" else sorted(live, key=lambda h: holds_member(h))
+        for h in order:
+            slots = free(h)
+            if slots:
+                return h, slots[0]
+        raise NoSlot(f"no free slot on the {len(live)} hosts of the job")
+
+    def wait_exit(self, handle: RemoteProcess, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while handle.code is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return handle.code
+
+    def suspect(self, name: str) -> bool:
+        """Whether the host of process `name` has been silent for two beats (it may be lost: let the host
+        timeout decide, so that all its ranks move in one generation)."""
+        with self._cond:
+            for h in self.hosts:
+                for p in h.procs.values():
+                    if p.name == name:
+                        return h.lost is None and time.monotonic() - h.last_seen > 2 * self.timing.heartbeat_s
+        return False
+
+    def announce(self, gen: int, members: list[str]) -> None:
+        """Tell every live agent the new generation."""
+        with self._cond:
+            self._members = set(members)
+            hosts = [h for h in self.hosts if h.lost is None]
+        for h in hosts:
+            self.order(h, GenerationNotice(gen, []))
+
+    def order(self, host: Host, msg: Message) -> None:
+        if host.lost is not None:
+            return
+        try:
+            with host.send_lock:
+                host.link.send(msg)
+                self.frames_out += 1
+        except OSError as exc:
+            with self._cond:
+                self._lose(host, f"its link failed ({exc.strerror or exc})", time.time())
+
+    def close(self, exit_code: int = 0) -> None:
+        """The job is over: every agent is told to stop, and the link thread ends."""
+        self._closing = True  # agents leaving now are not lost hosts
+        for h in self.live_hosts():
+            self.order(h, Stop(exit_code))
+        self._halt = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5.0)
+        for sock in list(self._by_sock):
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def helpers(self) -> dict[str, int]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """For the job_started event: where agents connect, and the hosts that joined."""
+        return {"agent_port": self.port, "hosts": [
+            {"host": h.name, "incarnation": h.incarnation, "slots": h.slots, "address": h.address}
+            for h in self.live_hosts()]}
+
+    # -- the link thread -----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        check_due = beat_due = time.monotonic()
+        while not self._halt:
+            for key, _ in self._sel.select(max(0.0, min(check_due, beat_due) - time.monotonic())):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)  # type: ignore[arg-type]
+            now = time.monotonic()
+            if now >= check_due:  # silences are judged twice per beat; beats go out once per beat
+                check_due = now + self.timing.heartbeat_s / 2
+                self._tick(now, beat=now >= beat_due)
+                if now >= beat_due:
+                    beat_due = now + self.timing.heartbeat_s
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            sock, _ = self.listener.accept()
+            sock.settimeout(2.0)
+            self._by_sock[sock] = _Pending(Link(sock, "coordinator"), time.monotonic())
+            self._sel.register(sock, selectors.EVENT_READ, True)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._by_sock.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _read(self, sock: socket.socket) -> None:
+        peer = self._by_sock.get(sock)
+        if peer is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except (OSError, TimeoutError) as exc:
+            data, err = b"", str(exc)
+        else:
+            err = "its agent's link closed"
+        if not data:
+            self._drop(sock)
+            if isinstance(peer, Host):
+                with self._cond:
+                    self._lose(peer, err, time.time())
+            return
+        try:
+            if isinstance(peer, _Pending):  # one frame at a time: the key changes after the first
+                peer.link.push(data)
+                while isinstance(self._by_sock.get(sock), _Pending) and (got := peer.link.next_message()) is not None:
+                    self._handshake(sock, peer, [got])
+                if isinstance(self._by_sock.get(sock), Host):
+                    self._read_buffered(sock)
+                return
+            messages = peer.link.feed(data)
+        except ProtocolError as exc:
+            self._drop(sock)
+            log.warning("refused an agent link from %s: %s", _peer_name(sock), exc)
+            with self._cond:
+                self._events.append(("agent_refused", {"peer": _peer_name(sock), "reason": str(exc)}))
+                if isinstance(peer, Host):
+                    self._lose(peer, f"it sent a bad frame ({exc})", time.time())
+            return
+        with self._cond:
+            peer.last_seen, peer.last_seen_wall = time.monotonic(), time.time()
+            self.frames_in += len(messages)
+            for msg, _ in messages:
+                self._on_message(peer, msg)
+
+    def _read_buffered(self, sock: socket.socket) -> None:
+        """Frames that came with the agent's proof, now that it is a host."""
+        host = self._by_sock[sock]
+        assert isinstance(host, Host)
+        with self._cond:
+            for msg, _ in host.link.feed(b""):
+                self._on_message(host, msg)
+
+    def _handshake(self, sock: socket.socket, pending: _Pending, messages: list[tuple[Message, dict[str, Any]]]
+                   ) -> None:
+        link = pending.link
+        for msg, _ in messages:
+            if pending.hello is None:
+                if not isinstance(msg, Hello):
+                    self._refuse(sock, f"expected hello, got {type(msg).__name__}")
+                    return
+                if msg.job_id and msg.job_id != self.job_id:
+                    link.send(Fence(f"this coordinator runs job {self.job_id}, not {msg.job_id}"))
+                    self._refuse(sock, f"it asked for job {msg.job_id}")
+                    return
+                if msg.slots < 1 or msg.slots > 4096:
+                    self._refuse(sock, f"slots {msg.slots}")
+                    return
+                pending.hello = msg
+                nonce = new_nonce()
+                link.key = session_key(self.token, msg.nonce, nonce)
+                link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s), {"cn": nonce})
+                continue
+            if link.sealed_in == 0:  # an unsealed second frame: the agent does not hold the secret
+                self._refuse(sock, "its frames are not sealed with the job's secret")
+                return
+            hello = pending.hello
+            now = time.monotonic()
+            host = Host(hello.host, hello.incarnation, hello.slots, hello.address, hello.pid, link, time.time(),
+                        now, time.time())
+            with self._cond:
+                if any(h.key == host.key for h in self.hosts):
+                    self._refuse(sock, f"host {host.key} joined already")
+                    return
+                self.hosts.append(host)
+                self._by_sock[sock] = host
+                self._events.append(("host_joined", {"host": host.name, "incarnation": host.incarnation,
+                                                     "slots": host.slots, "address": host.address}))
+                self._cond.notify_all()
+            log.info("host %s joined with %d slots at %s", host.key, host.slots, host.address)
+            return
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        log.warning("refused an agent from %s: %s", _peer_name(sock), why)
+        with self._cond:
+            self._events.append(("agent_refused", {"peer": _peer_name(sock), "reason": why}))
+        self._drop(sock)
+
+    def _on_message(self, host: Host, msg: Message) -> None:
+        """With the lock held."""
+        if isinstance(msg, Beat):
+            return
+        if isinstance(msg, Started):
+            handle = self._handle(host, msg.proc)
+            if handle is not None:
+                handle.pid = msg.pid
+                handle.start_error = msg.error
+                handle.started.set()
+            return
+        if isinstance(msg, Exited):
+            handle = self._handle(host, msg.proc)
+            if handle is not None and handle.code is None:
+                self._exit(handle, msg.code, None, msg.at)
+            return
+        raise_later = f"unexpected {type(msg).__name__} from an agent"
+        log.warning("host %s: %s", host.key, raise_later)
+
+    def _handle(self, host: Host, proc: str) -> RemoteProcess | None:
+        return next((p for p in host.procs.values() if p.name == proc), None)
+
+    def _exit(self, handle: RemoteProcess, code: int, cause: str | None, at: float) -> None:
+        """With the lock held."""
+        handle.code, handle.cause, handle.exited_at = code, cause, at
+        handle.host.procs.pop(handle.slot, None)
+        handle.started.set()
+        self._cond.notify_all()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _tick(self, now: float, beat: bool = True) -> None:
+        for sock, peer in list(self._by_sock.items()):
+            if isinstance(peer, _Pending) and now - peer.since > HANDSHAKE_S:
+                self._refuse(sock, f"no handshake within {HANDSHAKE_S:.0f} s")
+        with self._cond:
+            hosts = [h for h in self.hosts if h.lost is None]
+            for h in hosts:
+                silent = now - h.last_seen
+                if silent > self.timing.host_timeout_s:
+                    self._lose(h, f"no heartbeat for {silent:.1f} s", h.last_seen_wall)
+        for h in hosts if beat else ():
+            if h.lost is None:
+                self.order(h, Beat())
+
+    def _lose(self, host: Host, why: str, failure_at: float) -> None:
+        """With the lock held: the host is out of the job for good; its processes count as exited."""
+        if host.lost is not None:
+            return
+        host.lost = why
+        if self._closing:
+            return
+        log.warning("host %s lost: %s", host.key, why)
+        procs = list(host.procs.values())
+        self._events.append(("host_lost", {"host": host.name, "incarnation": host.incarnation, "cause": why,
+                                           "procs": [p.name for p in procs], "failure_at": failure_at}))
+        with contextlib.suppress(OSError):
+            host.link.sock.setblocking(False)
+            host.link.sock.send(host.link.encode(Fence(f"host lost: {why}")))
+        for p in procs:
+            self._exit(p, -9, f"host {host.name} lost ({why})", failure_at)
+        # The link thread sees the shut-down socket as closed and drops it (from any thread, this is safe).
+        with contextlib.suppress(OSError):
+            host.link.sock.shutdown(socket.SHUT_RDWR)
+        self._cond.notify_all()
+
+
+@dataclass
+class _Pending:
+    link: Link
+    since: float
+    hello: Hello | None = None
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"

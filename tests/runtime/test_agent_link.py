@@ -1,0 +1,225 @@
+"""The agent link in-process: the protocol's frames, HostPool against real agents (threads) and raw outsiders."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.agent import Agent, AgentConfig, AgentError
+from runtime.auth import new_token
+from runtime.hosts import HostPool, HostTiming, NoSlot
+from runtime.protocol import (
+    VERSION,
+    Beat,
+    Fence,
+    Hello,
+    Link,
+    ProtocolError,
+    Spawn,
+    Started,
+    Welcome,
+    decode,
+    new_nonce,
+    session_key,
+    to_json,
+)
+
+FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
+
+
+def _pair() -> tuple[Link, Link]:
+    a, c = socket.socketpair()
+    agent, coord = Link(a, "agent"), Link(c, "coordinator")
+    agent.key = coord.key = session_key(new_token(), "a", "c")
+    return agent, coord
+
+
+def test_decode_refuses_other_versions_unknown_types_and_bad_fields() -> None:
+    assert decode(to_json(Beat())) == Beat()
+    with pytest.raises(ProtocolError, match="version"):
+        decode({**to_json(Beat()), "v": VERSION + 1})
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        decode({"v": VERSION, "t": "format_disk"})
+    with pytest.raises(ProtocolError, match="slot"):
+        decode({**to_json(Spawn("w0", "worker", 0, [], {})), "slot": "0"})
+    with pytest.raises(ProtocolError, match="strings"):
+        decode({**to_json(Spawn("w0", "worker", 0, [], {})), "env": {"A": 1}})
+    with pytest.raises(ProtocolError, match="missing"):
+        decode({"v": VERSION, "t": "started"})
+
+
+def test_sealed_frames_refuse_tampering_replays_and_other_sessions() -> None:
+    agent, coord = _pair()
+    frame = agent.encode(Started("w0", 42))
+    assert coord.feed(frame)[0][0] == Started("w0", 42)
+    with pytest.raises(ProtocolError, match="sequence"):
+        coord.feed(frame)  # the same frame again
+    agent2, coord2 = _pair()
+    tampered = bytearray(agent2.encode(Started("w0", 42)))
+    tampered[tampered.index(b"42")] = ord("7")
+    with pytest.raises(ProtocolError, match="sealed"):
+        coord2.feed(bytes(tampered))
+    _, coord3 = _pair()
+    agent4, _ = _pair()
+    with pytest.raises(ProtocolError, match="sealed"):
+        coord3.feed(agent4.encode(Beat()))  # a valid frame of another session (another key)
+
+
+@pytest.fixture
+def pool() -> Iterator[tuple[HostPool, str]]:
+    token = new_token()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    p = HostPool(listener, token, "job1", [], {"TM_X": "1"}, FAST)
+    yield p, token
+    p.close()
+
+
+def _agent(port: int, token: str, slots: int = 2, **kw: object) -> tuple[Agent, threading.Thread]:
+    agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{port}", slots=slots, secret=token, name="hx",
+                              connect_timeout_s=5.0, **kw))  # type: ignore[arg-type]
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    return agent, t
+
+
+def _events(pool: HostPool, kind: str, timeout_s: float = 10.0) -> list[dict[str, object]]:
+    seen: list[dict[str, object]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen += [f for k, f in pool.take_events() if k == kind]
+        if seen:
+            return seen
+        time.sleep(0.01)  # polling another thread's state
+    raise AssertionError(f"no {kind} event within {timeout_s} s")
+
+
+def test_a_real_agent_starts_kills_and_reports_and_its_death_loses_the_host(pool: tuple[HostPool, str],
+                                                                              tmp_path: Path) -> None:
+    p, token = pool
+    script = tmp_path / "idle.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        out = sys.argv[1] + "-" + os.environ["TM_PROC"]
+        open(out + ".tmp", "w").write(os.environ["TM_JOB_TOKEN"] + " " + os.environ["LOCAL_RANK"])
+        os.rename(out + ".tmp", out)
+        time.sleep(60)
+    """))
+    p.argv = [str(script), str(tmp_path / "seen")]
+    agent, thread = _agent(p.port, token, rejoin=False)
+    p.wait_for_hosts(1, 10)
+    w = p.spawn("w0", "worker")
+    s = p.spawn("s0", "standby")
+    assert w.pid > 0 and s.pid > 0 and w.slot == 0 and s.slot == 1
+    with pytest.raises(NoSlot):
+        p.spawn("s1", "standby")
+    w.kill()
+    assert p.wait_exit(w, 10) == -9 and w.exit_cause() is None  # a plain kill: the agent reports the signal
+    seen = tmp_path / "seen-s0"
+    deadline = time.monotonic() + 20
+    while not seen.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for another process's file
+    assert seen.read_text() == f"{token} 1", "the agent gives its process the job's secret and its slot"
+    # The agent dies (its link closes): the host is lost at once, with the process still on it.
+    agent_sock = next(h.link.sock for h in p.hosts)
+    t0 = time.monotonic()
+    agent_sock.shutdown(socket.SHUT_RDWR)
+    assert p.wait_exit(s, 5) == -9 and "lost" in (s.exit_cause() or "")
+    assert time.monotonic() - t0 < 5
+    lost = _events(p, "host_lost")
+    assert lost[0]["procs"] == ["s0"]
+    thread.join(timeout=15)
+    assert not thread.is_alive() and agent.fenced >= 1
+
+
+def test_a_silent_host_is_lost_after_the_timeout_and_an_outsider_is_refused(pool: tuple[HostPool, str]) -> None:
+    p, token = pool
+    # A raw agent that completes the handshake and then never beats again (a partition).
+    sock = socket.create_connection(("127.0.0.1", p.port))
+    link = Link(sock, "agent")
+    nonce = new_nonce()
+    link.send(Hello("job1", "mute", "1", 1, "127.0.0.1", 1, nonce))
+    welcome, raw = link.recv(5)
+    assert isinstance(welcome, Welcome)
+    link.key = session_key(token, nonce, raw["cn"])
+    assert link.check_last()
+    link.send(Beat())
+    p.wait_for_hosts(1, 5)
+    lost = _events(p, "host_lost", 10)
+    assert lost[0]["host"] == "mute" and str(lost[0]["cause"]).startswith("no heartbeat")
+    # An outsider without the secret: its unsealed second frame is refused, it is never admitted.
+    out = socket.create_connection(("127.0.0.1", p.port))
+    olink = Link(out, "agent")
+    olink.send(Hello("job1", "evil", "1", 8, "127.0.0.1", 1, new_nonce()))
+    olink.recv(5)
+    olink.send(Beat())  # unsealed (no key)
+    refused = _events(p, "agent_refused")
+    assert "not sealed" in str(refused[0]["reason"])
+    assert [h.name for h in p.live_hosts()] == []
+    # Another job's agent is told so and refused.
+    other = socket.create_connection(("127.0.0.1", p.port))
+    ol = Link(other, "agent")
+    ol.send(Hello("job2", "stray", "1", 1, "127.0.0.1", 1, new_nonce()))
+    fence, _ = ol.recv(5)
+    assert isinstance(fence, Fence) and "job1" in fence.reason
+    for s in (sock, out, other):
+        s.close()
+
+
+def test_an_agent_refuses_an_impostor_coordinator(pool: tuple[HostPool, str]) -> None:
+    p, _ = pool
+    agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{p.port}", slots=1, secret=new_token(), name="hx",
+                              connect_timeout_s=5.0, rejoin=False))
+    sock = socket.create_connection(("127.0.0.1", p.port))
+    with pytest.raises(AgentError, match="could not prove"):
+        agent._serve(sock)
+    sock.close()
+    assert not agent.children, "an impostor never gets a process started"
+
+
+def test_an_agent_fences_itself_when_its_lease_runs_out_and_comes_back_as_new(tmp_path: Path) -> None:
+    token = new_token()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    agent, thread = _agent(port, token, slots=1)
+    incarnations = []
+    for _ in range(2):
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+        link = Link(conn, "coordinator")
+        hello, _ = link.recv(5)
+        assert isinstance(hello, Hello)
+        incarnations.append(hello.incarnation)
+        nonce = new_nonce()
+        link.key = session_key(token, hello.nonce, nonce)
+        link.send(Welcome(0.05, 0.3), {"cn": nonce})
+        if len(incarnations) == 1:
+            link.send(Spawn("w0", "worker", 0, ["-c", "import time; time.sleep(60)"], {}))
+            conn.settimeout(5)
+            got: list[object] = []
+            while not any(isinstance(m, Started) for m in got):
+                data = conn.recv(65536)
+                assert data, "the agent hung up instead of starting the process"
+                got += [m for m, _ in link.feed(data)]
+            pid = next(m.pid for m in got if isinstance(m, Started))
+            # Silence from here on: the lease (0.3 s) runs out; the agent kills w0 and reconnects as new.
+        else:
+            listener.close()  # no third connection: after this fence the agent gives up
+            link.send(Fence("the test is over"))
+        keep = conn
+    thread.join(timeout=15)
+    assert incarnations[0] != incarnations[1]
+    assert agent.fenced == 2 and not agent.children
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # fenced: killed and reaped
+    keep.close()

@@ -1,0 +1,201 @@
+"""Jobs across hosts: each host a Linux network namespace running `trainmover agent`, the coordinator beside them.
+
+Whole hosts are killed (every process at once, or from inside at a chosen protocol phase), cut off and
+reconnected, and their agents killed alone; the job must finish bit for bit like an uninterrupted run of the
+same world size, and leave no process, namespace or link behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.netns import ROOT, Cluster, Events, cluster, unavailable
+from tests.runtime.conftest import TINY_JOB, clean_digest
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """`trainmover coordinator` for a cluster, as a real process; its events read as they come."""
+
+    def __init__(self, c: Cluster, tmp: Path, *, agents: int, nproc: int, standby: int, steps: int,
+                 step_ms: float = 0.0, faults: str = "", extra: tuple[str, ...] = ()) -> None:
+        self.cluster = c
+        self.secret = secrets.token_hex(32)
+        self.port = free_port(c.coordinator_ip)
+        self.events = Events(tmp / "events.jsonl")
+        self.log = tmp / "coordinator.log"
+        cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", str(agents), "--agent-port",
+               str(self.port), "--host", c.coordinator_ip, "--nproc", str(nproc), "--standby", str(standby),
+               "--threads", "1", "--events", str(self.events.path), "--wait-for-standbys", "--agents-wait", "60",
+               # Six processes import torch at once on two cores: a heartbeat can starve for seconds in start-up.
+               "--hang-timeout", "6",
+               *(["--faults", faults] if faults else []), *extra,
+               str(TINY_JOB), "--steps", str(steps), "--step-ms", str(step_ms)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}, stdout=out,
+                                         stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def agent(self, i: int, slots: int, *extra: str) -> subprocess.Popen[bytes]:
+        return self.cluster.start_agent(i, self.port, self.secret, slots, *extra)
+
+    def wait(self, what: str, found: Any, timeout_s: float = 90.0) -> Any:
+        return self.events.wait_for(what, found, timeout_s, alive=self.proc)
+
+    def finish(self, timeout_s: float = 120.0) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the coordinator did not finish within {timeout_s:.0f} s:\n{self.log.read_text()}"
+                                 ) from None
+        self.events.read()
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[Cluster]:
+    with cluster(0, tmp_path) as c:
+        yield c
+
+
+def _gen(n: int) -> Any:
+    return lambda events: next((e for e in events if e["event"] == "generation" and e["generation"] == n), None)
+
+
+def _exact(job: Job, nproc: int, steps: int) -> None:
+    finished = job.events.of("job_finished")
+    assert finished, f"the job did not finish: {[e['event'] for e in job.events.events]}\n{job.log.read_text()}"
+    digests = set(finished[0]["digests"].values())
+    assert len(finished[0]["digests"]) == nproc and digests == {clean_digest(nproc, steps)}, \
+        "the run with lost hosts must end bit for bit where the uninterrupted run ends"
+
+
+def _no_process_left(c: Cluster) -> None:
+    left = {c.ns(i): c.pids(i) for i in range(len(c.hosts)) if c.pids(i)}
+    assert not left, f"processes left in the hosts' namespaces: {left}"
+
+
+def test_host_killed_mid_exchange_then_an_agent_killed_alone(hosts: Cluster, tmp_path: Path) -> None:
+    """Two hosts of two workers and a standby host. Host 0 dies whole while its rank 1 is mid-exchange: both its
+    ranks go to the standby host in one generation, fed by host 1. A new host joins and becomes the standby host;
+    then host 1's agent alone is SIGKILLed: its workers fence themselves and its ranks move the same way."""
+    for _ in range(3):
+        hosts.add_host()
+    steps = 300
+    job = Job(hosts, tmp_path, agents=3, nproc=4, standby=2, steps=steps, step_ms=60,
+              faults="host:rank=1,step=5,phase=exchange")
+    try:
+        agents = [job.agent(i, 2) for i in range(3)]
+        lost = job.wait("the first host lost", lambda ev: [e for e in ev if e["event"] == "host_lost"])
+        first = lost[0]
+        rec = job.wait("the first recovery", lambda ev: [e for e in ev if e["event"] == "recovered"])[0]
+        gen1 = _gen(1)(job.events.events)
+        assert {r["rank"] for r in gen1["replaced"]} == set(rec_ranks := {r["rank"] for r in rec["ranks"]})
+        assert len(rec_ranks) == 2, "both ranks of the lost host move in one generation"
+        assert set(rec["sources"]).isdisjoint(rec_ranks)
+        assert first["cause"] == "its agent's link closed"
+        # A fresh host joins: it is placed as the standby host; its standbys warm up.
+        hosts.add_host()
+        job.agent(3, 2)
+        job.wait("two standbys warm on the new host",
+                 lambda ev: len([e for e in ev if e["event"] == "standby_ready"]) >= 4, 120)
+        victim = next(i for i in (0, 1) if f"h{i}" != first["host"])
+        agents[victim].send_signal(signal.SIGKILL)
+        job.wait("the second recovery", lambda ev: len([e for e in ev if e["event"] == "recovered"]) >= 2)
+        code = job.finish()
+        assert code == 0, job.log.read_text()
+        lost = job.events.of("host_lost")
+        assert [e["host"] for e in lost] == [first["host"], f"h{victim}"]
+        assert len(job.events.of("recovered")[1]["ranks"]) == 2
+        _exact(job, 4, steps)
+        for a in agents:
+            a.wait(timeout=20)
+        _no_process_left(hosts)
+    finally:
+        job.close()
+
+
+def test_partitioned_host_fences_itself_and_comes_back_as_a_new_host(hosts: Cluster, tmp_path: Path) -> None:
+    """Host 1's link goes down with its worker alive: its agent fences it after its lease, the coordinator loses the
+    host after the host timeout and gives its rank to the standby host. When the link comes back the agent joins
+    as a new incarnation and is given standbys only; the job ends exactly."""
+    for _ in range(3):
+        hosts.add_host()
+    steps = 200
+    job = Job(hosts, tmp_path, agents=3, nproc=2, standby=1, steps=steps, step_ms=50)
+    try:
+        agents = [job.agent(i, 1) for i in range(3)]
+        job.wait("generation 0", _gen(0))
+        joined = {e["host"]: e["incarnation"] for e in job.events.of("host_joined")}
+        victim = next(i for i in range(3) if any(e["host"] == f"h{i}" and e["proc"] == "w1"
+                                                  for e in _placements(job)))
+        hosts.cut(victim)
+        lost = job.wait("the host lost", lambda ev: [e for e in ev if e["event"] == "host_lost"])[0]
+        assert lost["host"] == f"h{victim}" and lost["cause"].startswith("no heartbeat")
+        # Its agent fenced its worker before the coordinator gave the rank away: only the agent is left there.
+        assert set(hosts.pids(victim)) <= {agents[victim].pid}
+        hosts.reconnect(victim)
+        back = job.wait("the host back as new", lambda ev: [e for e in ev if e["event"] == "host_joined"
+                                                             and e["host"] == f"h{victim}"
+                                                             and e["incarnation"] != joined[f"h{victim}"]])
+        assert back
+        assert job.finish() == 0, job.log.read_text()
+        rec = job.events.of("recovered")
+        assert [r["rank"] for r in rec[0]["ranks"]] == [1]
+        _exact(job, 2, steps)
+        assert "fencing this host" in hosts.logs[f"h{victim}"].read_text()
+        _no_process_left(hosts)
+    finally:
+        job.close()
+
+
+def test_two_hosts_at_once_then_no_standby_host_left(hosts: Cluster, tmp_path: Path) -> None:
+    """Two of three worker hosts are killed whole at the same moment: both ranks move in one generation. Then the
+    last original host dies with no standby host left: a clear stop that says what to do."""
+    for _ in range(5):
+        hosts.add_host()
+    job = Job(hosts, tmp_path, agents=5, nproc=3, standby=2, steps=400, step_ms=50,
+              extra=("--standby-wait", "3", "--no-replenish"))
+    try:
+        for i in range(5):
+            job.agent(i, 1)
+        job.wait("generation 0", _gen(0))
+        where = {e["proc"]: int(e["host"][1:]) for e in _placements(job)}
+        hosts.kill_host(where["w0"], where["w1"])
+        rec = job.wait("the recovery", lambda ev: [e for e in ev if e["event"] == "recovered"])[0]
+        assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1]
+        assert len([e for e in job.events.events if e["event"] == "generation"]) == 2, "one generation for both"
+        hosts.kill_host(where["w2"])
+        assert job.finish() == 1
+        failed = job.events.of("job_failed")[0]
+        assert "No standby host is left" in failed["reason"] and "trainmover agent" in failed["reason"], failed
+        _no_process_left(hosts)
+    finally:
+        job.close()
+
+
+def _placements(job: Job) -> list[dict[str, Any]]:
+    """Where each process runs: the `placed` events."""
+    return job.events.of("placed")
