@@ -19,6 +19,7 @@ in the same order, so an ordered stream carries the protocol as well as tagged m
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import json
@@ -156,19 +157,34 @@ class Links(Protocol):
 
 
 class GlooLinks:
-    """The generation's own process group (Gloo or NCCL), tagged messages."""
+    """The generation's own process group (Gloo or NCCL), tagged messages.
+
+    Every wait is bounded by `timeout_s` (a peer that stops sending without dying fails the handoff instead of
+    holding it for the group's collective timeout); a new generation aborts the group sooner still."""
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        self.timeout = datetime.timedelta(seconds=timeout_s)
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        dist.send(t, dst=peer, tag=tag)
+        self.isend(t, peer, tag).wait()
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        dist.recv(t, src=peer, tag=tag)
+        self.irecv(t, peer, tag).wait()
 
     def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        return _started(dist.isend(t, dst=peer, tag=tag))
+        return _Bounded(_started(dist.isend(t, dst=peer, tag=tag)), self.timeout)
 
     def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        return _started(dist.irecv(t, src=peer, tag=tag))
+        return _Bounded(_started(dist.irecv(t, src=peer, tag=tag)), self.timeout)
+
+
+class _Bounded:
+    def __init__(self, work: dist.Work, timeout: datetime.timedelta) -> None:
+        self.work = work
+        self.timeout = timeout
+
+    def wait(self) -> Any:
+        return self.work.wait(self.timeout)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -43,6 +43,7 @@ from runtime.auth import prove
 from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.data import StepData, as_step_data, derive_seed
 from runtime.handoff import (
+    GlooLinks,
     HandoffError,
     HandoffPlan,
     HandoffSession,
@@ -438,7 +439,7 @@ class Trainer:
         if cfg.handoff_transport == "tls":
             stats = self._handoff_over_tls(plan, session, rank, g, interrupt)
         else:
-            stats, _ = run_handoff(plan, session, rank, self.state)
+            stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s))
         self.committed = plan.target_step
         self.has_state = True
         records.put(keys.k_holds(g, rank), self.committed)

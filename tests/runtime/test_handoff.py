@@ -136,3 +136,12 @@ def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_memb
     assert not results[0]["ok"] and not results[2]["ok"]
     assert "rank 1 in the group of generation 3 failed to prove it belongs to the job" in str(results[0]["error"])
 
+
+
+def test_a_peer_that_never_sends_fails_the_receive_within_its_bound(tmp_path: Path) -> None:
+    """Every blocking receive of a transfer is bounded (GlooLinks' timeout), not held for the group's 600 s."""
+    init, out = tmp_path / "init", tmp_path / "result"
+    first, _ = run_ranks(2, lambda r: ["silent_peer.py", str(r), str(init), str(out)],
+                         lambda r: Path(f"{out}.{r}"), timeout_s=90)
+    assert first["error"] is not None, "the receive from a silent peer must fail"
+    assert first["waited_s"] < 30, first

@@ -199,3 +199,35 @@ def test_two_hosts_at_once_then_no_standby_host_left(hosts: Cluster, tmp_path: P
 def _placements(job: Job) -> list[dict[str, Any]]:
     """Where each process runs: the `placed` events."""
     return job.events.of("placed")
+
+
+def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster, tmp_path: Path) -> None:
+    """One-slot hosts. A standby host dies while its standby warms up (a spare host takes a new one); rank 1's
+    host dies mid-exchange; during the handoff that follows a sending host dies after
+    two chunks, and a receiving host dies while taking the state. Each lost host's rank goes
+    to a standby host; the one recovery spans the generations, and the job ends bit for bit."""
+    for _ in range(7):
+        hosts.add_host()
+    steps = 40
+    job = Job(hosts, tmp_path, agents=7, nproc=3, standby=3, steps=steps, step_ms=20,
+              faults="host:proc=s0,phase=warmup;host:rank=1,step=6,phase=exchange;"
+                     "host:role=sender,phase=handoff_send,chunk=2;host:role=receiver,phase=handoff_recv")
+    try:
+        for i in range(7):
+            job.agent(i, 1)
+        assert job.finish() == 0, job.log.read_text()
+        lost = job.events.of("host_lost")
+        assert len(lost) == 4, [e["cause"] for e in lost]
+        # The first: a standby host lost while its standby warmed up; a new standby took the spare host.
+        assert job.events.of("standby_lost")[0]["proc"] == "s0"
+        assert any(e["proc"] == "s3" for e in job.events.of("standby_ready"))
+        (recovered,) = job.events.of("recovered")
+        # The sending and the receiving host may die in the same handoff (one failed generation) or in two.
+        assert recovered["generations"] in (2, 3), recovered["failed_attempts"]
+        assert all("lost" in a["failed"] for a in recovered["failed_attempts"])
+        assert sorted({r["rank"] for r in recovered["ranks"]}) == sorted({e["rank"] for e in
+                                                                          job.events.of("member_failed")})
+        _exact(job, 3, steps)
+        _no_process_left(hosts)
+    finally:
+        job.close()
