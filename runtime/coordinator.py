@@ -17,7 +17,6 @@ import logging
 import os
 import selectors
 import signal
-import statistics
 import sys
 import time
 from collections import deque
@@ -31,6 +30,7 @@ from runtime import store as keys
 from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
+from runtime.decisions import MoveContext, move_refusal, recovery_metrics
 from runtime.events import EventLog
 from runtime.faults import parse_plan
 from runtime.hosts import NoSlot
@@ -602,26 +602,10 @@ class Coordinator:
             self._fence(proc, f"planned_move:{request.reason}")
 
     def _move_refusal(self, request: MoveRequest) -> str | None:
-        """Why a move cannot happen now, or None. A move must never cost more than it saves: no restarts."""
-        if request.seq <= self._last_move_seq:
-            return f"seq {request.seq} is not newer than {self._last_move_seq}, the last request handled"
-        if not self.started:
-            return "training has not started yet"
-        if self._all_done():
-            return "training has finished"
-        world = self.gen.world_size
-        if any(r >= world for r in request.ranks):
-            return f"ranks {list(request.ranks)} are not all worker ranks (0..{world - 1})"
-        if len(request.ranks) == world:
-            return "moving every rank at once would lose the training state; move them in turns"
-        if self.pending_deaths or self.recoveries:
-            return "a recovery is in progress; ask again once it is reported"
-        ready = len(self._ready_standbys())
-        if ready == 0:
-            return "no standby ready"
-        if ready < len(request.ranks):
-            return f"only {ready} standbys ready for {len(request.ranks)} ranks"
-        return None
+        return move_refusal(request, MoveContext(
+            last_seq=self._last_move_seq, started=self.started, finished=self.started and self._all_done(),
+            world=self.gen.world_size, recovering=bool(self.pending_deaths or self.recoveries),
+            ready=len(self._ready_standbys())))
 
     def _answer_move(self, seq: int | None, refusal: str | None) -> None:
         if seq is not None:
@@ -857,46 +841,22 @@ class Coordinator:
                     self._emit_recovered(rec)
 
     def _emit_recovered(self, rec: PendingRecovery) -> None:
-        reports = list(rec.reports.values())
-        failure_at = min(d.failure_at for d in rec.deaths)
-        declared_at = max(d.declared_at for d in rec.deaths)
-        group_ready = max(r["group_ready_at"] for r in reports)
-        handoff_end = max(r["handoff_end_at"] for r in reports)
-        replay_done = max((r.get("replay_done_at") or handoff_end) for r in reports)
-        penalties = [
-            max(0.0, sum(r["post_steps_s"]) - len(r["post_steps_s"]) * r["steady_step_s"])
-            for r in reports if r.get("steady_step_s") and r.get("post_steps_s")
-        ]
-        components = {
-            "detect_s": rec.deaths[0].declared_at - failure_at,
-            "reconfigure_s": group_ready - declared_at,
-            "handoff_s": max(r["handoff_s"] for r in reports),
-            "replay_s": replay_done - handoff_end,
-            "warmup_penalty_s": statistics.mean(penalties) if penalties else 0.0,
-        }
-        recovery_s = replay_done - failure_at
-        replay_step = reports[0]["replay_step"]
-        # Where reconfiguration went: the slowest member's teardown of the broken group, the barrier, group init.
-        split = {
-            "teardown_s": max(r.get("teardown_s", 0.0) for r in reports),
-            "last_joined_after_s": max(r.get("joined_at", declared_at) for r in reports) - declared_at,
-            "group_init_s": max(r.get("group_init_s", 0.0) for r in reports),
-        }
+        m = recovery_metrics([(d.failure_at, d.declared_at) for d in rec.deaths], list(rec.reports.values()))
         self.events.emit(
-            "recovered", generation=rec.gen.gen, step=replay_step,
+            "recovered", generation=rec.gen.gen, step=m["step"],
             ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
-            causes=[d.cause for d in rec.deaths], recovery_s=recovery_s,
-            handoff_bytes=sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
-            sources=sorted(r["rank"] for r in reports if r["role"] == "source"), **components,
-            reconfigure_split=split, tier="warm", generations=len(rec.attempts) + 1, failed_attempts=rec.attempts,
-            refetched_chunks=sum(r.get("refetched_chunks", 0) for r in reports if r["role"] == "receiver"),
+            causes=[d.cause for d in rec.deaths], recovery_s=m["recovery_s"],
+            handoff_bytes=m["handoff_bytes"], sources=m["sources"],
+            **{k: m[k] for k in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+            reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
+            failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
         )
         for d in rec.deaths:
             new = rec.gen.members[d.rank]
             log.warning("worker %s (pid %d) died at step %d (%s); standby %s took rank %d in %.2f s "
-                        "(detect %.3f, reconfigure %.3f, handoff %.3f, replay %.3f)", d.proc, d.pid, replay_step,
-                        d.cause, new, d.rank, recovery_s, components["detect_s"], components["reconfigure_s"],
-                        components["handoff_s"], components["replay_s"])
+                        "(detect %.3f, reconfigure %.3f, handoff %.3f, replay %.3f)", d.proc, d.pid, m["step"],
+                        d.cause, new, d.rank, m["recovery_s"], m["detect_s"], m["reconfigure_s"], m["handoff_s"],
+                        m["replay_s"])
 
     def _digests(self) -> dict[str, str]:
         out = {}
