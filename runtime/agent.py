@@ -118,7 +118,7 @@ class Agent:
         self.incarnation = uuid.uuid4().hex[:8]
         self.exit_code = 0
         self.fenced = 0
-        """Times this agent fenced itself or was fenced (a test reads it from the log)."""
+        """Times this agent fenced itself or was fenced."""
 
     # -- the outer loop: connect, serve, fence, come back as new -------------------------------------
     def run(self) -> int:

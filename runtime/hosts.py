@@ -155,8 +155,6 @@ class HostPool:
         self._members: set[str] = set()
         self._halt = False
         self._closing = False
-        self.frames_in = 0
-        self.frames_out = 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(listen, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._serve, name="trainmover-agents", daemon=True)
@@ -267,7 +265,6 @@ class HostPool:
         try:
             with host.send_lock:
                 host.link.send(msg)
-                self.frames_out += 1
         except OSError as exc:
             with self._cond:
                 self._lose(host, f"its link failed ({exc.strerror or exc})", time.time())
@@ -288,9 +285,6 @@ class HostPool:
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-    def helpers(self) -> dict[str, int]:
-        return {}
 
     def describe(self) -> dict[str, Any]:
         """For the job_started event: where agents connect, and the hosts that joined."""
@@ -348,7 +342,7 @@ class HostPool:
             if isinstance(peer, _Pending):  # one frame at a time: the key changes after the first
                 peer.link.push(data)
                 while isinstance(self._by_sock.get(sock), _Pending) and (got := peer.link.next_message()) is not None:
-                    self._handshake(sock, peer, [got])
+                    self._handshake(sock, peer, got[0])
                 if isinstance(self._by_sock.get(sock), Host):
                     self._read_buffered(sock)
                 return
@@ -363,7 +357,6 @@ class HostPool:
             return
         with self._cond:
             peer.last_seen, peer.last_seen_wall = time.monotonic(), time.time()
-            self.frames_in += len(messages)
             for msg, _ in messages:
                 self._on_message(peer, msg)
 
@@ -375,44 +368,42 @@ class HostPool:
             for msg, _ in host.link.feed(b""):
                 self._on_message(host, msg)
 
-    def _handshake(self, sock: socket.socket, pending: _Pending, messages: list[tuple[Message, dict[str, Any]]]
-                   ) -> None:
+    def _handshake(self, sock: socket.socket, pending: _Pending, msg: Message) -> None:
+        """One frame of a link not yet admitted: the hello, then the agent's first sealed frame (its proof)."""
         link = pending.link
-        for msg, _ in messages:
-            if pending.hello is None:
-                if not isinstance(msg, Hello):
-                    self._refuse(sock, f"expected hello, got {type(msg).__name__}")
-                    return
-                if msg.job_id and msg.job_id != self.job_id:
-                    link.send(Fence(f"this coordinator runs job {self.job_id}, not {msg.job_id}"))
-                    self._refuse(sock, f"it asked for job {msg.job_id}")
-                    return
-                if msg.slots < 1 or msg.slots > 4096:
-                    self._refuse(sock, f"slots {msg.slots}")
-                    return
-                pending.hello = msg
-                nonce = new_nonce()
-                link.key = session_key(self.token, msg.nonce, nonce)
-                link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s), {"cn": nonce})
-                continue
-            if link.sealed_in == 0:  # an unsealed second frame: the agent does not hold the secret
-                self._refuse(sock, "its frames are not sealed with the job's secret")
+        if pending.hello is None:
+            if not isinstance(msg, Hello):
+                self._refuse(sock, f"expected hello, got {type(msg).__name__}")
                 return
-            hello = pending.hello
-            now = time.monotonic()
-            host = Host(hello.host, hello.incarnation, hello.slots, hello.address, hello.pid, link, time.time(),
-                        now, time.time())
-            with self._cond:
-                if any(h.key == host.key for h in self.hosts):
-                    self._refuse(sock, f"host {host.key} joined already")
-                    return
-                self.hosts.append(host)
-                self._by_sock[sock] = host
-                self._events.append(("host_joined", {"host": host.name, "incarnation": host.incarnation,
-                                                     "slots": host.slots, "address": host.address}))
-                self._cond.notify_all()
-            log.info("host %s joined with %d slots at %s", host.key, host.slots, host.address)
+            if msg.job_id and msg.job_id != self.job_id:
+                link.send(Fence(f"this coordinator runs job {self.job_id}, not {msg.job_id}"))
+                self._refuse(sock, f"it asked for job {msg.job_id}")
+                return
+            if msg.slots < 1 or msg.slots > 4096:
+                self._refuse(sock, f"slots {msg.slots}")
+                return
+            pending.hello = msg
+            nonce = new_nonce()
+            link.key = session_key(self.token, msg.nonce, nonce)
+            link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s), {"cn": nonce})
             return
+        if link.sealed_in == 0:  # an unsealed second frame: the agent does not hold the secret
+            self._refuse(sock, "its frames are not sealed with the job's secret")
+            return
+        hello = pending.hello
+        now = time.monotonic()
+        host = Host(hello.host, hello.incarnation, hello.slots, hello.address, hello.pid, link, time.time(),
+                    now, time.time())
+        with self._cond:
+            if any(h.key == host.key for h in self.hosts):
+                self._refuse(sock, f"host {host.key} joined already")
+                return
+            self.hosts.append(host)
+            self._by_sock[sock] = host
+            self._events.append(("host_joined", {"host": host.name, "incarnation": host.incarnation,
+                                                 "slots": host.slots, "address": host.address}))
+            self._cond.notify_all()
+        log.info("host %s joined with %d slots at %s", host.key, host.slots, host.address)
 
     def _refuse(self, sock: socket.socket, why: str) -> None:
         log.warning("refused an agent from %s: %s", _peer_name(sock), why)
@@ -436,8 +427,7 @@ class HostPool:
             if handle is not None and handle.code is None:
                 self._exit(handle, msg.code, None, msg.at)
             return
-        raise_later = f"unexpected {type(msg).__name__} from an agent"
-        log.warning("host %s: %s", host.key, raise_later)
+        log.warning("host %s: unexpected %s from an agent", host.key, type(msg).__name__)
 
     def _handle(self, host: Host, proc: str) -> RemoteProcess | None:
         return next((p for p in host.procs.values() if p.name == proc), None)

@@ -23,7 +23,6 @@ speaks another version or sends a malformed frame gets one clear refusal, never 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import json
 import os
@@ -302,7 +301,3 @@ class Link:
         finally:
             self.sock.settimeout(None)
 
-
-def fingerprint(token: str) -> str:
-    """A short public name of the secret, to say "the secrets differ" without showing either."""
-    return hashlib.sha256(derive(token, "fingerprint")).hexdigest()[:8]
