@@ -12,7 +12,13 @@ In one run:
    fleets. Every verdict chooses its reference static on the first half of the window and judges on the second.
    The burst-aware pool (`policy.bursts`, a compound Poisson count fitted on the first half) is judged the same
    way on every fleet and trace.
-4. Time the simulator on a 1,024-node fleet for 365 days, and the predictor's fit on 1M rows.
+4. The chosen policy with its fall-back (`policy.history.evaluate_trace`): on each real trace a history-only model
+   fitted on the first half, the burst-aware learned policy and the burst-aware pool are kept only with an edge
+   inside the first half, else the static cheapest there is run; judged on the second half. The same on bursty
+   synthetic fleets of the held-out seeds (`burst_share` 0.3), there with a predictor trained on bursty fleets of
+   the training seeds (telemetry hazards, alone and with the burst tail).
+5. Spot standbys: the cheapest pool on each real trace with and without the spot tier (`tuning.sweep`).
+6. Time the simulator on a 1,024-node fleet for 365 days, and the predictor's fit on 1M rows.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from policy.bursts import BurstAwarePool
+from policy.bursts import BurstAwarePool, burst_aware_learned
+from policy.costs import default_tiers, spot_tier
 from policy.features import FEATURE_NAMES, REPAIR_CAP_H
-from policy.learned import HazardTable, learned_policy
+from policy.history import TraceEvaluation, evaluate_trace
+from policy.learned import HazardTable, hazard_table, learned_policy
 from policy.pipeline import (
     baseline_policies,
     evaluate_fleet,
@@ -39,9 +47,10 @@ from policy.pipeline import (
     train_predictor,
 )
 from policy.predictor import FailurePredictor
-from policy.simulator import HazardPolicy, Oracle, compare_policies, format_table
-from policy.synthetic import generate_fleet
+from policy.simulator import HazardPolicy, Oracle, StandbyPolicy, compare_policies, format_table
+from policy.synthetic import BURSTS_LIKE_INFINITEHBD, generate_fleet
 from policy.traces import FaultTrace, load_shipped, split_trace
+from policy.tuning import recommend, sweep
 from policy.verdict import DEFAULT_TRAIN_FRACTION, judge
 
 TRAIN_SEEDS = (101, 102)
@@ -78,6 +87,83 @@ def _burst_aware(trace: FaultTrace, n_nodes: int) -> dict[str, Any]:
     j = judge(trace, costs, BurstAwarePool.fit(head, costs.lead_time_h), baseline_policies(costs.tiers))
     print(f"  burst-aware pool: {j.verdict.summary}", flush=True)
     return {"policies": rows_json(j.test_rows), "verdict": asdict(j.verdict)}
+
+
+def _choice(ev: TraceEvaluation) -> dict[str, Any]:
+    """The fall-back evaluation, reduced to its figures (the full rows are in the other sections)."""
+    full = ev.to_dict()
+    return {k: full[k] for k in full if k != "policies"}
+
+
+def _print_choice(label: str, ev: TraceEvaluation, seconds: float) -> None:
+    checks = ", ".join(
+        f"{c.candidate} {c.cost_ratio:.3f}{' edge' if c.edge else ' dominated' if c.dominated else ''}"
+        for c in ev.edge_checks
+    )
+    print(f"  {label} (edge check on the first half: {checks}; {seconds:.1f} s)")
+    print(f"    chosen: {ev.summary}", flush=True)
+
+
+def _bursty_choices(n_nodes: int, days: float, held_out: tuple[int, ...], telemetry: bool = True) -> dict[str, Any]:
+    """Bursty fleets: on each held-out bursty fleet the history candidates and (unless `telemetry` is False, as in
+    --quick) the telemetry ones of a predictor trained on bursty fleets of the training seeds (learned, learned +
+    burst tail), each with the fall-back."""
+    out: dict[str, Any] = {"fleets": {}}
+    model = None
+    if telemetry:
+        configs = [fleet_config(s, n_nodes, days, **BURSTS_LIKE_INFINITEHBD) for s in TRAIN_SEEDS]
+        model, train = train_predictor(configs)
+        out["train"] = asdict(train)
+    print(f"\nbursty fleets (burst_share 0.3, {n_nodes} nodes x {days:g} days), fitted on the first half:")
+    for seed in held_out:
+        config = fleet_config(seed, n_nodes, days, **BURSTS_LIKE_INFINITEHBD)
+        synthetic = generate_fleet(config)
+        trace, costs = synthetic.trace, job_costs(n_nodes)
+        statics = baseline_policies(costs.tiers)
+        started = time.perf_counter()
+        hist = evaluate_trace(trace, costs, statics, node_ids=synthetic.node_ids)
+        _print_choice(f"seed {seed}, history only", hist, time.perf_counter() - started)
+        out["fleets"][str(seed)] = {"faults": len(trace.records), "history": _choice(hist)}
+        if model is None:
+            continue
+        fleet, features = fleet_features(config, drop_censored=False)
+        table = hazard_table(model.predict_proba(features.X)[:, 1], features)
+
+        def candidates(
+            until_h: float, trace: FaultTrace = trace, table: HazardTable = table
+        ) -> dict[str, StandbyPolicy]:
+            head, _ = split_trace(trace, until_h)
+            lead = job_costs(n_nodes).lead_time_h
+            return {
+                "learned": learned_policy(table, lead),
+                "learned-burst": burst_aware_learned(table.hazard_fn(lead), head, lead, name="learned-burst"),
+            }
+
+        started = time.perf_counter()
+        tele = evaluate_trace(trace, costs, statics, make_candidates=candidates, node_ids=fleet.node_ids)
+        _print_choice(f"seed {seed}, telemetry", tele, time.perf_counter() - started)
+        out["fleets"][str(seed)]["telemetry"] = _choice(tele)
+    return out
+
+
+def _spot(name: str) -> dict[str, Any]:
+    """The cheapest pool on the whole trace (hindsight, like `tune`) with and without spot standbys."""
+    trace, _ = load_shipped(name)
+    base = job_costs(trace.n_nodes)
+    with_spot = base.model_copy(update={"tiers": {**default_tiers(), "spot": spot_tier()}})
+    out = {}
+    for label, costs in (("without_spot", base), ("with_spot", with_spot)):
+        best = recommend(sweep(trace, costs, hazard_multipliers=(1.0,), static_fractions=()))
+        out[label] = best.to_dict()
+    ratio = out["with_spot"]["cost_per_useful_hour"] / out["without_spot"]["cost_per_useful_hour"]
+    out["ratio"] = ratio
+    print(
+        f"  {name}: without spot {out['without_spot']['setting']} {out['without_spot']['cost_per_useful_hour']:.2f} "
+        f"(ETTR {out['without_spot']['ettr']:.5f}); with spot {out['with_spot']['setting']} "
+        f"{out['with_spot']['cost_per_useful_hour']:.2f} (ETTR {out['with_spot']['ettr']:.5f}): ratio {ratio:.3f}",
+        flush=True,
+    )
+    return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -133,6 +219,22 @@ def run(quick: bool = False) -> dict[str, Any]:
             "verdict": asdict(j.verdict),
             "burst_aware": _burst_aware(trace, trace.n_nodes),
         }
+
+    # The chosen policy with its fall-back, on the real traces (history only) and on bursty synthetic fleets.
+    print("\nchosen policy with fall-back (fitted on the first half, judged on the second):")
+    report["choice"] = {}
+    for name in () if quick else ("infinitehbd", "lanl-system20"):  # about a minute: full mode only
+        trace, _ = load_shipped(name)
+        costs = job_costs(trace.n_nodes)
+        started = time.perf_counter()
+        choice = evaluate_trace(trace, costs, baseline_policies(costs.tiers))
+        _print_choice(name, choice, time.perf_counter() - started)
+        report["choice"][name] = _choice(choice)
+    report["bursty"] = _bursty_choices(n_nodes, days, held_out, telemetry=not quick)
+
+    print("\nspot standbys (cheapest pool on the whole trace, assumed spot price and reclaim rate):")
+    spot_traces = ("infinitehbd",) if quick else ("infinitehbd", "lanl-system20")
+    report["spot"] = {name: _spot(name) for name in spot_traces}
 
     # Timings.
     big = generate_fleet(fleet_config(7, 1024, 365.0)).trace

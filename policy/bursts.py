@@ -9,7 +9,9 @@ with the other statistics (`traces.burst_curve` against `traces.independent_curv
 - `CompoundPoisson`: a count model that carries bursts, fitted to history: clusters (failures within L of the
   cluster's first one) arrive as a Poisson process, each with an empirical size; its tail comes from Panjer's
   recursion, and `decision.decide_from_tail` sizes a mixed-tier pool from it;
-- `BurstAwarePool`: that decision as a policy, fitted on a training trace and held.
+- `BurstAwarePool`: that decision as a policy, fitted on a training trace and held;
+- `burst_aware_learned`: per-node hazards (a learned predictor's) for the single failures plus the fitted
+  cluster tail for the bursts, decided every hour.
 
 numpy only, like the decision.
 """
@@ -24,7 +26,7 @@ import numpy.typing as npt
 
 from policy.costs import TIER_NAMES
 from policy.decision import FleetState, decide_from_tail
-from policy.simulator import JobView, StandbySchedule, constant_schedule
+from policy.simulator import HazardFn, HazardPolicy, JobView, StandbySchedule, constant_schedule
 from policy.traces import FaultTrace, job_failure_times
 
 DEFAULT_K_MAX = 64
@@ -81,6 +83,49 @@ class CompoundPoisson:
         tail[0] = 1.0
         tail[1:] = np.clip(1.0 - np.cumsum(g)[:-1], 0.0, 1.0)
         return tail
+
+    @property
+    def mean_size(self) -> float:
+        return float(sum(j * f for j, f in enumerate(self.size_pmf)))
+
+    @property
+    def singles_share(self) -> float:
+        """Share of the failures that came alone (clusters of size 1), 1 for a model without bursts."""
+        mean = self.mean_size
+        return float(self.size_pmf[1]) / mean if len(self.size_pmf) > 1 and mean > 0 else 1.0
+
+    def multi(self) -> CompoundPoisson:
+        """The clusters of two or more failures only: the common-cause part of the count, to add to a per-node
+        model that carries the single failures (`singles_share` of them)."""
+        pmf = list(self.size_pmf)
+        multi_p = float(sum(pmf[2:]))
+        if multi_p <= 0:
+            return CompoundPoisson(0.0, (0.0, 1.0), self.window_h)
+        return CompoundPoisson(
+            self.cluster_rate_per_h * multi_p, (0.0, 0.0, *(f / multi_p for f in pmf[2:])), self.window_h
+        )
+
+    def pmf(self, window_h: float | None = None, k_max: int = DEFAULT_K_MAX) -> npt.NDArray[np.float64]:
+        """P(N = k), k = 0..k_max - 1 (the mass P(N >= k_max) left out)."""
+        tail = self.tail(window_h, k_max)
+        return np.clip(tail[:-1] - tail[1:], 0.0, 1.0)
+
+
+def burst_aware_learned(
+    hazard_fn: HazardFn, history: FaultTrace, lead_time_h: float, *, every_h: float = 1.0, name: str = "learned-burst"
+) -> HazardPolicy:
+    """Per-node hazards combined with the burst tail: the count within L is the per-node Poisson-binomial count of
+    the single failures plus an independent compound-Poisson count of the clusters of two or more, fitted on
+    `history` (training data only). The per-node hazards are scaled by the share of failures that came alone in
+    `history`, so the failures in clusters are not counted twice."""
+    model = CompoundPoisson.fit(history, lead_time_h)
+    share = model.singles_share
+    extra = model.multi().pmf(lead_time_h)
+
+    def fn(t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+        return share * np.asarray(hazard_fn(t_h, node_ids), dtype=np.float64)
+
+    return HazardPolicy(fn, every_h=every_h, name=name, extra_pmf=tuple(float(x) for x in extra))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,14 +23,18 @@ from pydantic import ValidationError
 
 from policy.costs import (
     DEFAULT_STOPPED_CAPACITY,
+    DEFAULT_TIER_NAMES,
     HOT_EXTRA_USD_PER_H,
     NODE_PRICE_USD_PER_H,
+    SPOT_INTERRUPTIONS_PER_H,
+    SPOT_PRICE_RATIO,
     STOPPED_WAKE_FAILURE_PROB,
     TIER_NAMES,
     StandbyCosts,
     TierCosts,
     TierName,
     default_tiers,
+    spot_tier,
 )
 from policy.features import DEFAULT_HORIZON_H
 from policy.traces import MAX_FLEET_NODES
@@ -55,6 +59,7 @@ _FLEET_FLAGS = {
     "seed": "--seed",
     "precursor_fraction": "--precursor-fraction",
     "false_alarms_per_node_year": "--false-alarms-per-node-year",
+    "burst_share": "--burst-share",
 }
 
 
@@ -104,13 +109,14 @@ def _add_cost_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tiers",
-        default=",".join(TIER_NAMES),
-        help="standby tiers offered, comma-separated (default: %(default)s)",
+        default=",".join(DEFAULT_TIER_NAMES),
+        help="standby tiers offered, comma-separated, from stopped, warm, hot and spot (default: %(default)s)",
     )
     described: tuple[tuple[TierName, str], ...] = (
         ("stopped", "a parked instance's volumes, plus the node price when --stopped-capacity reserved"),
         ("warm", "the node price"),
         ("hot", f"the node price + {HOT_EXTRA_USD_PER_H:g} for mirroring"),
+        ("spot", f"{SPOT_PRICE_RATIO:g} x the node price, an assumed spot price"),
     )
     for tier, what in described:
         p.add_argument(
@@ -122,9 +128,16 @@ def _add_cost_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             f"--{tier}-takeover-s",
             type=float,
-            default=tiers[tier].takeover_s,
+            default=(tiers[tier] if tier in tiers else spot_tier()).takeover_s,
             help=f"whole-job downtime when a {tier} standby takes over (default: %(default)s)",
         )
+    p.add_argument(
+        "--spot-interruptions-per-h",
+        type=float,
+        default=SPOT_INTERRUPTIONS_PER_H,
+        help="rate at which the provider reclaims a spot standby, per hour (default: %(default).3g, the AWS Spot "
+        "Instance Advisor's top bucket, >20%% a month, taken at 20%%: an assumption, use your instance's bucket)",
+    )
     p.add_argument(
         "--stopped-capacity",
         choices=("unreserved", "reserved"),
@@ -176,6 +189,11 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--false-alarms-per-node-year", type=float, help="precursor-like bursts per node-year that no fault follows"
     )
+    p.add_argument(
+        "--burst-share",
+        type=float,
+        help="share of faults in common-cause bursts (default 0, independent nodes; 0.3 matches InfiniteHBD)",
+    )
 
 
 def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -198,6 +216,14 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="share of faults in common-cause bursts across a failure domain (default: %(default)s, independent "
         "nodes; 0.3 matches the InfiniteHBD trace's burst curve)",
     )
+    g.add_argument(
+        "--hazard-shift",
+        action="append",
+        default=[],
+        metavar="START_DAY:DAYS:FACTOR",
+        help="a period in which the fleet fails FACTOR times as often, e.g. 60:14:3 for a rollout from day 60 for "
+        "two weeks; repeat for several (default: none)",
+    )
     g.add_argument("--out", required=True, metavar="FILE.csv", help="where to write the CSV")
     g.add_argument("--json", metavar="FILE", help="also write a summary (faults, nodes, days, seed, path) as JSON")
     tr = actions.add_parser("train", help="fit the failure predictor on synthetic fleets and save it (skops)")
@@ -207,9 +233,23 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     tr.add_argument("--out", required=True, metavar="MODEL.skops", help="where to write the model")
     tr.add_argument("--json", metavar="FILE", help="also write the training report as JSON")
     ev = actions.add_parser(
-        "evaluate", help="score a saved model on a fresh fleet and compare the learned policy with the baselines"
+        "evaluate",
+        help="score a saved model on a fresh fleet, or fit on the first part of a trace (--trace) and judge on the "
+        "rest, against the baselines",
     )
-    ev.add_argument("--model", required=True, metavar="MODEL.skops", help="a model written by `policy train`")
+    ev.add_argument(
+        "--model",
+        metavar="MODEL.skops",
+        help="a model written by `policy train` (for a synthetic fleet; not with --trace)",
+    )
+    ev.add_argument(
+        "--trace",
+        help="judge on a fault trace instead: 'infinitehbd', 'lanl-system20' or a CSV file; a history-only model is "
+        "fitted on its first part (--train-fraction) and kept only if it beat the statics within that part",
+    )
+    ev.add_argument(
+        "--duration-h", type=float, help="with --trace: its observation window in hours (default: its latest time)"
+    )
     ev.add_argument("--seed", type=int, default=9001, help="seed of the evaluation fleet (default: %(default)s)")
     _add_fleet_flags(ev)
     ev.add_argument(
@@ -224,6 +264,7 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON")
     _add_cost_flags(ev)
+    ev.set_defaults(nodes=None)  # 256 for a synthetic fleet; a trace's own size (required for a CSV)
 
 
 def _costs(ns: argparse.Namespace, job_nodes: int) -> StandbyCosts:
@@ -235,7 +276,9 @@ def _costs(ns: argparse.Namespace, job_nodes: int) -> StandbyCosts:
             f"--tiers {ns.tiers}: name each of {', '.join(TIER_NAMES)} at most once, e.g. hot,stopped"
         )
     try:
-        base = default_tiers(ns.node_price_usd_per_h, ns.stopped_capacity)
+        base = default_tiers(ns.node_price_usd_per_h, ns.stopped_capacity) | {
+            "spot": spot_tier(ns.node_price_usd_per_h)
+        }
     except ValidationError as exc:
         raise PolicyUsageError(f"--node-price-usd-per-h: {exc.errors()[0]['msg']}") from None
     tiers = {}
@@ -245,12 +288,18 @@ def _costs(ns: argparse.Namespace, job_nodes: int) -> StandbyCosts:
             update["price_usd_per_h"] = getattr(ns, f"{tier}_price_usd_per_h")
         if tier == "stopped" and ns.stopped_wake_failure_prob is not None:
             update["wake_failure_prob"] = ns.stopped_wake_failure_prob
+        if tier == "spot":
+            update["interruptions_per_h"] = ns.spot_interruptions_per_h
         try:
             tiers[tier] = TierCosts.model_validate(base[tier].model_dump() | update)
         except ValidationError as exc:
             err = exc.errors()[0]
             field = str(err["loc"][0]) if err["loc"] else "price_usd_per_h"
-            flag = {"price_usd_per_h": "price-usd-per-h", "takeover_s": "takeover-s"}.get(field, "wake-failure-prob")
+            flag = {
+                "price_usd_per_h": "price-usd-per-h",
+                "takeover_s": "takeover-s",
+                "interruptions_per_h": "interruptions-per-h",
+            }.get(field, "wake-failure-prob")
             raise PolicyUsageError(f"--{tier}-{flag}: {err['msg']}") from None
     values = {field: getattr(ns, field) for field in _COST_FLAGS}
     if values["job_price_usd_per_h"] is None:
@@ -270,6 +319,7 @@ def _priced_job(costs: StandbyCosts, job_nodes: int, ns: argparse.Namespace) -> 
     tiers = ", ".join(
         f"{t} {c.price_usd_per_h:g} USD/h, {c.takeover_s:g} s"
         + (f", wakes {1 - c.wake_failure_prob:.0%}" if c.wake_failure_prob else "")
+        + (f", reclaimed {c.interruptions_per_h:.3g}/h" if c.interruptions_per_h else "")
         for t, c in costs.tiers.items()
     )
     return (
@@ -396,11 +446,22 @@ def _tune(ns: argparse.Namespace) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from policy.synthetic import SyntheticFleetConfig, generate_fleet
+    from policy.synthetic import HazardShift, SyntheticFleetConfig, generate_fleet
     from policy.traces import write_csv
 
+    shifts = []
+    for text in ns.hazard_shift:
+        try:
+            shifts.append(HazardShift.parse(text))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise PolicyUsageError(f"--hazard-shift {text}: {err['loc'][0]} {err['msg']}") from None
+        except ValueError as exc:
+            raise PolicyUsageError(f"--hazard-shift {exc}") from None
     try:
-        config = SyntheticFleetConfig(n_nodes=ns.nodes, days=ns.days, seed=ns.seed, burst_share=ns.burst_share)
+        config = SyntheticFleetConfig(
+            n_nodes=ns.nodes, days=ns.days, seed=ns.seed, burst_share=ns.burst_share, hazard_shifts=tuple(shifts)
+        )
     except ValidationError as exc:
         err = exc.errors()[0]
         flag = {"n_nodes": "--nodes", "days": "--days", "seed": "--seed", "burst_share": "--burst-share"}.get(
@@ -448,7 +509,7 @@ def _fleet_configs(ns: argparse.Namespace, seeds: Sequence[int]) -> list[Synthet
         raise PolicyUsageError(f"--horizon-h {ns.horizon_h:g}: must be > 0 hours, e.g. 2")
     overrides = {
         field: getattr(ns, field)
-        for field in ("precursor_fraction", "false_alarms_per_node_year")
+        for field in ("precursor_fraction", "false_alarms_per_node_year", "burst_share")
         if getattr(ns, field) is not None
     }
     try:
@@ -497,6 +558,7 @@ def _train(ns: argparse.Namespace) -> int:
                 "max_iter": ns.max_iter,
                 "precursor_fraction": configs[0].precursor_fraction,
                 "false_alarms_per_node_year": configs[0].false_alarms_per_node_year,
+                "burst_share": configs[0].burst_share,
             },
         },
     )
@@ -530,6 +592,47 @@ def _score_line(name: str, score: ModelScore) -> str:
     )
 
 
+def _evaluate_trace(ns: argparse.Namespace) -> int:
+    from policy.history import evaluate_trace
+    from policy.pipeline import baseline_policies
+    from policy.simulator import format_table
+
+    if ns.model is not None:
+        raise PolicyUsageError(
+            "--model and --trace: a trace has no telemetry for a saved model; leave --model out (a history-only "
+            "model is fitted on the trace's training part)"
+        )
+    ns.job_nodes = None
+    trace = _trace(ns)
+    costs = _costs(ns, trace.n_nodes)
+    print(_priced_job(costs, trace.n_nodes, ns))
+    horizon_h = DEFAULT_HORIZON_H if ns.horizon_h is None else ns.horizon_h
+    if not (math.isfinite(horizon_h) and horizon_h > 0):
+        raise PolicyUsageError(f"--horizon-h {horizon_h:g}: must be > 0 hours, e.g. 3")
+    try:
+        result = evaluate_trace(
+            trace, costs, baseline_policies(costs.tiers), train_fraction=ns.train_fraction, horizon_h=horizon_h
+        )
+    except ValueError as exc:
+        raise PolicyUsageError(f"--trace {ns.trace}: {exc}") from None
+    print(
+        f"fitted on {result.chosen_on}, judged on the rest; each candidate was first fitted on the first half of "
+        "the training part and judged on its second half (the edge check):"
+    )
+    for c in result.edge_checks:
+        mark = "edge" if c.edge else ("dominated" if c.dominated else "no edge")
+        ratio = "-" if math.isnan(c.cost_ratio) else f"{c.cost_ratio:.3f}"
+        print(f"  {c.candidate:<16} inner ratio {ratio:>6}  {mark}")
+    shown = result.judgements.get(result.chosen) or next(iter(result.judgements.values()))
+    print("test part ('*': Pareto frontier of the judged hours):")
+    print(format_table(shown.test_rows))
+    if result.fell_back:
+        print(f"fell back to the static {result.static}: no candidate had an edge on the training part")
+    print(f"chosen: {result.chosen}: {result.summary}")
+    _write_json(ns.json, result.to_dict())
+    return 0
+
+
 def _evaluate(ns: argparse.Namespace) -> int:
     from policy.pipeline import evaluate_fleet, model_horizon
     from policy.simulator import format_table
@@ -538,6 +641,16 @@ def _evaluate(ns: argparse.Namespace) -> int:
         raise PolicyUsageError(f"--multiplier {ns.multiplier:g}: must be > 0, e.g. 1.0")
     if not 0.0 < ns.train_fraction < 1.0:
         raise PolicyUsageError(f"--train-fraction {ns.train_fraction:g}: must lie strictly between 0 and 1, e.g. 0.5")
+    if ns.trace is not None:
+        return _evaluate_trace(ns)
+    if ns.model is None:
+        raise PolicyUsageError(
+            "--model is required for a synthetic fleet (write one with `trainmover policy train`), or pass --trace"
+        )
+    if ns.duration_h is not None:
+        raise PolicyUsageError("--duration-h applies to --trace only; set a synthetic fleet's length with --days")
+    if ns.nodes is None:
+        ns.nodes = 256
     (config,) = _fleet_configs(ns, [ns.seed])
     costs = _costs(ns, ns.nodes)
     model = _load_model(ns.model)

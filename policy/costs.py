@@ -6,12 +6,15 @@ can see at a glance what a plan was priced with.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TierName = Literal["stopped", "warm", "hot"]
-TIER_NAMES: tuple[TierName, ...] = ("stopped", "warm", "hot")
+TierName = Literal["stopped", "warm", "hot", "spot"]
+TIER_NAMES: tuple[TierName, ...] = ("stopped", "warm", "hot", "spot")
+DEFAULT_TIER_NAMES: tuple[TierName, ...] = ("stopped", "warm", "hot")
+"""The tiers offered unless the cost owner adds spot (`--tiers stopped,warm,hot,spot`)."""
 
 # --- Defaults (assumptions, not measurements) -------------------------------------------------------------------
 # AWS p5.48xlarge (8x H100) on-demand list price in us-east-1, USD per hour, after AWS's June 2025 cut of up to
@@ -40,6 +43,15 @@ STOPPED_WAKE_FAILURE_PROB = 0.1
 # costs a whole node plus its volumes and never fails to wake.
 StoppedCapacity = Literal["unreserved", "reserved"]
 DEFAULT_STOPPED_CAPACITY: StoppedCapacity = "unreserved"
+# A spot standby: a running instance (a warm standby: same takeover) bought on the spot market. Its price is an
+# assumption: 35% of on-demand (the synthetic fleets' spot_price_ratio; p5 spot prices vary by zone and hour, and
+# `cloud.aws`'s hourly_price_usd(t, "spot") reads the real one from DescribeSpotPriceHistory). The provider may
+# reclaim it at any time; its rate is an assumption from the AWS Spot Instance Advisor's buckets of monthly
+# interruption frequency (<5%, 5-10%, 10-15%, 15-20%, >20%): the top bucket, >20% a month, taken at 20%, i.e.
+# -ln(0.8) / 730 h = 3.1e-4 per hour (no public figure for p5 was checked here; use the Advisor's bucket for your
+# instance type and region). A reclaimed spot standby is gone until its replacement arrives one lead time later.
+SPOT_PRICE_RATIO = 0.35
+SPOT_INTERRUPTIONS_PER_H = -math.log(1 - 0.20) / 730.0
 # Uncovered failure: checkpoint-restart, i.e. relaunch + reload + work lost since the last checkpoint, an
 # assumption for a large job (the recovery bench measures 34 s for a 629 MB model on 2 CPU workers, without a
 # lost node to replace) ...
@@ -72,6 +84,27 @@ class TierCosts(BaseModel):
         "capacity); the failure then also costs an uncovered failure's downtime.",
         ge=0.0,
         le=1.0,
+    )
+    interruptions_per_h: float = Field(
+        default=0.0,
+        description="Rate at which the provider reclaims a standby of this tier (spot), per hour; a reclaimed "
+        "standby is gone until a replacement arrives one lead time later.",
+        ge=0.0,
+        le=1000.0,
+    )
+
+
+def spot_tier(
+    node_price_usd_per_h: float = NODE_PRICE_USD_PER_H,
+    price_ratio: float = SPOT_PRICE_RATIO,
+    interruptions_per_h: float = SPOT_INTERRUPTIONS_PER_H,
+) -> TierCosts:
+    """A spot standby: a running instance (a warm standby's takeover) at `price_ratio` x the on-demand price,
+    reclaimed at `interruptions_per_h` (defaults: the assumptions above)."""
+    return TierCosts(
+        price_usd_per_h=price_ratio * node_price_usd_per_h,
+        takeover_s=WARM_TAKEOVER_S,
+        interruptions_per_h=interruptions_per_h,
     )
 
 
@@ -131,7 +164,7 @@ class StandbyCosts(BaseModel):
         default_factory=default_tiers,
         description="Price and takeover time of each tier offered; a tier left out is never used.",
         min_length=1,
-        max_length=3,
+        max_length=4,
     )
     budget_usd_per_h: float | None = Field(
         default=None,
@@ -177,10 +210,16 @@ class StandbyCosts(BaseModel):
         t = self.tiers[tier]
         return t.takeover_s + t.wake_failure_prob * self.uncovered_downtime_s
 
+    def availability(self, tier: TierName) -> float:
+        """Share of the time a standby of `tier` is there: a reclaimed one (rate r) is back a lead time L later,
+        so up Exp(1/r), down L: 1 / (1 + r L); 1 for a tier that is never reclaimed."""
+        return 1.0 / (1.0 + self.tiers[tier].interruptions_per_h * self.lead_time_h)
+
     def avoided_usd(self, tier: TierName) -> float:
-        """C_avoid: the downtime cost, in USD, that one standby of `tier` avoids per covered failure (expected)."""
+        """C_avoid: the downtime cost, in USD, that one standby of `tier` avoids per failure it is held for
+        (expected: a spot standby is there only `availability` of the time)."""
         saved_h = (self.uncovered_downtime_s - self.expected_takeover_s(tier)) / 3600.0
-        return saved_h * self.job_price_usd_per_h
+        return self.availability(tier) * saved_h * self.job_price_usd_per_h
 
     def threshold(self, tier: TierName) -> float:
         """c_t * L / C_avoid_t: the failure probability above which one more standby of `tier` pays for itself."""

@@ -115,6 +115,7 @@ class FleetState(BaseModel):
     stopped: int = Field(default=0, description="Stopped standbys held now.", ge=0, le=_MAX_TIER_COUNT)
     warm: int = Field(default=0, description="Warm standbys held now.", ge=0, le=_MAX_TIER_COUNT)
     hot: int = Field(default=0, description="Hot standbys held now.", ge=0, le=_MAX_TIER_COUNT)
+    spot: int = Field(default=0, description="Spot standbys held now.", ge=0, le=_MAX_TIER_COUNT)
     last_change_s: float = Field(
         default=-math.inf, description="Time of the last change to the standby counts, seconds (same clock as now_s)."
     )
@@ -131,6 +132,7 @@ class StandbyPlan(BaseModel):
     stopped: int = Field(description="Stopped standbys to hold.", ge=0)
     warm: int = Field(description="Warm standbys to hold.", ge=0)
     hot: int = Field(description="Hot standbys to hold.", ge=0)
+    spot: int = Field(default=0, description="Spot standbys to hold.", ge=0)
     cost_usd_per_h: float = Field(description="Hourly price of all standbys in the plan, USD per hour.", ge=0.0)
     expected_covered_failures: float = Field(
         description="Expected number of failures within L that a standby covers: E[min(failures, standbys)].",
@@ -143,7 +145,7 @@ class StandbyPlan(BaseModel):
 
     @property
     def total(self) -> int:
-        return self.stopped + self.warm + self.hot
+        return self.stopped + self.warm + self.hot + self.spot
 
 
 Counts = dict[TierName, int]
@@ -212,6 +214,7 @@ def decide_from_tail(
         stopped=counts["stopped"],
         warm=counts["warm"],
         hot=counts["hot"],
+        spot=counts["spot"],
         cost_usd_per_h=_cost(counts, costs),
         expected_covered_failures=covered,
         reasons=tuple(reasons),

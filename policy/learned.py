@@ -36,9 +36,21 @@ class HazardTable:
     base_p_horizon: float
     """The fleet's base rate over the horizon, used where a node has no score."""
     _column: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _columns_of: dict[tuple[str, ...], npt.NDArray[np.int64]] = field(default_factory=dict, repr=False, compare=False)
+    """The column of each node of a job's node tuple (a policy asks for the same tuple every hour)."""
 
     def __post_init__(self) -> None:
         self._column.update({n: i for i, n in enumerate(self.node_ids)})
+
+    def _columns(self, node_ids: Sequence[str]) -> npt.NDArray[np.int64]:
+        key = tuple(node_ids)
+        cols = self._columns_of.get(key)
+        if cols is None:
+            cols = np.fromiter((self._column.get(x, -1) for x in key), dtype=np.int64, count=len(key))
+            if len(self._columns_of) > 8:
+                self._columns_of.clear()
+            self._columns_of[key] = cols
+        return cols
 
     def p_within(self, t_h: float, window_h: float, node_ids: Sequence[str]) -> npt.NDArray[np.float64]:
         """P(fault within `window_h` from `t_h`) for each node, from the latest score known at `t_h`."""
@@ -46,7 +58,7 @@ class HazardTable:
         n = len(node_ids)
         p_h = np.full(n, self.base_p_horizon)
         if 0 <= slot < self.p_horizon.shape[0]:
-            cols = np.fromiter((self._column.get(x, -1) for x in node_ids), dtype=np.int64, count=n)
+            cols = self._columns(node_ids)
             known = cols >= 0
             row = self.p_horizon[slot]
             vals = row[np.where(known, cols, 0)]

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from policy.costs import NODE_PRICE_USD_PER_H, TIER_NAMES, StandbyCosts, TierName
+from policy.costs import DEFAULT_TIER_NAMES, NODE_PRICE_USD_PER_H, StandbyCosts, TierName
 from policy.features import DEFAULT_HORIZON_H, FeatureSet, build_features
 from policy.learned import hazard_table, learned_policy
 from policy.predictor import Evaluation, FailurePredictor, evaluate
@@ -85,7 +85,7 @@ def job_costs(n_nodes: int, **overrides: object) -> StandbyCosts:
     return StandbyCosts.model_validate({"job_price_usd_per_h": n_nodes * NODE_PRICE_USD_PER_H, **overrides})
 
 
-def baseline_policies(tiers: Iterable[TierName] = TIER_NAMES) -> list[StandbyPolicy]:
+def baseline_policies(tiers: Iterable[TierName] = DEFAULT_TIER_NAMES) -> list[StandbyPolicy]:
     """The statics a candidate must beat: none; 5% and 10% of the job and P99-binomial, each in the warm and the
     stopped tier (what cost owners run today); and every mixed-tier pool of `static_pools` (e.g. 1 hot + 2
     stopped), which on real and synthetic fleets are the ones to beat. Only pools of the offered `tiers`."""

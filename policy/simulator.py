@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from policy.costs import TIER_NAMES, StandbyCosts, TierName
+from policy.costs import DEFAULT_TIER_NAMES, TIER_NAMES, StandbyCosts, TierName
 from policy.decision import FleetState, binomial_tail, decide_from_tail, poisson_binomial_tails
 from policy.traces import FaultTrace
 
@@ -52,7 +52,8 @@ _SECONDS_PER_HOUR = 3600.0
 # Event kinds at equal times: an ordered standby arrives first, then a failure strikes, then a new target
 # applies, so a standby ordered exactly L before a failure covers it and a target that falls at a failure's
 # instant does not release the standby that failure needs.
-_ARRIVAL, _FAILURE, _SCHEDULE = 0, 1, 2
+_ARRIVAL, _FAILURE, _SCHEDULE, _RECLAIM = 0, 1, 2, 3
+_SPOT = TIER_NAMES.index("spot")
 # Orders placed this much earlier than L before a failure arrive no later than it despite binary rounding.
 _ORDER_SLACK_H = 1e-9
 
@@ -75,6 +76,8 @@ class JobView:
     """Sorted start times of the faults that hurt the job. Only an oracle may use these."""
     failure_nodes: tuple[str, ...]
     """The node of each failure, aligned with `failure_times_h`."""
+    seed: int = 0
+    """Seed of the job's random draws (its placement, and when the provider reclaims spot standbys)."""
 
     @property
     def job_nodes(self) -> int:
@@ -140,7 +143,7 @@ def job_view(
             nodes.append(r.node_id)
         end = math.inf if r.end_h is None else r.end_h
         down_until[r.node_id] = max(down_until.get(r.node_id, -math.inf), end)
-    return JobView(trace, costs, chosen, np.asarray(times, dtype=np.float64), tuple(nodes))
+    return JobView(trace, costs, chosen, np.asarray(times, dtype=np.float64), tuple(nodes), seed)
 
 
 # -------------------------------------------------------------------------------------------------- policies
@@ -153,7 +156,7 @@ class StandbySchedule:
     times_h: npt.NDArray[np.float64]
     """Sorted change times in hours, the first one 0."""
     counts: npt.NDArray[np.int64]
-    """Shape (len(times_h), 3): targets in `TIER_NAMES` order (stopped, warm, hot)."""
+    """Shape (len(times_h), 4): targets in `TIER_NAMES` order (stopped, warm, hot, spot)."""
 
     def __post_init__(self) -> None:
         if self.times_h.ndim != 1 or self.counts.shape != (self.times_h.size, len(TIER_NAMES)):
@@ -227,20 +230,24 @@ class StaticPool:
     warm: int = 0
     stopped: int = 0
     label: str | None = None
-    """A name for tables (e.g. the rule this pool was frozen from); default `static-h{hot}-w{warm}-s{stopped}`."""
+    """A name for tables (e.g. the rule this pool was frozen from); default `static-h{hot}-w{warm}-s{stopped}`,
+    with `-p{spot}` after it for a pool with spot standbys."""
+    spot: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.hot, self.warm, self.stopped) < 0:
+        if min(self.hot, self.warm, self.stopped, self.spot) < 0:
             raise ValueError(
-                f"a pool holds >= 0 standbys per tier, got hot={self.hot} warm={self.warm} stopped={self.stopped}"
+                f"a pool holds >= 0 standbys per tier, got hot={self.hot} warm={self.warm} stopped={self.stopped} "
+                f"spot={self.spot}"
             )
 
     @property
     def name(self) -> str:
-        return self.label or f"static-h{self.hot}-w{self.warm}-s{self.stopped}"
+        spot = f"-p{self.spot}" if self.spot else ""
+        return self.label or f"static-h{self.hot}-w{self.warm}-s{self.stopped}{spot}"
 
     def counts(self) -> dict[TierName, int]:
-        return {"hot": self.hot, "warm": self.warm, "stopped": self.stopped}
+        return {"hot": self.hot, "warm": self.warm, "stopped": self.stopped, "spot": self.spot}
 
     def schedule(self, job: JobView) -> StandbySchedule:
         for tier, n in self.counts().items():
@@ -254,22 +261,27 @@ POOL_WARM: tuple[int, ...] = (0, 1, 2)
 POOL_STOPPED: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 """The grid of mixed-tier pools that `static_pools` offers: few fast standbys for the first failures of a burst,
 more cheap stopped ones behind them (a burst of failures within one lead time is what a pool must absorb)."""
+POOL_SPOT: tuple[int, ...] = (0, 1, 2, 4)
+"""Spot standbys added to every pool of the grid when the spot tier is offered."""
 
 
 def static_pools(
-    tiers: Iterable[TierName] = TIER_NAMES,
+    tiers: Iterable[TierName] = DEFAULT_TIER_NAMES,
     hot: Sequence[int] = POOL_HOT,
     warm: Sequence[int] = POOL_WARM,
     stopped: Sequence[int] = POOL_STOPPED,
+    spot: Sequence[int] = POOL_SPOT,
 ) -> list[StaticPool]:
-    """Every pool of the grid (hot x warm x stopped) that uses only `tiers` and holds at least one standby."""
+    """Every pool of the grid (hot x warm x stopped, x spot when offered) that uses only `tiers` and holds at least
+    one standby."""
     offered = set(tiers)
     return [
-        StaticPool(hot=h, warm=w, stopped=s)
+        StaticPool(hot=h, warm=w, stopped=s, spot=p)
+        for p in (spot if "spot" in offered else (0,))
         for h in (hot if "hot" in offered else (0,))
         for w in (warm if "warm" in offered else (0,))
         for s in (stopped if "stopped" in offered else (0,))
-        if h + w + s > 0
+        if h + w + s + p > 0
     ]
 
 
@@ -404,6 +416,28 @@ class Oracle:
         return StandbySchedule(np.asarray(times, dtype=np.float64), np.asarray(rows, dtype=np.int64))
 
 
+def add_independent_count(tails: npt.NDArray[np.float64], pmf: Sequence[float]) -> npt.NDArray[np.float64]:
+    """Tails P(A + B >= k), k = 0..K, of a count A with tails `tails` (rows: decision times, possibly truncated at
+    K) plus an independent count B with P(B = j) = pmf[j] (mass missing from `pmf` counts as B > K).
+
+    P(A + B >= k) = sum_j P(B = j) P(A >= k - j), with P(A >= m) = 1 for m <= 0; exact for k <= K even when A's
+    mass above K is lumped at K. An empty `pmf` (B = 0) returns `tails` unchanged.
+    """
+    if len(pmf) == 0:
+        return tails
+    k_top = tails.shape[-1] - 1
+    b = np.asarray(pmf[: k_top + 1], dtype=np.float64)
+    out = np.zeros_like(tails)
+    for j, bj in enumerate(b.tolist()):
+        if bj == 0.0:
+            continue
+        out[..., : j + 1] += bj  # k <= j: A >= k - j always holds
+        if j < k_top:
+            out[..., j + 1 :] += bj * tails[..., 1 : k_top + 1 - j]
+    out += max(0.0, 1.0 - float(b.sum()))  # B beyond K: at least K failures whatever A is
+    return np.clip(out, 0.0, 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class HazardPolicy:
     """Call the standby decision every `every_h` hours with per-node hazards from `hazard_fn(time_h, node_ids)`.
@@ -421,10 +455,15 @@ class HazardPolicy:
     offset_h: float = 0.0
     """Hour of the hazards' clock at the job's hour 0: a job on the later part of a trace (`split_trace`) asks
     `hazard_fn` for hour t + offset_h."""
+    extra_pmf: tuple[float, ...] = ()
+    """P(j more failures within L), j = 0.., from a source independent of the per-node hazards (common-cause
+    bursts, `bursts.CompoundPoisson.multi`), added to the Poisson-binomial count; empty: none."""
 
     def __post_init__(self) -> None:
         if not self.every_h > 0:
             raise ValueError(f"every_h={self.every_h} must be > 0 hours")
+        if self.extra_pmf and (min(self.extra_pmf) < 0 or sum(self.extra_pmf) > 1 + 1e-9):
+            raise ValueError("extra_pmf must hold probabilities >= 0 that sum to at most 1")
 
     def schedule(self, job: JobView) -> StandbySchedule:
         times = np.arange(0.0, max(job.duration_h, self.every_h), self.every_h)
@@ -444,17 +483,21 @@ class HazardPolicy:
             if p.shape != (chunk.size, job.job_nodes):
                 raise ValueError(f"{self.name}: hazard_fn must return one probability per job node ({job.job_nodes})")
             k_max = 32
-            tails = poisson_binomial_tails(p, k_max)
+            tails = add_independent_count(poisson_binomial_tails(p, k_max), self.extra_pmf)
             # Widen the truncation until no decision could want more standbys than it covers.
             while k_max < job.job_nodes and np.any(tails[:, -1] > floor):
                 k_max *= 4
-                tails = poisson_binomial_tails(p, k_max)
+                tails = add_independent_count(poisson_binomial_tails(p, k_max), self.extra_pmf)
             for i, t_h in enumerate(chunk.tolist()):
                 plan = decide_from_tail(tails[i], costs, fleet, now_s=t_h * _SECONDS_PER_HOUR)
                 counts[b0 + i] = [plan.count(t) for t in TIER_NAMES]
                 if any(plan.count(t) != fleet.count(t) for t in TIER_NAMES):
                     fleet = FleetState(
-                        stopped=plan.stopped, warm=plan.warm, hot=plan.hot, last_change_s=t_h * _SECONDS_PER_HOUR
+                        stopped=plan.stopped,
+                        warm=plan.warm,
+                        hot=plan.hot,
+                        spot=plan.spot,
+                        last_change_s=t_h * _SECONDS_PER_HOUR,
                     )
         return StandbySchedule(times, counts)
 
@@ -482,6 +525,8 @@ class SimulationResult:
     covered_failures: int
     uncovered_failures: int
     covered_by_tier: dict[TierName, int] = field(default_factory=dict)
+    spot_reclaims: int = 0
+    """Spot standbys the provider took back during the run (each replaced one lead time later)."""
 
     @property
     def failures(self) -> int:
@@ -498,25 +543,46 @@ def simulate(
 ) -> SimulationResult:
     """Replay `trace` with `policy`'s standbys and report ETTR and costs (model: see the module docstring)."""
     job = job_view(trace, costs, job_nodes, seed, node_ids)
-    return _run(job, policy.name, policy.schedule(job))
+    return _run(job, policy.name, policy.schedule(job), reclaim=not isinstance(policy, Oracle))
 
 
-def run_schedule(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
-    """Replay `job` with the standby targets of `sched` (what `simulate` does once it has the job and schedule)."""
-    return _run(job, name, sched)
+def run_schedule(job: JobView, name: str, sched: StandbySchedule, *, reclaim: bool = True) -> SimulationResult:
+    """Replay `job` with the standby targets of `sched` (what `simulate` does once it has the job and schedule).
+    `reclaim=False` replays without spot reclaims (the oracle's bound)."""
+    return _run(job, name, sched, reclaim)
 
 
-def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
+def _reclaim_draws(job: JobView, s_counts: npt.NDArray[np.int64]) -> tuple[list[float], list[float], int]:
+    """Candidate reclaim times and their uniforms, for thinning: a Poisson process at r x the most spot standbys
+    the schedule ever holds (cap); at each candidate one of the n available is reclaimed with probability n / cap,
+    which is exactly a reclaim rate of r per available standby. Seeded by the job, so every policy on the same job
+    meets the same candidates, and a schedule without spot draws nothing."""
+    tier = job.costs.tiers.get("spot")
+    cap = int(s_counts[:, _SPOT].max()) if s_counts.size else 0
+    if tier is None or tier.interruptions_per_h <= 0 or cap == 0:
+        return [], [], 0
+    rng = np.random.default_rng([job.seed, 0x5B07])
+    n = int(rng.poisson(tier.interruptions_per_h * cap * job.duration_h))
+    times = np.sort(rng.uniform(0.0, job.duration_h, n))
+    return times.tolist(), rng.uniform(size=n).tolist(), cap
+
+
+def _run(job: JobView, name: str, sched: StandbySchedule, reclaim: bool = True) -> SimulationResult:
     costs, duration = job.costs, job.duration_h
     if not duration > 0:
         raise ValueError("the trace's duration_h is 0; a simulation needs a window of positive length")
-    offered = [TIER_NAMES.index(t) for t in sorted(costs.tiers, key=costs.expected_takeover_s)]
+    # Fastest first; between tiers as fast (warm and spot), the cheaper first, as the decision orders them.
+    speed = sorted(costs.tiers, key=lambda t: (costs.expected_takeover_s(t), costs.tiers[t].price_usd_per_h))
+    offered = [TIER_NAMES.index(t) for t in speed]
     n_tiers = len(TIER_NAMES)
     lead = costs.lead_time_h
 
     keep = sched.times_h < duration
     s_times, s_counts = sched.times_h[keep], sched.counts[keep]
     f_times = job.failure_times_h
+    r_times, r_draws, r_cap = _reclaim_draws(job, s_counts) if reclaim else ([], [], 0)
+    i_r = 0
+    reclaims = 0
     target = [0] * n_tiers
     avail = [0] * n_tiers
     # Pending orders per tier, arrival times ascending (orders are placed in time order, all with the same L).
@@ -557,6 +623,8 @@ def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
                 t, kind = orders[k][0], _ARRIVAL
         if i_f < f_times.size and (float(f_times[i_f]), _FAILURE) < (t, kind if kind >= 0 else 99):
             t, kind = float(f_times[i_f]), _FAILURE
+        if i_r < len(r_times) and (r_times[i_r], _RECLAIM) < (t, kind if kind >= 0 else 99):
+            t, kind = r_times[i_r], _RECLAIM
         if kind < 0 or t > duration:
             break
         accrue(t)
@@ -566,6 +634,12 @@ def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
             for k in offered:
                 reconcile(k, t)
             i_s += 1
+        elif kind == _RECLAIM:
+            if r_draws[i_r] < avail[_SPOT] / r_cap:
+                reclaims += 1
+                avail[_SPOT] -= 1
+                reconcile(_SPOT, t)  # the replacement is ordered at once and arrives one lead time later
+            i_r += 1
         elif kind == _ARRIVAL:
             k = min((k for k in offered if orders[k]), key=lambda k: orders[k][0])
             orders[k].popleft()
@@ -601,6 +675,7 @@ def _run(job: JobView, name: str, sched: StandbySchedule) -> SimulationResult:
         covered_failures=sum(covered),
         uncovered_failures=uncovered,
         covered_by_tier={TIER_NAMES[k]: covered[k] for k in offered},
+        spot_reclaims=reclaims,
     )
 
 
@@ -623,7 +698,7 @@ class ComparisonRow:
     result: SimulationResult
 
 
-def default_policies(tiers: Iterable[TierName] = TIER_NAMES) -> list[StandbyPolicy]:
+def default_policies(tiers: Iterable[TierName] = DEFAULT_TIER_NAMES) -> list[StandbyPolicy]:
     """The baselines a cost owner compares against: none, static 5% and 10%, binomial p99 (warm, or the first of
     stopped and hot offered), oracle. The mixed-tier pools are in `static_pools`."""
     offered = list(tiers)
@@ -642,10 +717,10 @@ def compare_policies(
     """Simulate each policy on the same job and return one row per policy, with regret against `Oracle`."""
     job = job_view(trace, costs, job_nodes, seed, node_ids)
     chosen = list(default_policies() if policies is None else policies)
-    results = [_run(job, p.name, p.schedule(job)) for p in chosen]
+    results = [_run(job, p.name, p.schedule(job), reclaim=not isinstance(p, Oracle)) for p in chosen]
     oracle = next((r for p, r in zip(chosen, results, strict=True) if isinstance(p, Oracle)), None)
     if oracle is None:
-        oracle = _run(job, Oracle().name, Oracle().schedule(job))
+        oracle = _run(job, Oracle().name, Oracle().schedule(job), reclaim=False)
     return [
         ComparisonRow(
             name=r.policy,

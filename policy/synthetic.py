@@ -6,7 +6,8 @@ calibration (defaults fitted to `trace_statistics(load_infinitehbd())`), and `ge
 - a `FaultTrace` of bursty, repeat-offender faults (per node, Weibull up times with shape below 1 alternating
   with repairs, and a gamma-distributed per-node rate multiplier), optionally with common-cause bursts across
   the nodes of a failure domain (`burst_share`, off by default; `BURSTS_LIKE_INFINITEHBD` matches the real
-  trace's burst curve), scaled to a target rate, with repair times
+  trace's burst curve), and optionally with hazard shifts (`hazard_shifts`: a rollout or an ageing period in
+  which the fleet fails a factor more often; off by default), scaled to a target rate, with repair times
   from a mixture of quick fixes and a slow lognormal, and
   causes drawn from the trace's Level/Class mix;
 - spot preemptions, each with the provider's notice (AWS 120 s, Azure 30 s);
@@ -75,6 +76,29 @@ _POWER_KNOTS = np.array([50.0, 60.0, 100.0, 400.0, 440.0, 460.0])
 
 _REBALANCE_LEAD_H = 0.25
 """AWS sends a rebalance recommendation ahead of the interruption notice; we assume 15 minutes ahead."""
+
+
+class HazardShift(BaseModel):
+    """A stretch of the window in which the whole fleet fails `factor` times as often: a rollout (a new driver or
+    firmware), an ageing period, or a calm spell (factor below 1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    start_day: float = Field(ge=0, description="Day of the window on which the shift begins.")
+    days: float = Field(gt=0, description="How many days it lasts (cut at the window's end).")
+    factor: float = Field(gt=0, le=20, description="The fleet's fault rate during the shift over its usual rate.")
+
+    @classmethod
+    def parse(cls, text: str) -> HazardShift:
+        """`START_DAY:DAYS:FACTOR`, e.g. `60:14:3` (from day 60, for 14 days, three times the rate)."""
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"{text!r}: expected START_DAY:DAYS:FACTOR, e.g. 60:14:3")
+        try:
+            start, days, factor = (float(x) for x in parts)
+        except ValueError:
+            raise ValueError(f"{text!r}: START_DAY, DAYS and FACTOR must be numbers, e.g. 60:14:3") from None
+        return cls(start_day=start, days=days, factor=factor)
 
 
 class SyntheticFleetConfig(BaseModel):
@@ -179,6 +203,14 @@ class SyntheticFleetConfig(BaseModel):
     )
     burst_spread_h: float = Field(
         default=0.25, ge=0, le=24, description="The faults of one burst start within this many hours of each other."
+    )
+    hazard_shifts: tuple[HazardShift, ...] = Field(
+        default=(),
+        description=(
+            "Periods in which the fleet's fault rate is multiplied by a factor (a rollout, an ageing period); "
+            "none by default, so existing fleets stay bit for bit unchanged. A factor above 1 adds faults in the "
+            "period (nodes drawn by their frailty, repairs as usual), one below 1 thins them."
+        ),
     )
     seed: int = Field(default=0, ge=0, description="Seed of every random draw; equal configs give equal fleets.")
 
@@ -347,6 +379,46 @@ def _faults(cfg: SyntheticFleetConfig, rng: np.random.Generator) -> tuple[np.nda
         nodes, starts, ends = _drop_faults_while_down(
             np.concatenate([nodes, b_nodes]), np.concatenate([starts, b_starts]), np.concatenate([ends, b_ends])
         )
+    if cfg.hazard_shifts:  # likewise: drawn only then
+        nodes, starts, ends = _shift_hazards(cfg, rng, frailty, nodes, starts, ends)
+    return nodes, starts, ends
+
+
+def _shift_hazards(
+    cfg: SyntheticFleetConfig,
+    rng: np.random.Generator,
+    frailty: np.ndarray,
+    nodes: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Multiply the fault rate inside each `hazard_shifts` period by its factor.
+
+    Above 1, the missing (factor - 1) x the fleet's rate arrives as extra Poisson faults in the period, each on a
+    node drawn in proportion to its frailty (the repeat offenders get more of them) with a repair drawn as usual;
+    below 1, each fault that starts in the period is kept with probability factor. A fault that would start on a
+    node still down is dropped, as everywhere, so a long factor-3 period shows slightly less than 3x (the nodes
+    spend a few percent of their time in repair).
+    """
+    rate_per_node_h = cfg.faults_per_1000_node_days / 1000 / _HOURS_PER_DAY
+    weights = frailty / frailty.sum()
+    for shift in cfg.hazard_shifts:
+        a = min(shift.start_day * _HOURS_PER_DAY, cfg.duration_h)
+        b = min((shift.start_day + shift.days) * _HOURS_PER_DAY, cfg.duration_h)
+        if b <= a:
+            continue
+        if shift.factor < 1:
+            inside = (starts >= a) & (starts < b)
+            keep = ~inside | (rng.uniform(size=starts.size) < shift.factor)
+            nodes, starts, ends = nodes[keep], starts[keep], ends[keep]
+        elif shift.factor > 1:
+            n_extra = rng.poisson((shift.factor - 1) * rate_per_node_h * cfg.n_nodes * (b - a))
+            e_nodes = rng.choice(cfg.n_nodes, size=n_extra, p=weights)
+            e_starts = rng.uniform(a, b, n_extra)
+            e_ends = e_starts + cfg.draw_repairs_h(rng, n_extra)
+            nodes, starts, ends = _drop_faults_while_down(
+                np.concatenate([nodes, e_nodes]), np.concatenate([starts, e_starts]), np.concatenate([ends, e_ends])
+            )
     return nodes, starts, ends
 
 

@@ -67,6 +67,8 @@ class FrontierPoint:
     uncovered_failures: int
     pool: tuple[int, int, int] = (0, 0, 0)
     """Standbys held at hour 0 as (hot, warm, stopped); constant over the run for every swept setting."""
+    spot: int = 0
+    """Spot standbys held at hour 0 (only when the spot tier is offered)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,7 +115,9 @@ def sweep(
     for kind, knob, name, policy in runs:
         sched = policy.schedule(job)
         r = run_schedule(job, name, sched)
-        hot, warm, stopped = (int(sched.counts[0, TIER_NAMES.index(t)]) for t in ("hot", "warm", "stopped"))
+        hot, warm, stopped, spot = (
+            int(sched.counts[0, TIER_NAMES.index(t)]) for t in ("hot", "warm", "stopped", "spot")
+        )
         points.append(
             FrontierPoint(
                 setting=name,
@@ -126,13 +130,18 @@ def sweep(
                 covered_failures=r.covered_failures,
                 uncovered_failures=r.uncovered_failures,
                 pool=(hot, warm, stopped),
+                spot=spot,
             )
         )
     return points
 
 
 def _pool_setting(pool: StaticPool) -> str:
-    parts = [f"{n} {t}" for t, n in (("hot", pool.hot), ("warm", pool.warm), ("stopped", pool.stopped)) if n]
+    parts = [
+        f"{n} {t}"
+        for t, n in (("hot", pool.hot), ("warm", pool.warm), ("stopped", pool.stopped), ("spot", pool.spot))
+        if n
+    ]
     return "pool " + " + ".join(parts)
 
 
@@ -167,16 +176,19 @@ def frontier_table(points: Sequence[FrontierPoint]) -> str:
     """The points as a fixed-width text table, frontier members marked with '*'."""
     on_frontier = {id(p) for p in pareto_frontier(points)}
     width = max([20, *(len(p.setting) + 1 for p in points)])
+    with_spot = any(p.spot for p in points)
+    pools_head = "hot/warm/stopped/spot" if with_spot else "hot/warm/stopped"
+    pw = len(pools_head)
     head = (
-        f"{'setting':<{width}} {'frontier':>8} {'hot/warm/stopped':>16} {'ettr':>8} {'usd/useful_h':>13} "
+        f"{'setting':<{width}} {'frontier':>8} {pools_head:>{pw}} {'ettr':>8} {'usd/useful_h':>13} "
         f"{'standby_usd':>12} {'downtime_usd':>13}"
     )
     lines = [head]
     for p in points:
         mark = "*" if id(p) in on_frontier else ""
-        pool = "/".join(str(n) for n in p.pool)
+        pool = "/".join(str(n) for n in (*p.pool, *((p.spot,) if with_spot else ())))
         lines.append(
-            f"{p.setting:<{width}} {mark:>8} {pool:>16} {p.ettr:>8.5f} {p.cost_per_useful_hour:>13.2f} "
+            f"{p.setting:<{width}} {mark:>8} {pool:>{pw}} {p.ettr:>8.5f} {p.cost_per_useful_hour:>13.2f} "
             f"{p.standby_usd:>12.0f} {p.downtime_usd:>13.0f}"
         )
     return "\n".join(lines)

@@ -95,7 +95,9 @@ def freeze(
     if np.any(sched.counts != sched.counts[0]):
         raise ValueError(f"{policy.name} changes its pool over time; only a static policy can be frozen")
     counts = dict(zip(TIER_NAMES, (int(c) for c in sched.counts[0]), strict=True))
-    return StaticPool(hot=counts["hot"], warm=counts["warm"], stopped=counts["stopped"], label=policy.name)
+    return StaticPool(
+        hot=counts["hot"], warm=counts["warm"], stopped=counts["stopped"], spot=counts["spot"], label=policy.name
+    )
 
 
 def choose_reference(train_rows: Sequence[ComparisonRow], candidate: str) -> ComparisonRow:

@@ -3,7 +3,8 @@
 An orchestrator (a Prefect flow, another process) connects to the coordinator's `TCPStore` as a client and
 writes control keys (`runtime.store`, `control/...`); the coordinator reads them in its health tick and answers
 with events (and, for moves, a result key). This module owns the requests' format: the parsers the coordinator
-applies to what it reads, and `JobControl`, the client that writes them.
+applies to what it reads, and `JobControl`, the client that writes them. The records themselves (`ControlCommand`,
+`MoveRequest`, `MoveResult`) are defined with every other message in runtime.protocol.
 
 Commands are sealed with the job's secret (`runtime.auth`) and carry a sequence number that only grows: the
 coordinator obeys nothing unsealed and refuses a replayed command. So an orchestrator needs the job's secret:
@@ -22,7 +23,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +30,10 @@ import torch.distributed as dist
 
 from runtime import store as keys
 from runtime.auth import ENV_SECRET, Sealer
+from runtime.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress
+
+__all__ = ["MAX_STANDBY_TARGET", "ControlValueError", "JobControl", "JobEnded", "JobNotFound", "MoveOutcome",
+           "MoveRequest", "parse_move", "parse_standby_target"]
 
 MAX_STANDBY_TARGET = 64
 """Upper bound of a standby target: a typo (640 instead of 64) must not start hundreds of processes."""
@@ -52,29 +56,9 @@ class JobEnded(RuntimeError):
     """The job this client steered has ended (or the client was closed)."""
 
 
-@dataclass(frozen=True, slots=True)
-class MoveRequest:
-    """Move these worker ranks to standbys, on purpose (spot notice, maintenance, rebalancing)."""
-
-    seq: int
-    """Sequence number: a request is new when its seq is larger than the last one the coordinator handled."""
-    ranks: tuple[int, ...]
-    """Logical ranks whose current processes leave."""
-    reason: str
-    """Why; recorded as the cause `planned_move:<reason>` in `member_failed` and `recovered`."""
-
-    def to_json(self) -> str:
-        return json.dumps({"seq": self.seq, "ranks": list(self.ranks), "reason": self.reason})
-
-
-@dataclass(frozen=True, slots=True)
-class MoveOutcome:
-    """The coordinator's answer to a move request."""
-
-    seq: int
-    accepted: bool
-    reason: str
-    """Empty when accepted; otherwise why the move was refused (e.g. "no standby ready")."""
+MoveOutcome = MoveResult
+"""The coordinator's answer to a move request (`seq`, `accepted`, `reason`: empty when accepted, otherwise why the
+move was refused, e.g. "no standby ready"); the record is runtime.protocol's `MoveResult`."""
 
 
 def parse_standby_target(raw: bytes | str) -> int:
@@ -153,7 +137,7 @@ class JobControl:
             raise JobNotFound(
                 f"the store at {host}:{port} holds no trainmover job; is `trainmover run --port {port}` running?"
             ) from None
-        if keys.Records(self._store, self._sealer).get(keys.k_job_config()) is None:
+        if keys.Records(self._store, self._sealer).get_record(keys.k_job_config(), JobConfig) is None:
             self.close()
             raise JobNotFound(f"the job at {host}:{port} was started with another secret than the one given "
                               f"(or {ENV_SECRET}); use the secret it was started with")
@@ -192,7 +176,7 @@ class JobControl:
         """Write a sealed command with a fresh sequence number (the coordinator refuses one it has seen)."""
         records = self.records
         seq = int(records.store.add(keys.k_control_seq(), 1))
-        records.put(key, {"seq": seq, "request": request(seq)})
+        records.put(key, ControlCommand(seq, request(seq)))
         return seq
 
     def set_standby_target(self, n: int) -> None:
@@ -210,10 +194,8 @@ class JobControl:
 
     def move_outcome(self, seq: int) -> MoveOutcome | None:
         """The answer to request `seq`, or None while it is unanswered (or was overwritten by a newer one)."""
-        result = self.records.get(keys.k_control_move_result())
-        if not isinstance(result, dict) or result.get("seq") != seq:
-            return None
-        return MoveOutcome(seq, bool(result["accepted"]), str(result.get("reason", "")))
+        result = self.records.get_record(keys.k_control_move_result(), MoveResult)
+        return result if result is not None and result.seq == seq else None
 
     def wait_move(self, seq: int, timeout_s: float) -> MoveOutcome:
         """Wait for the answer to request `seq`; raises `TimeoutError` if none comes within `timeout_s`."""
@@ -229,8 +211,8 @@ class JobControl:
         once the job is over."""
         if self.ended:
             return None
-        step = self.records.get(keys.k_progress())
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+        progress = self.records.get_record(keys.k_progress(), Progress)
+        return progress.step if progress is not None else None
 
     def close(self) -> None:
         self._store = None  # a TCPStore client closes its socket when released

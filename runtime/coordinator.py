@@ -9,6 +9,13 @@ An orchestrator steers a running job through control keys in the store (`runtime
 (more or fewer warm standbys) and planned moves (a rank's process leaves on purpose and a standby takes the
 rank, exactly as after a failure). They are read in the health tick, so steering costs no thread; a value the
 coordinator cannot apply is answered with a `control_rejected` event, never with a crash.
+
+Split by concern: this module is the loop and the orchestration of recoveries; runtime.health reads heartbeats
+and judges hangs; runtime.standbys keeps the standby pool; runtime.recoveries follows a recovery from its deaths
+to its `recovered` event; runtime.decisions holds the pure rules (move refusals, a recovery's figures);
+runtime.protocol defines every record read or written here. Time comes from the clocks
+given to `Coordinator` (`clock`, monotonic; `wall`, for timestamps; `sleep`), so tests run the whole loop
+in-process on a fake clock.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import selectors
 import signal
 import sys
 import time
-from collections import deque
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -30,11 +37,33 @@ from runtime import store as keys
 from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
-from runtime.decisions import MoveContext, move_refusal, recovery_metrics
+from runtime.decisions import MoveContext, move_refusal
 from runtime.events import EventLog
 from runtime.faults import parse_plan
+from runtime.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
 from runtime.hosts import NoSlot
-from runtime.membership import Generation
+from runtime.protocol import (
+    Assignment,
+    ChaosDone,
+    ControlCommand,
+    CurrentGeneration,
+    FailureReport,
+    FaultFired,
+    FinalDigest,
+    Finished,
+    Generation,
+    HoldsState,
+    JobConfig,
+    JobOver,
+    MoveResult,
+    Progress,
+    StopOrder,
+)
+from runtime.recoveries import Death, Recoveries
+from runtime.standbys import StandbyPool
+
+__all__ = ["Coordinator", "CoordinatorSettings", "JobFailed", "JobResult", "Member", "ProcessHandle", "ProcessPool",
+           "configure_logging", "describe_exit"]
 
 log = logging.getLogger("trainmover.coordinator")
 
@@ -42,37 +71,15 @@ LOOP_S = 0.005
 HEALTH_EVERY_S = 0.2
 HOST_SETTLE_S = 0.05
 """Across hosts, how long after the last declared death the coordinator waits for more before it publishes the
-new generation: losses seen together move together."""
-SPAWN_WINDOW_S = 10.0
-SPAWN_MIN_PER_WINDOW = 20
-SPAWN_PER_STANDBY = 10
-"""Standbys started in any 10 s: at most max(20, 10 x the largest standby target). Churn beyond it is deferred,
-not dropped; a script whose standbys cannot start at all is stopped by the in-a-row rule instead."""
-
-
-class ProcessHandle(Protocol):
-    """One training process as the coordinator sees it."""
-
-    name: str
-    role: str
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout_s: float) -> int | None: ...
-
-    def exit_fd(self) -> int | None:
-        """A file descriptor that turns readable when the process exits (a pidfd), or None to be polled."""
-        ...
-
-    def close(self) -> None:
-        """Release what watching the process held (its pidfd); the process is gone or killed by now."""
-        ...
+new generation: losses seen together move together. A pool may say otherwise with a `settle_s` attribute (one
+host: 0)."""
 
 
 class ProcessPool(Protocol):
+    """Where processes come from. Optional methods, looked up with getattr: wake_fd, drain_wake, helpers, describe,
+    take_events, free_slots, suspect, announce (runtime.hosts' pool across hosts has them all); and an optional
+    attribute, settle_s (see HOST_SETTLE_S)."""
+
     def spawn(self, name: str, role: str) -> ProcessHandle: ...
 
 
@@ -103,45 +110,6 @@ class CoordinatorSettings:
     """Standbys that die in a row before they are warm, after which the job stops instead of spawning more."""
 
 
-@dataclass
-class Member:
-    handle: ProcessHandle
-    started_at: float
-    hello_ok: bool = False
-    ready: bool = False
-    hb_value: int = -1
-    hb_changed_at: float = 0.0
-    hb_changed_wall: float = 0.0
-    dead: bool = False
-    exit_code: int | None = None
-    assigned_gen: int | None = None
-    exit_seen_at: float | None = None
-    """Wall-clock moment its pidfd turned readable: when the process exited, to the loop's latency."""
-
-
-@dataclass
-class Death:
-    rank: int
-    proc: str
-    pid: int
-    cause: str
-    failure_at: float
-    declared_at: float
-
-
-@dataclass
-class PendingRecovery:
-    gen: Generation
-    deaths: list[Death]
-    declared_at: float
-    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
-    attempts: list[dict[str, Any]] = field(default_factory=list)
-    """Earlier generations of this recovery that failed before its replayed step committed, and why."""
-
-    def replayed(self) -> bool:
-        return any("replay_done_at" in r for r in self.reports.values())
-
-
 @dataclass(frozen=True, slots=True)
 class JobResult:
     """How a job ended."""
@@ -152,117 +120,139 @@ class JobResult:
     digests: dict[str, str]
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class JobFailed(Exception):
-    pass
-
-
 class Coordinator:
-    """Runs one job to its end; `run()` returns how it ended."""
+    """Runs one job to its end; `run()` returns how it ended (or drive it: `start()`, then `step()` until it
+    returns a result, then `finish(result)`)."""
 
     def __init__(
-        self, settings: CoordinatorSettings, store: dist.TCPStore, pool: ProcessPool, events: EventLog
+        self,
+        settings: CoordinatorSettings,
+        store: dist.TCPStore,
+        pool: ProcessPool,
+        events: EventLog,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.s = settings
         self.store = store
         self.pool = pool
         self.events = events
+        self.clock = clock
+        """Monotonic time: every timeout and rate."""
+        self.wall = wall
+        """Wall-clock time: the moments in events and recovery figures (comparable with the members')."""
+        self.sleep = sleep
         # The refusal hook holds the event log only: a bound method would make a cycle that keeps the store (and
         # its listening socket) alive after the job, until the garbage collector runs.
         self.records = keys.Records(store, Sealer(settings.job_token, "coordinator", _refusal_reporter(events)))
         """The store through the job's seal: every record read is verified, every record written is sealed."""
         self.procs: dict[str, Member] = {}
         self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
+        suspect = getattr(pool, "suspect", None)
+        self.health = HealthWatch(self.records, settings.hang_timeout_s, settings.startup_timeout_s, wall,
+                                  (lambda name: bool(suspect(name))) if suspect is not None else (lambda _: False))
+        # Through a weak reference, for the same reason: the standby pool must not keep the coordinator alive.
+        me = weakref.proxy(self)
+        self.standbys = StandbyPool(self.procs, lambda name, role: me._spawn(name, role), events, settings.standby,
+                                    settings.max_standby_failures, clock, self.health.looks_alive,
+                                    getattr(pool, "free_slots", None))
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
-        self.recoveries: list[PendingRecovery] = []
+        self.recoveries = Recoveries(self.records, events)
         self.failed_seen_at: float | None = None
         self.completing_since: float | None = None
         self.stop_sent = False
-        self.next_standby = 0
-        self.spawned_standbys = 0
-        self._spawn_times: deque[float] = deque()
         self.fault_count = len(parse_plan(settings.faults))
-        self.standby_target = settings.standby
-        """Unpromoted standbys to keep: `settings.standby` until an orchestrator sets another."""
-        self._max_standby_target = settings.standby
         self._control_seq: dict[str, int] = {}
-        self._control_last: dict[str, Any] = {}
+        self._control_last: dict[str, ControlCommand] = {}
         """The newest sequence number applied per control key: an older or equal one is a replay."""
         self._last_move_seq = 0
         self.started = False
         self._selector = selectors.DefaultSelector()
         self._exit_fds: dict[str, int] = {}
-        self._fault_records: dict[int, dict[str, Any]] = {}
+        self._fault_records: dict[int, FaultFired] = {}
         self.holders: set[str] = set(self.gen.members)
         """Live members known to hold the complete training state (every worker of generation 0)."""
-        self.standby_failures_in_row = 0
         chaos = parse_chaos(settings.chaos)
         self.chaos = ChaosMonkey(chaos) if chaos is not None else None
         self._chaos_hit: dict[str, float] = {}
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
         self._health_due = True
+        self._next_health = 0.0
+        self._t0 = 0.0
         self._wake_fd: int | None = getattr(pool, "wake_fd", lambda: None)()
         """A pool across hosts (runtime.hosts) wakes the loop through this when a process exits or a host is lost."""
         if self._wake_fd is not None:
             self._selector.register(self._wake_fd, selectors.EVENT_READ, None)
+        self._settle_s: float = getattr(pool, "settle_s", HOST_SETTLE_S if self._wake_fd is not None else 0.0)
+        """How long to wait for more losses before replacing (across hosts, hosts failing together move together)."""
+
+    @property
+    def standby_target(self) -> int:
+        """Unpromoted standbys to keep: `settings.standby` until an orchestrator sets another."""
+        return self.standbys.target
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
-        t0 = time.time()
-        self.records.put(keys.k_job_config(), {"nproc": self.s.nproc, "job_id": self.s.job_id})
+        try:
+            self.start()
+            while (result := self.step()) is None:
+                pass
+        except JobFailed as exc:
+            result = JobResult(1, str(exc), [], {})
+        except KeyboardInterrupt:
+            result = JobResult(130, "interrupted; every process was stopped", [], {})
+        return self.finish(result)
+
+    def start(self) -> None:
+        """Publish the job's config, start the workers and the standbys (and generation 0, unless it waits for
+        the standbys to be warm)."""
+        self._t0 = self.wall()
+        self.records.put(keys.k_job_config(), JobConfig(self.s.nproc, self.s.job_id))
         helpers: dict[str, int] = getattr(self.pool, "helpers", dict)()
         self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
                          port=self.store.port, helpers=helpers, **getattr(self.pool, "describe", dict)())
         self._pool_events()
-        next_health = 0.0
-        try:
-            for name in self.gen.members:
-                self._spawn(name, "worker")
-            for _ in range(self.s.standby):
-                self._spawn_standby()
-            self.started = not self.s.start_when_standbys_ready
-            if self.started:
-                self._publish(self.gen)
-                self._emit_generation(self.gen)
-            while True:
-                # Block until a child exits or the next health check is due: the coordinator shares the
-                # machine with the workers (here, two cores), so it must not spin.
-                busy = bool(self.pending_deaths) or not self.started or self.completing_since is not None
-                now = time.monotonic()
-                exited = self._wait_for_exit(LOOP_S if busy or not self._exit_fds else max(0.0, next_health - now))
-                now = time.monotonic()
-                self._pool_events()
-                self._poll_exits()
-                due = now >= next_health
-                if due:
-                    next_health = now + HEALTH_EVERY_S
-                    if self.completing_since is None:
-                        self._poll_health(now)
-                        self._poll_control()
-                        self._tick_chaos(now)
-                if due or busy or exited:
-                    self._health_due = due
-                    result = self._progress(now)
-                    if result is not None:
-                        return self._finish(result, t0)
-        except JobFailed as exc:
-            return self._finish(JobResult(1, str(exc), [], {}), t0)
-        except KeyboardInterrupt:
-            return self._finish(JobResult(130, "interrupted; every process was stopped", [], {}), t0)
+        for name in self.gen.members:
+            self._spawn(name, "worker")
+        for _ in range(self.s.standby):
+            self.standbys.spawn_one()
+        self.started = not self.s.start_when_standbys_ready
+        if self.started:
+            self._publish(self.gen)
+            self._emit_generation(self.gen)
 
-    def _finish(self, result: JobResult, t0: float) -> JobResult:
-        self.records.put(keys.k_over(), {"exit_code": result.exit_code})
-        self._flush_recoveries(final=True)
+    def step(self) -> JobResult | None:
+        """One turn of the loop: wait for an exit or the next health tick, then act; the job's end when it came.
+        Raises JobFailed when the job cannot go on."""
+        # Block until a child exits or the next health check is due: the coordinator shares the machine with the
+        # workers (here, two cores), so it must not spin.
+        busy = bool(self.pending_deaths) or not self.started or self.completing_since is not None
+        now = self.clock()
+        idle = bool(self._exit_fds) or self._wake_fd is not None  # something wakes the loop when a process exits
+        exited = self._wait_for_exit(max(0.0, self._next_health - now) if idle and not busy else LOOP_S)
+        now = self.clock()
+        self._pool_events()
+        self._poll_exits()
+        due = now >= self._next_health
+        if due:
+            self._next_health = now + HEALTH_EVERY_S
+            if self.completing_since is None:
+                self._poll_health(now)
+                self._poll_control()
+                self._tick_chaos(now)
+        if due or busy or exited:
+            self._health_due = due
+            return self._progress(now)
+        return None
+
+    def finish(self, result: JobResult) -> JobResult:
+        """End the job: events, every process stopped, the store told it is over."""
+        self.records.put(keys.k_over(), JobOver(result.exit_code))
+        self.recoveries.flush(self.gen.gen, final=True)
         for name, at in self._chaos_hit.items():
             if not self.procs[name].dead:  # a hang injected too close to the end to be detected before it
                 self.events.emit("chaos_unresolved", proc=name, pid=self.procs[name].handle.pid, time=at,
@@ -270,25 +260,26 @@ class Coordinator:
         digests = self._digests()
         refused = dict(self.records.sealer.refused)
         if result.exit_code == 0:
-            self.events.emit("job_finished", wall_s=time.time() - t0, generation=self.gen.gen, digests=digests,
-                             step=self.records.get_int(keys.k_progress(), -1),
+            progress = self.records.get_record(keys.k_progress(), Progress)
+            self.events.emit("job_finished", wall_s=self.wall() - self._t0, generation=self.gen.gen,
+                             digests=digests, step=progress.step if progress is not None else -1,
                              final_digest=digests.get(self.gen.members[0]), refused_values=refused)
         else:
-            self.events.emit("job_failed", wall_s=time.time() - t0, reason=result.message, exit_code=result.exit_code,
-                             refused_values=refused)
-        self._shutdown()
+            self.events.emit("job_failed", wall_s=self.wall() - self._t0, reason=result.message,
+                             exit_code=result.exit_code, refused_values=refused)
+        self._shutdown(result.message)
         return JobResult(result.exit_code, result.message, list(self.events.events), digests)
 
-    def _shutdown(self) -> None:
-        self._send_stop()
-        deadline = time.monotonic() + 10.0
+    def _shutdown(self, reason: str) -> None:
+        self._send_stop(reason)
+        deadline = self.clock() + 10.0
         members = set(self.gen.members)
         for name, m in self.procs.items():
             if name not in members:
                 m.handle.kill()  # an unpromoted standby holds nothing worth an orderly exit
         for m in self.procs.values():
             if m.handle.poll() is None:
-                m.handle.wait(max(0.0, deadline - time.monotonic()))
+                m.handle.wait(max(0.0, deadline - self.clock()))
             if m.handle.poll() is None:
                 m.handle.kill()
                 m.handle.wait(5.0)
@@ -296,15 +287,15 @@ class Coordinator:
         for m in self.procs.values():
             m.handle.close()
 
-    def _send_stop(self) -> None:
+    def _send_stop(self, reason: str) -> None:
         """Tell every process to leave; unpromoted standbys block on their assignment key, so release it too."""
         if self.stop_sent:
             return
         self.stop_sent = True
-        self.records.put(keys.k_stop(), True)
+        self.records.put(keys.k_stop(), StopOrder(reason))
         for name, m in self.procs.items():
             if m.handle.role == "standby" and m.assigned_gen is None:
-                self.records.put(keys.k_assign(name), -1)
+                self.records.put(keys.k_assign(name), Assignment(-1))
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> None:
@@ -312,8 +303,8 @@ class Coordinator:
             handle = self.pool.spawn(name, role)
         except NoSlot as exc:
             raise JobFailed(f"cannot place {role} {name}: {exc}; start more agents or fewer workers") from None
-        now = time.monotonic()
-        self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=time.time())
+        now = self.clock()
+        self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=self.wall())
         fd = handle.exit_fd()
         if fd is not None:
             self._selector.register(fd, selectors.EVENT_READ, name)
@@ -322,10 +313,10 @@ class Coordinator:
     def _wait_for_exit(self, timeout_s: float) -> bool:
         """Sleep until a child process exits (its pidfd turns readable) or the timeout passes."""
         if not self._exit_fds and self._wake_fd is None:
-            time.sleep(timeout_s)
+            self.sleep(timeout_s)
             return False
         ready = self._selector.select(timeout_s)
-        seen = time.time()
+        seen = self.wall()
         for key, _ in ready:
             if key.data is None:
                 self.pool.drain_wake()  # type: ignore[attr-defined]
@@ -334,17 +325,6 @@ class Coordinator:
             self._exit_fds.pop(key.data, None)
             self.procs[key.data].exit_seen_at = seen
         return bool(ready)
-
-    def _spawn_standby(self) -> str | None:
-        """Start a standby; None when no host has a free slot (a pool across hosts), tried again later."""
-        free = getattr(self.pool, "free_slots", None)
-        if free is not None and free() < 1:
-            return None
-        name = f"s{self.next_standby}"
-        self.next_standby += 1
-        self.spawned_standbys += 1
-        self._spawn(name, "standby")
-        return name
 
     def _members(self) -> dict[str, int]:
         return {proc: rank for rank, proc in enumerate(self.gen.members)}
@@ -355,10 +335,9 @@ class Coordinator:
                 continue
             code = m.handle.poll()
             if code is not None:
-                cause = getattr(m.handle, "exit_cause", lambda: None)() or describe_exit(code)
                 if m.exit_seen_at is None:
                     m.exit_seen_at = getattr(m.handle, "exited_at", None)
-                self._declare_dead(name, cause, code)
+                self._declare_dead(name, exit_cause(m.handle, code), code)
 
     def _pool_events(self) -> None:
         """Hosts that joined or were lost, as the pool across hosts saw them."""
@@ -372,22 +351,22 @@ class Coordinator:
         rank = self._members().get(name)
         if self.completing_since is None and self.started and rank is not None and self._all_done():
             # Every member finished the last step and this one left before the loop noticed: not a failure.
-            self.completing_since = time.monotonic()
+            self.completing_since = self.clock()
             self.pending_deaths.clear()
         if self.completing_since is not None:
             return  # training is over; exits now are the script's own business, judged at the end
-        self._check_fatal(name)
-        joined = m.hello_ok or self._hello_ok(name, m)
+        self.health.check_fatal(name)
+        joined = m.hello_ok or self.health.hello_ok(name, m)
         if code is not None and code >= 0 and not joined and name not in self._chaos_hit:
             raise JobFailed(
                 f"{m.handle.role} {name} (pid {m.handle.pid}) {cause} before joining the job. Every process runs "
                 "the script, and the script must call runtime.init() (or build a Trainer) and Trainer.fit(); run "
                 "it with plain `python` to see its own error. The job was stopped.")
-        now_wall = time.time()
+        now_wall = self.wall()
         fault = self._fault_for(name)
         # The failure's moment: when the chaos monkey or an injected fault struck, else the last heartbeat of a
         # hung process, else the exit seen on its pidfd; the moment it was noticed only when nothing else is known.
-        failure = (self._chaos_hit.get(name) or (fault["time"] if fault else None) or failure_at
+        failure = (self._chaos_hit.get(name) or (fault.time if fault else None) or failure_at
                    or m.exit_seen_at or now_wall)
         if rank is None:
             if code == 0:
@@ -395,22 +374,16 @@ class Coordinator:
             self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause, was_ready=m.ready,
                              failure_at=failure, declared_at=now_wall, detect_s=now_wall - failure)
             log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
-            if not m.ready:
-                self.standby_failures_in_row += 1
-                if self.standby_failures_in_row >= self.s.max_standby_failures:
-                    raise JobFailed(
-                        f"{self.standby_failures_in_row} standbys in a row died before they were warm (the last, "
-                        f"{name}, {cause}); the job was stopped instead of starting more. Check that the script "
-                        "runs on its own and that the machine has memory for one more process.")
+            self.standbys.lost(name, cause, m.ready)
             if self.s.replenish:
-                self._top_up("replace a lost standby")
+                self.standbys.top_up("replace a lost standby")
             return
         self.holders.discard(name)
         death = Death(rank, name, m.handle.pid, cause, failure, now_wall)
         self.pending_deaths[rank] = death
         if self.waiting_since is None:
-            self.waiting_since = time.monotonic()
-        step = fault.get("step") if fault else None
+            self.waiting_since = self.clock()
+        step = fault.step if fault else None
         self.events.emit("member_failed", generation=self.gen.gen, rank=rank, proc=name, pid=m.handle.pid,
                          cause=cause, step=step, failure_at=failure, declared_at=now_wall,
                          detect_s=now_wall - failure)
@@ -423,68 +396,26 @@ class Coordinator:
                 f"every copy of the training state was lost: {lost}; no surviving process holds it, so no standby "
                 "can be given it. The job was stopped; restart it from its last backup checkpoint.")
 
-    def _fault_for(self, name: str) -> dict[str, Any] | None:
+    def _fault_for(self, name: str) -> FaultFired | None:
         for i in range(self.fault_count):
-            if i not in self._fault_records and (record := self.records.get(keys.k_fault(i))) is not None:
+            if i not in self._fault_records and (
+                record := self.records.get_record(keys.k_fault(i), FaultFired)
+            ) is not None:
                 self._fault_records[i] = record
-        matches = [r for r in self._fault_records.values()
-                   if isinstance(r, dict) and r.get("proc") == name and r.get("action") != "corrupt"]
+        matches = [r for r in self._fault_records.values() if r.proc == name and r.action != "corrupt"]
         return matches[-1] if matches else None
 
+    # -- health (runtime.health) ---------------------------------------------------------------------
     def _poll_health(self, now: float) -> None:
-        # Processes that beat before have a heartbeat key: all of them are read in one round trip.
-        beating = [n for n, m in self.procs.items() if not m.dead and m.hello_ok and m.hb_value >= 0]
-        beats = self.records.get_present([keys.k_heartbeat(n) for n in beating])
-        for name, m in list(self.procs.items()):
-            if m.dead:
-                continue
-            if not m.hello_ok:
-                m.hello_ok = self._hello_ok(name, m)
-            key = keys.k_heartbeat(name)
-            beat = (beats[key] if key in beats else self.records.get(key)) if m.hello_ok else None
-            value = beat if isinstance(beat, int) and not isinstance(beat, bool) else -1  # -1 until the first beat
-            if value > m.hb_value:  # a replayed older beat is no sign of life
-                m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, time.time()
-            elif m.hb_value < 0 and now - m.started_at > self.s.startup_timeout_s:
-                self._fence(name, f"did not start within {self.s.startup_timeout_s:.0f} s")
-            elif m.hb_value >= 0 and now - m.hb_changed_at > self.s.hang_timeout_s and not self._suspect(name):
-                self._fence(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)", m.hb_changed_wall)
-            if (
-                m.handle.role == "standby" and not m.ready and not m.dead and m.hello_ok
-                and isinstance(warm := self.records.get(keys.k_ready(name)), dict)
-            ):
-                m.ready = True
-                self.standby_failures_in_row = 0
-                self.events.emit("standby_ready", proc=name, pid=m.handle.pid, warmup_s=warm.get("warmup_s"),
-                                 ready_after_s=now - m.started_at)
-
-    def _suspect(self, name: str) -> bool:
-        """Whether the process's whole host went silent: the host timeout then takes all its ranks at once."""
-        suspect = getattr(self.pool, "suspect", None)
-        return bool(suspect(name)) if suspect is not None else False
-
-    def _hello_ok(self, name: str, m: Member) -> bool:
-        """Whether the process said hello, sealed with the job's secret, from the pid the pool started.
-
-        A hello that fails is ignored (counted by the seal): an outsider who writes one first cannot get a
-        process fenced, and the real process's own hello overwrites it."""
-        hello = self.records.get(keys.k_hello(name))
-        if not isinstance(hello, dict):
-            return False
-        if hello.get("pid") != m.handle.pid:
-            self.records.sealer.refuse(keys.k_hello(name), f"it names pid {hello.get('pid')!r}, not {m.handle.pid}")
-            return False
-        return True
-
-    def _check_fatal(self, name: str) -> None:
-        fatal = self.records.get(keys.k_fatal(name))
-        if isinstance(fatal, dict) and isinstance(fatal.get("message"), str):
-            last = fatal["message"].strip().splitlines()[-1] if fatal["message"].strip() else "?"
-            raise JobFailed(
-                f"the training script failed in {name}: {last}\n"
-                "This is an error in the script itself, so a standby would fail the same way; the job was "
-                "stopped. Full traceback above."
-            )
+        verdicts = self.health.poll(self.procs, now)
+        for fencing in verdicts.fence:
+            if not self.procs[fencing.proc].dead:  # fencing one may have ended another (a standby not needed)
+                self._fence(fencing.proc, fencing.cause, fencing.failure_at)
+        for warm in verdicts.warm:
+            m = self.procs[warm.proc]
+            self.standbys.became_warm(warm.proc)
+            self.events.emit("standby_ready", proc=warm.proc, pid=m.handle.pid, warmup_s=warm.warmup_s,
+                             ready_after_s=warm.ready_after_s)
 
     def _fence(self, name: str, cause: str, failure_at: float | None = None) -> None:
         """Make sure a process declared dead cannot come back and write into the job (kill, then reap)."""
@@ -493,68 +424,24 @@ class Coordinator:
         m.handle.wait(5.0)
         self._declare_dead(name, cause, m.handle.poll(), failure_at)
 
-    # -- the standby pool ----------------------------------------------------------------------------
-    def _unpromoted_standbys(self) -> list[str]:
-        """Live standbys that hold no rank, warm or still warming up."""
-        return [n for n, m in self.procs.items() if m.handle.role == "standby" and not m.dead
-                and m.assigned_gen is None]
-
-    def _ready_standbys(self) -> list[str]:
-        """Warm standbys that look alive: one whose heartbeat has been silent for half the hang timeout is not
-        promoted (it may be hung; promoting it would cost the new generation a hang detection)."""
-        now = time.monotonic()
-        return [n for n in self._unpromoted_standbys() if self.procs[n].ready and self.procs[n].hello_ok
-                and now - self.procs[n].hb_changed_at < self.s.hang_timeout_s / 2]
-
-    def _top_up(self, reason: str) -> None:
-        """Start standbys until the unpromoted ones (warming up included) reach the target, at a bounded rate:
-        what the rate defers, the next tick starts (`_progress` tops up every tick)."""
-        now = time.monotonic()
-        while self._spawn_times and now - self._spawn_times[0] > SPAWN_WINDOW_S:
-            self._spawn_times.popleft()
-        allowed = max(SPAWN_MIN_PER_WINDOW, SPAWN_PER_STANDBY * self._max_standby_target) - len(self._spawn_times)
-        for _ in range(min(allowed, self.standby_target - len(self._unpromoted_standbys()))):
-            proc = self._spawn_standby()
-            if proc is None:
-                return  # no free slot; the next tick tries again (a new host may join)
-            self._spawn_times.append(now)
-            self.events.emit("standby_spawned", proc=proc, reason=reason)
-
-    def _release_surplus(self, reason: str) -> None:
-        """Stop unpromoted standbys beyond the target, never one that a pending death is waiting for."""
-        spare = self._unpromoted_standbys()
-        surplus = len(spare) - max(self.standby_target, len(self.pending_deaths))
-        # Those still warming up go first (newest first): the warm ones are what covers the next failure.
-        for name in sorted(spare, key=lambda n: (self.procs[n].ready, -self.procs[n].started_at))[:max(0, surplus)]:
-            m = self.procs[name]
-            m.dead = True  # released, not lost: nothing replaces it
-            m.handle.kill()
-            m.exit_code = m.handle.wait(5.0)
-            self.events.emit("standby_released", proc=name, pid=m.handle.pid, was_ready=m.ready, reason=reason)
-            log.info("released standby %s (pid %d): %s", name, m.handle.pid, reason)
-
     # -- control (runtime.control) --------------------------------------------------------------------
     def _poll_control(self) -> None:
         """Apply what an orchestrator wrote since the last tick; each value is acted on once."""
         for key in (keys.k_control_standby_target(), keys.k_control_move()):
-            signed = self.records.get(key)
-            if signed is None or signed == self._control_last.get(key):
+            command = self.records.get_record(key, ControlCommand)
+            if command is None or command == self._control_last.get(key):
                 continue  # nothing, refused (and counted once), or what the last tick saw
-            self._control_last[key] = signed
-            seq = signed.get("seq") if isinstance(signed, dict) else None
-            if not isinstance(seq, int) or isinstance(seq, bool) or "request" not in signed:
-                self.records.sealer.refuse(key, "a sealed control value without seq and request")
-                continue
+            self._control_last[key] = command
             last = self._control_seq.get(key, 0)
-            if seq <= last:
-                if seq < last:
-                    self.records.sealer.refuse(key, f"stale (seq {seq}, the last applied is {last})")
+            if command.seq <= last:
+                if command.seq < last:
+                    self.records.sealer.refuse(key, f"stale (seq {command.seq}, the last applied is {last})")
                 continue
-            self._control_seq[key] = seq
+            self._control_seq[key] = command.seq
             if key == keys.k_control_standby_target():
-                self._apply_standby_target(signed["request"])
+                self._apply_standby_target(command.request)
             else:
-                self._apply_move(signed["request"])
+                self._apply_move(command.request)
 
     def _reject(self, control: str, reason: str, **fields: Any) -> None:
         log.warning("ignored a %s request: %s", control, reason)
@@ -566,16 +453,12 @@ class Coordinator:
         except ControlValueError as exc:
             self._reject("standby_target", str(exc), value=str(raw)[:40])
             return
-        old, self.standby_target = self.standby_target, target
-        self._max_standby_target = max(self._max_standby_target, target)
+        old = self.standbys.target
         if target == old:
             return
         self.events.emit("standby_target_changed", old=old, new=target)
         log.info("standby target changed from %d to %d", old, target)
-        if target > old:
-            self._top_up(f"standby target raised to {target}")
-        else:
-            self._release_surplus(f"standby target lowered to {target}")
+        self.standbys.set_target(target, len(self.pending_deaths))
 
     def _apply_move(self, raw: str) -> None:
         try:
@@ -605,17 +488,16 @@ class Coordinator:
         return move_refusal(request, MoveContext(
             last_seq=self._last_move_seq, started=self.started, finished=self.started and self._all_done(),
             world=self.gen.world_size, recovering=bool(self.pending_deaths or self.recoveries),
-            ready=len(self._ready_standbys())))
+            ready=len(self.standbys.ready())))
 
     def _answer_move(self, seq: int | None, refusal: str | None) -> None:
         if seq is not None:
-            self.records.put(keys.k_control_move_result(),
-                             {"seq": seq, "accepted": refusal is None, "reason": refusal or ""})
+            self.records.put(keys.k_control_move_result(), MoveResult(seq, refusal is None, refusal or ""))
 
     # -- membership ----------------------------------------------------------------------------------
     def _progress(self, now: float) -> JobResult | None:
         if not self.started:
-            if len(self._ready_standbys()) >= self.standby_target:
+            if len(self.standbys.ready()) >= self.standbys.target:
                 self.started = True
                 self._publish(self.gen)
                 self._emit_generation(self.gen)
@@ -632,22 +514,30 @@ class Coordinator:
         self._update_holders()
         self._handle_failed_reports(now)
         if self.s.replenish:
-            self._top_up("keep the standby target")
+            self.standbys.top_up("keep the standby target")
         if self.pending_deaths:
             self._replace(now)
         if self._health_due:
             # Reports are read on health ticks only: a recovery of N ranks costs 2N store round trips per read,
             # which the busy loop (every 5 ms while a death is pending) must not pay.
-            self._flush_recoveries()
+            self.recoveries.flush(self.gen.gen)
         return None
 
     def _update_holders(self) -> None:
         """A promoted standby holds the state once its handoff completed (it says so in the store)."""
         for rank, proc in enumerate(self.gen.members):
-            if proc not in self.holders and not self.procs[proc].dead and self.records.has(
-                keys.k_holds(self.gen.gen, rank)
-            ):
+            if proc not in self.holders and not self.procs[proc].dead and self.records.get_record(
+                keys.k_holds(self.gen.gen, rank), HoldsState
+            ) is not None:
                 self.holders.add(proc)
+
+    def _finished(self, rank: int) -> bool:
+        return self.records.get_record(keys.k_done(self.gen.gen, rank), Finished) is not None
+
+    def _all_done(self) -> bool:
+        """Whether every member finished the last step: one round trip while any is missing (the usual answer)."""
+        return self.store.check([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)]) and all(
+            self._finished(r) for r in range(self.gen.world_size))
 
     # -- chaos (runtime.chaos) -----------------------------------------------------------------------
     def _tick_chaos(self, now: float) -> None:
@@ -657,7 +547,7 @@ class Coordinator:
             self.chaos.start(now)
         if not self.chaos.due(now):
             return
-        if any(self.records.has(keys.k_done(self.gen.gen, r)) for r in range(self.gen.world_size)):
+        if any(self._finished(r) for r in range(self.gen.world_size)):
             self._chaos_over = True  # training is finishing: a fault now would test the script's exit, not us
             return
         self._update_holders()
@@ -673,13 +563,13 @@ class Coordinator:
                 holds = name in self.holders
                 candidates.append(Candidate(name, "worker", "training" if holds else "receiving", holds))
             elif m.handle.role == "standby" and m.assigned_gen is None:
-                if not m.ready and self.standby_failures_in_row + warming_hit >= self.s.max_standby_failures - 2:
+                if not m.ready and self.standbys.failures_in_row + warming_hit >= self.s.max_standby_failures - 2:
                     continue  # chaos must not trip the stop meant for a script whose standbys cannot start
                 candidates.append(Candidate(name, "standby", "standby_warm" if m.ready else "standby_warming",
                                             False))
         for shot in self.chaos.strike(now, candidates):
             m = self.procs[shot.proc]
-            at = time.time()
+            at = self.wall()
             self._chaos_hit[shot.proc] = at
             remote = getattr(m.handle, "send_signal", None)
             if remote is not None:
@@ -693,16 +583,16 @@ class Coordinator:
             log.warning("chaos: %s %s (pid %d, %s)", shot.signal, shot.proc, m.handle.pid, state)
         if self.chaos.exhausted:
             self._chaos_over = True
-            self.records.put(keys.k_chaos_done(), self.chaos.injected)
+            self.records.put(keys.k_chaos_done(), ChaosDone(self.chaos.injected))
 
-    def _all_done(self) -> bool:
-        return self.records.has_all([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)])
-
+    # -- completion and recovery -----------------------------------------------------------------------
     def _progress_completion(self, now: float) -> JobResult | None:
         members = [self.procs[p] for p in self.gen.members]
-        if not self.stop_sent and all(self.records.has(keys.k_digest(p)) or self.procs[p].dead
-                                      for p in self.gen.members):
-            self._send_stop()
+        if not self.stop_sent and all(
+            self.procs[p].dead or self.records.get_record(keys.k_digest(p), FinalDigest) is not None
+            for p in self.gen.members
+        ):
+            self._send_stop("training completed")
         if all(m.dead or m.handle.poll() is not None for m in members):
             codes = {p: self.procs[p].handle.poll() for p in self.gen.members}
             bad = {p: c for p, c in codes.items() if c}
@@ -721,16 +611,16 @@ class Coordinator:
             self.failed_seen_at = None
             return
         reports = [r for p in self.gen.members
-                   if isinstance(r := self.records.get(keys.k_failed(self.gen.gen, p)), dict)]
+                   if (r := self.records.get_record(keys.k_failed(self.gen.gen, p), FailureReport)) is not None]
         if not reports:
             self.failed_seen_at = None
             return
         for r in reports:
-            if r.get("kind") == "state_lost":
-                raise JobFailed(f"{r.get('message', 'the training state was lost')}; the job was stopped")
+            if r.kind == "state_lost":
+                raise JobFailed(f"{r.message or 'the training state was lost'}; the job was stopped")
         for r in reports:
-            untrusted = r.get("untrusted_rank")
-            if (isinstance(untrusted, int) and 0 <= untrusted < self.gen.world_size
+            untrusted = r.untrusted_rank
+            if (untrusted is not None and 0 <= untrusted < self.gen.world_size
                     and not self.procs[self.gen.members[untrusted]].dead):
                 self._fence(self.gen.members[untrusted], "failed to prove it belongs to the job during a handoff")
         if self.pending_deaths:
@@ -739,25 +629,21 @@ class Coordinator:
             self.failed_seen_at = now
         elif now - self.failed_seen_at > self.s.hang_timeout_s:
             self.failed_seen_at = None
-            message = reports[0].get("message", "")
+            message = reports[0].message
             new = Generation(self.gen.gen + 1, self.gen.members, f"collective error without a lost member: {message}")
             log.warning("collective error without a lost member (%s); rebuilding the groups", message)
-            for rec in self._unfinished_recoveries(new):
-                rec.gen, rec.reports = new, {}
-                self.recoveries.append(rec)
+            self.recoveries.carry_over(new)
             self._publish(new)
             self._emit_generation(new)
 
     def _replace(self, now: float) -> None:
-        ready = self._ready_standbys()
+        ready = self.standbys.ready()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
-        if self._wake_fd is not None and time.time() - max(d.declared_at for d in deaths) < HOST_SETTLE_S:
+        if self._settle_s > 0 and self.wall() - max(d.declared_at for d in deaths) < self._settle_s:
             return  # across hosts, hosts failing together (a rack, a switch) are seen within ms: one generation
         if len(ready) < len(deaths):
             if self.s.replenish:
-                for _ in range(len(deaths) - len(self._unpromoted_standbys())):
-                    if (proc := self._spawn_standby()) is not None:
-                        self.events.emit("standby_spawned", proc=proc, reason="cover a lost worker")
+                self.standbys.cover(len(deaths))
             assert self.waiting_since is not None
             if now - self.waiting_since > self.s.standby_wait_s:
                 lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
@@ -773,37 +659,21 @@ class Coordinator:
         assignment = {d.rank: ready[i] for i, d in enumerate(deaths)}
         reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
         new = self.gen.replace(assignment, reason)
-        declared_at = time.time()
-        for proc in assignment.values():
-            self.procs[proc].assigned_gen = new.gen
+        declared_at = self.wall()
+        self.standbys.promote(list(assignment.values()), new.gen)
         self._publish(new, assign=list(assignment.values()))
-        # A recovery whose generation is superseded before its replayed step committed goes on in this one: its
-        # failure, its deaths and its failed generations are this recovery's, and its time runs from there.
-        earlier = self._unfinished_recoveries(new)
-        merged = [d for r in earlier for d in r.deaths] + deaths
-        rec = PendingRecovery(new, merged, declared_at, attempts=[a for r in earlier for a in r.attempts])
-        self.recoveries.append(rec)
+        self.recoveries.open(new, deaths, declared_at)
         self._emit_generation(new)
         self.pending_deaths.clear()
         self.waiting_since = None
         if self.s.replenish:
-            self._top_up("replace a promoted standby")
-
-    def _unfinished_recoveries(self, new: Generation) -> list[PendingRecovery]:
-        """Take out the pending recoveries that `new` supersedes before their replay committed; each records
-        its generation as a failed attempt."""
-        self._read_reports()
-        out = [r for r in self.recoveries if r.gen.gen < new.gen and not r.replayed()]
-        for r in out:
-            self.recoveries.remove(r)
-            r.attempts.append({"generation": r.gen.gen, "failed": new.reason})
-        return out
+            self.standbys.top_up("replace a promoted standby")
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
-        self.records.put(keys.k_gen(gen.gen), gen.to_json())
+        self.records.put(keys.k_gen(gen.gen), gen)
         for proc in assign or []:
-            self.records.put(keys.k_assign(proc), gen.gen)
-        self.records.put(keys.k_current_gen(), gen.gen)
+            self.records.put(keys.k_assign(proc), Assignment(gen.gen))
+        self.records.put(keys.k_current_gen(), CurrentGeneration(gen.gen))
         self.gen = gen
         announce = getattr(self.pool, "announce", None)
         if announce is not None:
@@ -817,52 +687,11 @@ class Coordinator:
             replaced=[{"rank": r, "old": a, "new": b} for r, a, b in gen.replaced],
         )
 
-    # -- reports -------------------------------------------------------------------------------------
-    def _read_reports(self) -> None:
-        """Read the members' recovery reports: a first one when the replayed step committed, the final one after
-        the steps that follow it."""
-        for rec in self.recoveries:
-            g = rec.gen.gen
-            for r in range(rec.gen.world_size):
-                if not rec.reports.get(r, {}).get("final") and isinstance(
-                    report := self.records.get(keys.k_report(g, r)), dict
-                ):
-                    rec.reports[r] = report
-
-    def _flush_recoveries(self, final: bool = False) -> None:
-        self._read_reports()
-        for rec in list(self.recoveries):
-            g = rec.gen.gen
-            complete = len(rec.reports) == rec.gen.world_size and all(r.get("final") for r in rec.reports.values())
-            superseded = self.gen.gen > g
-            if complete or final or (superseded and rec.reports):
-                self.recoveries.remove(rec)
-                if rec.reports:
-                    self._emit_recovered(rec)
-
-    def _emit_recovered(self, rec: PendingRecovery) -> None:
-        m = recovery_metrics([(d.failure_at, d.declared_at) for d in rec.deaths], list(rec.reports.values()))
-        self.events.emit(
-            "recovered", generation=rec.gen.gen, step=m["step"],
-            ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
-            causes=[d.cause for d in rec.deaths], recovery_s=m["recovery_s"],
-            handoff_bytes=m["handoff_bytes"], sources=m["sources"],
-            **{k: m[k] for k in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
-            reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
-            failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
-        )
-        for d in rec.deaths:
-            new = rec.gen.members[d.rank]
-            log.warning("worker %s (pid %d) died at step %d (%s); standby %s took rank %d in %.2f s "
-                        "(detect %.3f, reconfigure %.3f, handoff %.3f, replay %.3f)", d.proc, d.pid, m["step"],
-                        d.cause, new, d.rank, m["recovery_s"], m["detect_s"], m["reconfigure_s"], m["handoff_s"],
-                        m["replay_s"])
-
     def _digests(self) -> dict[str, str]:
         out = {}
         for p in self.gen.members:
-            if isinstance(digest := self.records.get(keys.k_digest(p)), str):
-                out[p] = digest
+            if (digest := self.records.get_record(keys.k_digest(p), FinalDigest)) is not None:
+                out[p] = digest.digest
         return out
 
 

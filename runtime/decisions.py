@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.control import MoveRequest
+from runtime.protocol import MoveRequest, RecoveryReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def move_refusal(request: MoveRequest, ctx: MoveContext) -> str | None:
     return None
 
 
-def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[RecoveryReport]) -> dict[str, Any]:
     """A recovery's figures (DESIGN.md's metric names) from its deaths, each (failure_at, declared_at) in the order
     they were declared, and its members' reports.
 
@@ -57,28 +57,29 @@ def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[di
     the first declaration; reconfigure_s from the last declaration to the last member's group being ready."""
     failure_at = min(f for f, _ in deaths)
     declared_at = max(d for _, d in deaths)
-    group_ready = max(r["group_ready_at"] for r in reports)
-    handoff_end = max(r["handoff_end_at"] for r in reports)
-    replay_done = max((r.get("replay_done_at") or handoff_end) for r in reports)
+    group_ready = max(r.group_ready_at for r in reports)
+    handoff_end = max(r.handoff_end_at for r in reports)
+    replay_done = max((r.replay_done_at or handoff_end) for r in reports)
     penalties = [
-        max(0.0, sum(r["post_steps_s"]) - len(r["post_steps_s"]) * r["steady_step_s"])
-        for r in reports if r.get("steady_step_s") and r.get("post_steps_s")
+        max(0.0, sum(r.post_steps_s) - len(r.post_steps_s) * r.steady_step_s)
+        for r in reports if r.steady_step_s and r.post_steps_s
     ]
     return {
-        "step": reports[0]["replay_step"],
+        "step": reports[0].replay_step,
         "recovery_s": replay_done - failure_at,
         "detect_s": deaths[0][1] - failure_at,
         "reconfigure_s": group_ready - declared_at,
-        "handoff_s": max(r["handoff_s"] for r in reports),
+        "handoff_s": max(r.handoff_s for r in reports),
         "replay_s": replay_done - handoff_end,
         "warmup_penalty_s": statistics.mean(penalties) if penalties else 0.0,
         # Where reconfiguration went: the slowest member's teardown of the broken group, the barrier, group init.
         "reconfigure_split": {
-            "teardown_s": max(r.get("teardown_s", 0.0) for r in reports),
-            "last_joined_after_s": max(r.get("joined_at", declared_at) for r in reports) - declared_at,
-            "group_init_s": max(r.get("group_init_s", 0.0) for r in reports),
+            "teardown_s": max(r.teardown_s for r in reports),
+            "last_joined_after_s": max(r.joined_at if r.joined_at is not None else declared_at
+                                       for r in reports) - declared_at,
+            "group_init_s": max(r.group_init_s for r in reports),
         },
-        "handoff_bytes": sum(r["handoff_bytes"] for r in reports if r["role"] == "receiver"),
-        "sources": sorted(r["rank"] for r in reports if r["role"] == "source"),
-        "refetched_chunks": sum(r.get("refetched_chunks", 0) for r in reports if r["role"] == "receiver"),
+        "handoff_bytes": sum(r.handoff_bytes for r in reports if r.role == "receiver"),
+        "sources": sorted(r.rank for r in reports if r.role == "source"),
+        "refetched_chunks": sum(r.refetched_chunks for r in reports if r.role == "receiver"),
     }

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime.protocol import FaultFired
 from runtime.store import Records, k_fault
 
 Phase = Literal[
@@ -137,8 +138,8 @@ class FaultInjector:
         return corrupt
 
     def _fire(self, index: int, fault: Fault, step: int | None, rank: int | None) -> bool:
-        record = {"time": time.time(), "proc": self.proc, "pid": os.getpid(), "rank": rank, "step": step,
-                  "phase": fault.phase, "action": fault.action}
+        record = FaultFired(time=time.time(), proc=self.proc, action=fault.action, pid=os.getpid(), rank=rank,
+                            step=step, phase=fault.phase)
         if self.records is not None:
             self.records.put(k_fault(index), record)
         if fault.action == "corrupt":

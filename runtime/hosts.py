@@ -137,6 +137,10 @@ class RemoteProcess:
 class HostPool:
     """Places processes on the agents' hosts; see the module's docstring."""
 
+    settle_s = 0.05
+    """After a process is lost, how long the coordinator waits for more losses before replacing: hosts failing
+    together (a rack, a switch) are seen within milliseconds, and their ranks then move in one generation."""
+
     def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
                  env: dict[str, str], timing: HostTiming) -> None:
         self.listener = listen

@@ -26,6 +26,7 @@ from runtime import store as keys
 from runtime.auth import Sealer
 from runtime.config import LaunchError, ProcessConfig
 from runtime.faults import FaultInjector
+from runtime.protocol import FatalError, ProcessHello
 
 COORDINATOR_LOST_S = 15.0
 
@@ -118,7 +119,7 @@ class Job:
         self.records = keys.Records(self.store, self.sealer)
         """The store through the job's seal: what this process writes is sealed, what it reads is verified."""
         self.faults = FaultInjector(cfg.faults, self.records, cfg.proc)
-        self.records.put(keys.k_hello(cfg.proc), {"pid": os.getpid(), "role": cfg.role})
+        self.records.put(keys.k_hello(cfg.proc), ProcessHello(pid=os.getpid(), role=cfg.role))
         self.heartbeat = Heartbeat(cfg, self.sealer)
         self.heartbeat.start()
         self._previous_hook = sys.excepthook
@@ -146,7 +147,7 @@ class Job:
     def fatal(self, message: str) -> None:
         """Tell the coordinator the script itself failed, so it stops the job instead of swapping in a standby."""
         with contextlib.suppress(Exception):  # the coordinator may already be gone; nothing left to tell
-            self.records.put(keys.k_fatal(self.proc), {"message": message[-4000:]})
+            self.records.put(keys.k_fatal(self.proc), FatalError(message=message[-4000:]))
 
     def _report_fatal(
         self, kind: type[BaseException], value: BaseException, tb: TracebackType | None

@@ -3,17 +3,18 @@
 In the spirit of torchrun, but nothing healthy is ever restarted: a lost worker's logical rank goes to a
 standby, and the survivors carry on in-process. The coordinator runs in this launcher process, never in a
 training process, so losing any worker never loses it.
+
+On one machine the processes are started by one agent (runtime.agent) that runs in this process, over the same
+authenticated link, placement and fencing as `trainmover coordinator --agents N` across hosts: the single-machine
+path is the multi-host path with one host.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import uuid
@@ -23,6 +24,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from runtime.agent import Agent, AgentConfig
 from runtime.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
 from runtime.chaos import parse_chaos
 from runtime.config import ProcessConfig
@@ -31,7 +33,6 @@ from runtime.events import EventLog
 from runtime.faults import parse_plan
 from runtime.hosts import HostPool, HostTiming
 from runtime.netaddr import interface_of
-from runtime.zygote import ChildProcess, ForkedProcess, ZygoteClient
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -162,10 +163,13 @@ class LaunchConfig:
         if self.handoff_transport == "gloo" and (self.tls_cert or self.tls_ca):
             raise ConfigError("--tls-cert/--tls-ca apply to --handoff-transport tls only")
         try:
-            parse_plan(self.faults)
+            plan = parse_plan(self.faults)
             parse_chaos(self.chaos)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not self.agents and any(f.action == "host" for f in plan):
+            raise ConfigError("the fault action host kills a whole host (its agent and every process on it): it needs "
+                              "hosts of their own (--agents with `trainmover agent`); on one machine use kill")
         if self.backend == "nccl":
             import torch
 
@@ -202,88 +206,78 @@ class LaunchConfig:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
 
 
-class LocalProcess(ChildProcess):
-    """A training process on this machine, started as a new interpreter."""
-
-    def __init__(self, name: str, role: str, popen: subprocess.Popen[bytes]) -> None:
-        super().__init__(name, role, popen.pid)
-        self.popen = popen
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited between poll() and the signal
-                self.popen.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout_s: float) -> int | None:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+LOCAL_TIMING = HostTiming(heartbeat_s=0.5, lease_s=30.0, host_timeout_s=60.0)
+"""The one local agent shares this process: it cannot be cut off, so its lease and timeout only catch a stall."""
+LOCAL_GLOO_SLOTS = 1024
+"""On CPU one machine runs as many processes as the job asks for; on NCCL, one per GPU."""
 
 
-class LocalProcessPool:
-    """Starts workers and standbys as subprocesses of this launcher, each with its own launch variables.
+class LocalHostPool(HostPool):
+    """One machine: the pool across hosts with a single agent, run by this process in a thread.
 
-    Workers start as new interpreters; standbys are forked from the zygote once it is ready (runtime.zygote),
-    which is what makes replacing a used-up standby fast.
+    The single-machine job takes the multi-host path (placement, the agent link, the agent's pidfd watch and its
+    fencing), so the demo and every single-machine test exercise it. Processes started by the agent are this
+    process's children, exactly as before; the zygote (runtime.zygote) belongs to the agent.
     """
 
-    def __init__(self, cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None = None) -> None:
-        self.cfg = cfg
-        self.tls = tls
-        """(cert, key, ca) of the job's TLS handoff transport."""
-        self.store_port = store_port
-        self.token = token
-        self.gpu_next = 0
-        self.zygote: ZygoteClient | None = None
-        if cfg.fork_server and cfg.backend == "gloo":
-            self.zygote = ZygoteClient(self._base_env())
+    settle_s = 0.0  # one host: nothing to wait for before replacing its lost processes
 
-    def _base_env(self) -> dict[str, str]:
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.threads()), "PYTHONUNBUFFERED": "1"}
-        env.pop(ENV_SECRET, None)  # the processes get it as TM_JOB_TOKEN only, like every launch variable
-        iface = interface_of(self.cfg.host)
-        if iface is not None:  # Gloo and NCCL listen on the job's address, not on every interface
-            env.setdefault("GLOO_SOCKET_IFNAME", iface)
-            env.setdefault("NCCL_SOCKET_IFNAME", iface)
-        return env
+    def __init__(self, listen: socket.socket, token: str, cfg: LaunchConfig, argv: list[str], env: dict[str, str],
+                 zygote_env: dict[str, str]) -> None:
+        super().__init__(listen, token, cfg.job_id, argv, env, LOCAL_TIMING)
+        slots = LOCAL_GLOO_SLOTS
+        if cfg.backend == "nccl":
+            import torch
+
+            slots = torch.cuda.device_count()
+        host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        self.agent = Agent(AgentConfig(
+            coordinator=f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}", slots=slots,
+            secret=token, name=socket.gethostname(), address=cfg.host, job_id=cfg.job_id, connect_timeout_s=10.0,
+            rejoin=False, fork_server=cfg.fork_server and cfg.backend == "gloo"), zygote_env)
+        self._agent_thread = threading.Thread(target=self.agent.run, name="trainmover-local-agent", daemon=True)
+        self._agent_thread.start()
 
     def helpers(self) -> dict[str, int]:
-        """Processes that serve the job without training in it (the zygote), by name."""
-        pid = self.zygote.pid if self.zygote is not None else None
-        return {"zygote": pid} if pid is not None else {}
+        return self.agent.helpers()
 
-    def close(self) -> None:
-        if self.zygote is not None:
-            self.zygote.close()
+    def close(self, exit_code: int = 0) -> None:
+        super().close(exit_code)  # the agent stops, and kills whatever of the job is left
+        self._agent_thread.join(timeout=15.0)
+        self.agent.close()
 
-    def spawn(self, name: str, role: str) -> LocalProcess | ForkedProcess:
-        cfg = self.cfg
-        pc = ProcessConfig(
-            store_host=cfg.host, store_port=self.store_port, job_id=cfg.job_id, job_token=self.token, proc=name,
-            role=role,  # type: ignore[arg-type]
-            backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
-            recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
-            handoff_transport=cfg.handoff_transport, bind_host=cfg.host,
-            tls_cert=self.tls[0] if self.tls else "", tls_key=self.tls[1] if self.tls else "",
-            tls_ca=self.tls[2] if self.tls else "",
-        )
-        env = {**self._base_env(), **pc.to_env()}
-        if role == "standby" and self.zygote is not None:
-            pid = self.zygote.spawn(env, [cfg.script, *cfg.args])
-            if pid is not None:
-                log.info("forked %s %s (pid %d)", role, name, pid)
-                return ForkedProcess(name, role, pid)
-        if cfg.backend == "nccl":
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_next)
-            self.gpu_next += 1
-        # A new session: a Ctrl-C at the terminal reaches the launcher only, which stops the job in order.
-        popen = subprocess.Popen([sys.executable, cfg.script, *cfg.args], env=env, start_new_session=True)
-        log.info("started %s %s (pid %d)", role, name, popen.pid)
-        return LocalProcess(name, role, popen)
+
+def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] | None) -> dict[str, str]:
+    """The launch variables every process of the job gets from its agent (the per-process ones and the secret
+    are the agent's to add)."""
+    pc = ProcessConfig(
+        store_host=cfg.host, store_port=store_port, job_id=cfg.job_id, job_token="", proc="", role="worker",
+        backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
+        recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
+        handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
+        tls_ca=tls[2] if tls else "",
+    )
+    env = {k: v for k, v in pc.to_env().items() if k not in ("TM_JOB_TOKEN", "TM_PROC", "TM_ROLE", "TM_BIND_HOST")}
+    env.update({"OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def start_local_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None) -> HostPool:
+    """The single-machine pool: one agent, in this process."""
+    env = _process_env(cfg, store_port, tls)
+    zygote_env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
+    zygote_env.update({"OMP_NUM_THREADS": env["OMP_NUM_THREADS"], "PYTHONUNBUFFERED": "1"})
+    iface = interface_of(cfg.host)
+    if iface is not None:
+        zygote_env.setdefault("GLOO_SOCKET_IFNAME", iface)
+    pool = LocalHostPool(bind(cfg.host, 0, "--host"), token, cfg, [cfg.script, *cfg.args], env, zygote_env)
+    try:
+        pool.wait_for_hosts(1, 30.0)
+    except TimeoutError:
+        pool.close(2)
+        raise ConfigError(f"the local agent could not join the coordinator on {cfg.host}; check that --host is an "
+                          "address of this machine that it can connect to") from None
+    return pool
 
 
 def launch(cfg: LaunchConfig) -> JobResult:
@@ -308,15 +302,11 @@ def launch(cfg: LaunchConfig) -> JobResult:
             tls = (cert, key, cfg.tls_ca or cert)
     server = listen_store(cfg.host, cfg.port)
     events = EventLog(cfg.events_path)
-    pool: LocalProcessPool | HostPool
-    if cfg.agents:
-        try:
-            pool = start_host_pool(cfg, server.port, token, tls)
-        except ConfigError:
-            events.close()
-            raise
-    else:
-        pool = LocalProcessPool(cfg, server.port, token, tls)
+    try:
+        pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, server.port, token, tls)
+    except ConfigError:
+        events.close()
+        raise
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
@@ -345,15 +335,7 @@ def launch(cfg: LaunchConfig) -> JobResult:
 def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None) -> HostPool:
     """The coordinator's side of the agents: listen on the agent port, wait for `cfg.agents` hosts."""
     listener = bind(cfg.host, cfg.agent_port, "--agent-port")
-    pc = ProcessConfig(
-        store_host=cfg.host, store_port=store_port, job_id=cfg.job_id, job_token="", proc="", role="worker",
-        backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
-        recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
-        handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
-        tls_ca=tls[2] if tls else "",
-    )
-    env = {k: v for k, v in pc.to_env().items() if k not in ("TM_JOB_TOKEN", "TM_PROC", "TM_ROLE", "TM_BIND_HOST")}
-    env.update({"OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"})
+    env = _process_env(cfg, store_port, tls)
     pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing())
     log.info("waiting for %d agents on %s:%d", cfg.agents, cfg.host, pool.port)
     try:

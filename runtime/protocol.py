@@ -1,4 +1,7 @@
-"""The agent link: every message between a host's agent (`trainmover agent`) and the coordinator, in one place.
+"""Every message of a job, in one place: the agent link (agent <-> coordinator) first, then the store records
+(processes <-> coordinator <-> orchestrator) at the end of this module.
+
+The agent link, between a host's agent (`trainmover agent`) and the coordinator:
 
 One TCP connection per agent, opened by the agent to the coordinator's agent port. Frames are a 4-byte
 big-endian length and a JSON object ``{"v": 1, "t": TYPE, "n": SEQ, ...fields}`` followed by a 32-byte
@@ -301,3 +304,405 @@ class Link:
         finally:
             self.sock.settimeout(None)
 
+
+
+# =================================================================================================================
+# Store records: every value written to the job's store, typed and versioned.
+#
+# The agent link above carries the hosts' orders; everything else the job's processes, its coordinator and an
+# orchestrator say to each other is a record in the job's `TCPStore`, under a key named in `runtime.store` and
+# sealed with the job's secret by `runtime.store.Records`. Each record below is a frozen dataclass: `to_json()`
+# is its JSON value, ``{"v": RECORD_VERSION, ...fields}``; `from_json()` checks the version and every field's
+# type and raises `RecordError` saying what is wrong. A reader that gets a sealed value it cannot decode (a peer
+# of another version) refuses it the way it refuses an unsealed one (`Records.get_record`: ignored, counted,
+# warned about once), never crashes on it.
+#
+# Version 1 was the plain JSON objects of before (the same field names, no "v"); a record without "v" is read as
+# version 1, so a writer that builds the object by hand still works (the simulated hosts of bench/scale.py).
+# Three records are bare JSON numbers (`BARE`), because thousands of them are read per second (heartbeats) or
+# older readers take them as plain integers (`Records.get_int`).
+#
+#   record            key                                   writer                  readers
+#   JobConfig         job/config                            coordinator             every process, JobControl
+#   Generation        gen/<g>/record                        coordinator             members
+#   CurrentGeneration gen/current                           coordinator             every process
+#   Assignment        proc/<name>/assign                    coordinator             that standby
+#   StopOrder         job/stop                              coordinator             every process
+#   JobOver           job/over                              coordinator             JobControl
+#   ChaosDone         chaos/done                            coordinator             test scripts
+#   MoveResult        control/move_result                   coordinator             JobControl
+#   ControlCommand    control/standby_target, control/move  JobControl              coordinator
+#   MoveRequest       (the `request` of a move command)     JobControl              coordinator
+#   ProcessHello      proc/<name>/hello                     every process           coordinator
+#   Heartbeat         proc/<name>/heartbeat                 heartbeat thread        coordinator
+#   Progress          progress/step                         heartbeat thread        JobControl
+#   FatalError        proc/<name>/fatal                     excepthook              coordinator
+#   FaultFired        fault/<i>/fired                       injected fault          coordinator
+#   ModelSpec         proc/<name>/spec, job/spec            every process           every process
+#   StandbyReady      proc/<name>/ready                     standby                 coordinator
+#   Joined            gen/<g>/joined/<rank>                 member                  members
+#   StepStatus        gen/<g>/status/<rank>                 member                  members
+#   HoldsState        gen/<g>/holds/<rank>                  member                  coordinator
+#   FailureReport     gen/<g>/failed/<name>                 member                  coordinator
+#   RecoveryReport    gen/<g>/report/<rank>                 member                  coordinator
+#   Finished          gen/<g>/done/<rank>                   member                  members, coordinator
+#   FinalDigest       proc/<name>/digest                    member                  coordinator
+#
+# Plain counters kept with `add` (fault claims, failure counts, the control sequence dispenser) are not records:
+# none of them is believed without a sealed record. The TLS handoff's listening addresses are runtime.tls_transport's.
+# =================================================================================================================
+
+RECORD_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+
+class RecordError(ValueError):
+    """A store value that is not the record its key holds: another version, a missing field, a wrong type."""
+
+
+def _is(value: Any, kind: str) -> bool:
+    """Whether a JSON value fits a field's annotation (as written in the source: annotations are strings here)."""
+    if kind.endswith(" | None"):
+        return value is None or _is(value, kind[: -len(" | None")])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "list[float]":
+        return isinstance(value, list) and all(_is(v, "float") for v in value)
+    if kind in ("tuple[str, ...]", "list[str]"):
+        return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    if kind == "tuple[int, ...]":
+        return isinstance(value, list | tuple) and all(_is(v, "int") for v in value)
+    if kind == "tuple[tuple[int, str, str], ...]":
+        return isinstance(value, list | tuple) and all(
+            isinstance(v, list | tuple) and len(v) == 3 and _is(v[0], "int") and _is(v[1], "str") and _is(v[2], "str")
+            for v in value)
+    if kind == "list[Any]":
+        return isinstance(value, list)
+    if kind.startswith("Literal["):
+        return value in [part.strip().strip("'\"") for part in kind[len("Literal["):-1].split(",")]
+    raise TypeError(f"no check for field type {kind}")  # a record declared with a type this module cannot check
+
+
+def _convert(value: Any, kind: str) -> Any:
+    """The field's value in its Python form (JSON lists become tuples, integers in float fields floats)."""
+    if value is None:
+        return None
+    kind = kind.removesuffix(" | None")
+    if kind == "float":
+        return float(value)
+    if kind == "list[float]":
+        return [float(v) for v in value]
+    if kind in ("tuple[str, ...]", "tuple[int, ...]"):
+        return tuple(value)
+    if kind == "tuple[tuple[int, str, str], ...]":
+        return tuple((int(r), str(a), str(b)) for r, a, b in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+class StoreRecord:
+    """Base of the store records: JSON with a version, decoded with every field checked."""
+
+    __slots__ = ()
+    BARE: ClassVar[bool] = False
+    """The record is its single field's bare JSON value (no object, no version)."""
+
+    def to_json(self) -> Any:
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        if self.BARE:
+            return _plain(getattr(self, fields[0].name))
+        return {"v": RECORD_VERSION, **{f.name: _plain(getattr(self, f.name)) for f in fields}}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Any:
+        """The record in `raw` (a JSON value as read from the store), or RecordError saying what is wrong."""
+        name = cls.__name__
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        if cls.BARE:
+            (f,) = fields
+            if not _is(raw, str(f.type)):
+                raise RecordError(f"{name}: must be a bare {f.type}, got {type(raw).__name__}")
+            return cls(_convert(raw, str(f.type)))  # type: ignore[call-arg]
+        if not isinstance(raw, dict):
+            raise RecordError(f"{name}: must be a JSON object, got {type(raw).__name__}")
+        version = raw.get("v", 1)
+        if version not in READABLE_VERSIONS:
+            raise RecordError(f"{name}: record version {version!r}, this side reads {list(READABLE_VERSIONS)}: run "
+                              "the same trainmover version in every process of the job")
+        values = {}
+        for f in fields:
+            if f.name not in raw:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise RecordError(f"{name}: missing field {f.name!r}")
+                continue
+            value = raw[f.name]
+            if not _is(value, str(f.type)):
+                raise RecordError(f"{name}: field {f.name!r} must be {f.type}, got {value!r:.40}")
+            values[f.name] = _convert(value, str(f.type))
+        return cls(**values)
+
+
+# -- coordinator -> processes --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class JobConfig(StoreRecord):
+    """The job as the coordinator started it (written first: a client that finds it knows a job runs there)."""
+
+    nproc: int
+    """Number of workers (logical ranks)."""
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Generation(StoreRecord):
+    """One membership of the job: which process holds each logical rank. Every membership change makes a new
+    generation; its process groups are built from a `PrefixStore` named after it, so survivors build new groups
+    in-process without clashing with the old ones (runtime.membership tells the story)."""
+
+    gen: int
+    """Generation number, 0 at start, +1 at every change."""
+    members: tuple[str, ...]
+    """Process name holding each logical rank (index = rank)."""
+    reason: str = "start"
+    """Why this generation exists, in words."""
+    replaced: tuple[tuple[int, str, str], ...] = field(default_factory=tuple)
+    """(rank, old process, new process) for every rank that changed hands."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, proc: str) -> int | None:
+        return self.members.index(proc) if proc in self.members else None
+
+    def replace(self, rank_to_proc: dict[int, str], reason: str) -> Generation:
+        members = list(self.members)
+        replaced = []
+        for rank, proc in sorted(rank_to_proc.items()):
+            replaced.append((rank, members[rank], proc))
+            members[rank] = proc
+        return Generation(self.gen + 1, tuple(members), reason, tuple(replaced))
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentGeneration(StoreRecord):
+    """The newest generation's number (bare: every process's heartbeat thread reads it as an integer)."""
+
+    BARE: ClassVar[bool] = True
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment(StoreRecord):
+    """A standby's promotion: the generation it joins, or -1 when the job ends without needing it."""
+
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopOrder(StoreRecord):
+    """Every process leaves (the job ended, failed or was interrupted)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobOver(StoreRecord):
+    """Written as the coordinator ends the job, before its store closes: clients stop using the store."""
+
+    exit_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosDone(StoreRecord):
+    """The chaos monkey injected its last fault (runtime.chaos)."""
+
+    injected: int
+
+
+# -- orchestrator <-> coordinator (runtime.control) -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ControlCommand(StoreRecord):
+    """A command from an orchestrator: its sequence number (only grows: an older one is a replay) and its request
+    (for the standby target an integer as text, for a move a `MoveRequest`'s JSON), parsed by runtime.control."""
+
+    seq: int
+    request: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRequest:
+    """Move these worker ranks to standbys, on purpose (spot notice, maintenance, rebalancing): the `request` of a
+    move `ControlCommand`, parsed and checked by `runtime.control.parse_move`."""
+
+    seq: int
+    """Sequence number: a request is new when its seq is larger than the last one the coordinator handled."""
+    ranks: tuple[int, ...]
+    """Logical ranks whose current processes leave."""
+    reason: str
+    """Why; recorded as the cause `planned_move:<reason>` in `member_failed` and `recovered`."""
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "ranks": list(self.ranks), "reason": self.reason})
+
+
+@dataclass(frozen=True, slots=True)
+class MoveResult(StoreRecord):
+    """The coordinator's answer to the latest move request."""
+
+    seq: int
+    accepted: bool
+    reason: str
+    """Empty when accepted; otherwise why the move was refused (e.g. "no standby ready")."""
+
+
+# -- processes -> coordinator --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ProcessHello(StoreRecord):
+    """A process joined the job; the seal is its proof of membership, the pid ties it to what the pool started."""
+
+    pid: int
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(StoreRecord):
+    """A count that only grows (bare: the coordinator reads thousands per tick); an older one is no sign of life."""
+
+    BARE: ClassVar[bool] = True
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress(StoreRecord):
+    """The last step committed, as the members' heartbeat threads publish it (bare)."""
+
+    BARE: ClassVar[bool] = True
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class FatalError(StoreRecord):
+    """The script itself raised: stop the job instead of promoting a standby that would fail the same way."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class FaultFired(StoreRecord):
+    """An injected fault fired (runtime.faults): when, where, and what it does."""
+
+    time: float
+    proc: str
+    action: str
+    pid: int = -1
+    rank: int | None = None
+    step: int | None = None
+    phase: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec(StoreRecord):
+    """What a process built (runtime.state's spec: tensor names, shapes, dtypes, param groups, registered state)."""
+
+    spec: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyReady(StoreRecord):
+    """A standby finished its warm-up step and may be promoted."""
+
+    warmup_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Joined(StoreRecord):
+    """A member entered generation g's rendezvous."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepStatus(StoreRecord):
+    """A member's last committed step in generation g and whether it holds the training state."""
+
+    step: int
+    has_state: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HoldsState(StoreRecord):
+    """A member holds the complete training state of generation g (after its handoff), as of `step`."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReport(StoreRecord):
+    """A member saw a collective (or a handoff) of generation g fail."""
+
+    message: str
+    time: float
+    step: int
+    """The member's last committed step."""
+    kind: Literal["comm", "state_lost"] = "comm"
+    """`state_lost`: no surviving copy of the state is intact; the coordinator stops the job."""
+    untrusted_rank: int | None = None
+    """A peer that failed to prove it belongs to the job during a handoff (the coordinator fences it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport(StoreRecord):
+    """A member's figures of a recovery: published once the replayed step committed, and again (`final`) after
+    the steps that follow it (runtime.decisions.recovery_metrics turns them into the `recovered` event)."""
+
+    rank: int
+    role: str
+    """The member's part in the handoff: "source", "receiver" or "idle"."""
+    group_ready_at: float
+    handoff_s: float
+    handoff_bytes: int
+    handoff_end_at: float
+    replay_step: int
+    proc: str = ""
+    failure_seen_at: float | None = None
+    gen_seen_at: float | None = None
+    refetched_chunks: int = 0
+    steady_step_s: float | None = None
+    teardown_s: float = 0.0
+    joined_at: float | None = None
+    join_wait_s: float = 0.0
+    group_init_s: float = 0.0
+    replay_done_at: float | None = None
+    replay_step_s: float | None = None
+    post_steps_s: list[float] = field(default_factory=list)
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(StoreRecord):
+    """A member committed the last step of generation g."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinalDigest(StoreRecord):
+    """A member's digest of its final training state (every replica's must agree)."""
+
+    digest: str
+
+
+RECORDS: tuple[type[StoreRecord], ...] = (
+    JobConfig, Generation, CurrentGeneration, Assignment, StopOrder, JobOver, ChaosDone, ControlCommand,
+    MoveResult, ProcessHello, Heartbeat, Progress, FatalError, FaultFired, ModelSpec, StandbyReady, Joined,
+    StepStatus, HoldsState, FailureReport, RecoveryReport, Finished, FinalDigest,
+)

@@ -3,8 +3,10 @@
 The coordinator hosts a torch `TCPStore`; every process connects as a client. All membership and recovery
 records live here under the names below, so a reader can see the whole protocol in one place. Records are
 written and read through `Records`, which seals them with the job's secret (`runtime.auth.Sealer`): a value
-anyone else wrote is ignored, counted and warned about once, never obeyed. Only counters kept with `add`
-(claims, sequence dispensers, failure counts) are plain; none of them is believed without a sealed record.
+anyone else wrote is ignored, counted and warned about once, never obeyed. What each key holds is a typed,
+versioned record of runtime.protocol (`put` takes one, `get_record` returns one); a sealed value that is not the
+record its key holds (a process of another version) is refused the same way as an unsealed one. Only counters
+kept with `add` (claims, sequence dispensers, failure counts) are plain; none is believed without a sealed record.
 Waits poll `check()` (a ~25 us round trip) instead of `TCPStore.wait`, whose timeouts print C++ warnings,
 and every wait has a deadline and a way to be cut short.
 """
@@ -14,11 +16,14 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from runtime.auth import Sealer
+from runtime.protocol import RecordError, StoreRecord
+
+R = TypeVar("R", bound=StoreRecord)
 
 POLL_S = 0.002
 
@@ -31,7 +36,7 @@ class Interrupted(Exception):
     """A wait was cut short because something it watches changed (a new generation, a stop)."""
 
 
-# Key names: one function each, so that writer and reader cannot disagree.
+# Key names: one function each, so that writer and reader cannot disagree. What each holds: runtime.protocol.
 def k_job_config() -> str:
     return "job/config"
 
@@ -133,12 +138,12 @@ def k_fault(index: int) -> str:
 
 # Control keys: written by an orchestrator through `runtime.control.JobControl`, read by the coordinator.
 def k_control_standby_target() -> str:
-    """How many unpromoted standbys to keep: sealed `{"seq": n, "request": "<integer>"}`."""
+    """How many unpromoted standbys to keep: a sealed `ControlCommand` whose request is "<integer>"."""
     return "control/standby_target"
 
 
 def k_control_move() -> str:
-    """The latest planned-move request: sealed `{"seq": n, "request": '{"seq": n, "ranks": [...], "reason": ...}'}`."""
+    """The latest planned-move request: a sealed `ControlCommand` whose request is a `MoveRequest`'s JSON."""
     return "control/move"
 
 
@@ -150,7 +155,7 @@ def k_control_seq() -> str:
 
 
 def k_control_move_result() -> str:
-    """The coordinator's answer to the latest move request: JSON `{"seq", "accepted", "reason"}`."""
+    """The coordinator's answer to the latest move request: a sealed `MoveResult`."""
     return "control/move_result"
 
 
@@ -161,19 +166,45 @@ class Records:
         self.store = store
         self.sealer = sealer
         self._refused_raw: dict[str, bytes] = {}
+        self._malformed_raw: dict[str, bytes] = {}
 
     def put(self, key: str, value: Any) -> None:
+        """Write `value` (a runtime.protocol record, or any JSON value) sealed under `key`."""
+        if isinstance(value, StoreRecord):
+            value = value.to_json()
         self.store.set(key, self.sealer.seal(key, value))
 
-    def get(self, key: str) -> Any:
-        """The sealed value at `key`; None when there is none or what is there was not sealed by the job."""
+    def _raw(self, key: str) -> bytes | None:
         if not self.store.check([key]):
             return None
         try:
-            raw = self.store.get(key)
+            return self.store.get(key)
         except dist.DistStoreError:  # deleted between check and get
             return None
-        return self.open(key, raw)
+
+    def get(self, key: str) -> Any:
+        """The sealed value at `key`; None when there is none or what is there was not sealed by the job."""
+        raw = self._raw(key)
+        return None if raw is None else self.open(key, raw)
+
+    def get_record(self, key: str, kind: type[R]) -> R | None:
+        """The record of type `kind` sealed at `key`; None when there is none, or when what is there is unsealed
+        or not such a record (both refused: ignored, counted once, warned about once)."""
+        raw = self._raw(key)
+        return None if raw is None else self.open_record(key, raw, kind)
+
+    def open_record(self, key: str, raw: bytes, kind: type[R]) -> R | None:
+        if self._malformed_raw.get(key) == raw:
+            return None  # the same malformed record read again: counted once
+        value = self.open(key, raw)
+        if value is None:
+            return None
+        try:
+            return kind.from_json(value)
+        except RecordError as exc:
+            self._malformed_raw[key] = raw
+            self.sealer.refuse(key, f"a sealed value that is not a {kind.__name__} record: {exc}")
+            return None
 
     def open(self, key: str, raw: bytes) -> Any:
         if self._refused_raw.get(key) == raw:
@@ -193,6 +224,16 @@ class Records:
         except dist.DistStoreError:
             return {k: self.get(k) for k in keys}
         return {k: self.open(k, raw) for k, raw in zip(keys, raws, strict=True)}
+
+    def get_present_records(self, keys: Sequence[str], kind: type[R]) -> dict[str, R | None]:
+        """`get_present` for records: each key's record, None where refused."""
+        if not keys:
+            return {}
+        try:
+            raws = self.store.multi_get(list(keys))
+        except dist.DistStoreError:
+            return {k: self.get_record(k, kind) for k in keys}
+        return {k: self.open_record(k, raw, kind) for k, raw in zip(keys, raws, strict=True)}
 
     def get_int(self, key: str, default: int = -1) -> int:
         value = self.get(key)
@@ -230,6 +271,24 @@ class Records:
                 pending = next(k for k in keys if k not in found)
                 raise StoreTimeout(f"waited {timeout_s:.0f} s for {what or pending}")
             time.sleep(POLL_S)
+
+    def wait_records(
+        self,
+        keys: Sequence[str],
+        kind: type[R],
+        timeout_s: float,
+        interrupt: Callable[[], str | None] | None = None,
+        what: str = "",
+    ) -> dict[str, R]:
+        """`wait` for records of type `kind`: RecordError names the key of a sealed value that is not one (a
+        process of the same job built by another version: nothing to wait for)."""
+        out = {}
+        for key, value in self.wait(keys, timeout_s, interrupt, what).items():
+            try:
+                out[key] = kind.from_json(value)
+            except RecordError as exc:
+                raise RecordError(f"{key}: {exc}") from None
+        return out
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:

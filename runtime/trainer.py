@@ -21,6 +21,7 @@ A standby the job never needed leaves the process when the job ends (the rest of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hmac
 import logging
@@ -55,7 +56,21 @@ from runtime.handoff import (
     run_handoff,
 )
 from runtime.job import Job, init
-from runtime.membership import Generation
+from runtime.protocol import (
+    Assignment,
+    CurrentGeneration,
+    FailureReport,
+    FinalDigest,
+    Finished,
+    Generation,
+    HoldsState,
+    Joined,
+    ModelSpec,
+    RecoveryReport,
+    StandbyReady,
+    StepStatus,
+    StopOrder,
+)
 from runtime.state import Stateful, TrainingState, spec_difference
 
 log = logging.getLogger("trainmover.runtime")
@@ -197,7 +212,7 @@ class Trainer:
         self.digest: str | None = None
         self._step_in_flight = 0
         self._step_times: deque[float] = deque(maxlen=20)
-        self._report: dict[str, Any] | None = None
+        self._report: RecoveryReport | None = None
         self._post_steps: list[float] = []
         self._warming_up = False
         if self.job.faults:
@@ -233,7 +248,8 @@ class Trainer:
                     raise SystemExit(0)
                 g = promoted
             else:
-                self.job.records.wait([keys.k_gen(0)], self.job.cfg.recovery_timeout_s, what="generation 0")
+                self.job.records.wait_records([keys.k_gen(0)], Generation, self.job.cfg.recovery_timeout_s,
+                                              what="generation 0")
                 g = 0
         else:
             g = self.gen
@@ -369,9 +385,8 @@ class Trainer:
         if self._report is None:
             self._step_times.append(step_s)
             return
-        if "replay_done_at" not in self._report:
-            self._report["replay_done_at"] = time.time()
-            self._report["replay_step_s"] = step_s
+        if self._report.replay_done_at is None:
+            self._report = dataclasses.replace(self._report, replay_done_at=time.time(), replay_step_s=step_s)
             # Published at once (and again, final, after the next steps): a failure from here on is a new
             # recovery, and the coordinator must know this one's replay committed.
             self.job.records.put(keys.k_report(self.gen, self.rank), self._report)  # type: ignore[arg-type]
@@ -385,9 +400,9 @@ class Trainer:
         records = self.job.records
 
         def check() -> str | None:
-            if records.has(keys.k_stop()):
+            if records.get_record(keys.k_stop(), StopOrder) is not None:
                 return "stop"
-            if records.get_int(keys.k_current_gen()) > g:
+            if _current_gen(records) > g:
                 return "newer generation"
             return None
 
@@ -397,8 +412,8 @@ class Trainer:
         """Join generation g: rebuild the group, agree on the newest state, hand it to whoever lacks it."""
         records, cfg = self.job.records, self.job.cfg
         gen_seen = time.time()
-        record = Generation.from_json(
-            records.wait([keys.k_gen(g)], cfg.recovery_timeout_s, what=f"the record of generation {g}")[keys.k_gen(g)])
+        record = records.wait_records([keys.k_gen(g)], Generation, cfg.recovery_timeout_s,
+                                      what=f"the record of generation {g}")[keys.k_gen(g)]
         rank = record.rank_of(cfg.proc)
         if rank is None:
             sys.stderr.write(f"[trainmover] {cfg.proc} is no longer a member of the job (generation {g}); exiting\n")
@@ -407,24 +422,23 @@ class Trainer:
         self._flush_report()
         self.comm.teardown()
         interrupt = self._interrupt(g)
-        records.put(keys.k_joined(g, rank), True)
+        records.put(keys.k_joined(g, rank), Joined())
         t_joined = time.time()
-        records.wait([keys.k_joined(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
-                     what=f"every member to join generation {g}")
+        records.wait_records([keys.k_joined(g, r) for r in range(world)], Joined, cfg.recovery_timeout_s, interrupt,
+                             what=f"every member to join generation {g}")
         t_all_joined = time.time()
         self.comm.build(g, rank, world, cfg.connect_timeout_s)
         self.gen, self.rank, self.world_size = g, rank, world
         check_group(self.comm, cfg.job_token, cfg.job_id, record, rank)
         group_ready = time.time()
-        split = {"teardown_s": self.comm.last_teardown_s, "joined_at": t_joined,
-                 "join_wait_s": t_all_joined - t_joined, "group_init_s": group_ready - t_all_joined}
-        records.put(keys.k_status(g, rank), {"step": self.committed, "has_state": self.has_state})
-        found = records.wait([keys.k_status(g, r) for r in range(world)], cfg.recovery_timeout_s, interrupt,
-                             what=f"every member's status in generation {g}")
-        statuses = [MemberStatus(r, **found[keys.k_status(g, r)]) for r in range(world)]
+        records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state))
+        found = records.wait_records([keys.k_status(g, r) for r in range(world)], StepStatus, cfg.recovery_timeout_s,
+                                     interrupt, what=f"every member's status in generation {g}")
+        statuses = [MemberStatus(r, status.step, status.has_state)
+                    for r, status in enumerate(found[keys.k_status(g, r)] for r in range(world))]
         if g == 0:
             self._broadcast_initial_model()
-            records.put(keys.k_holds(g, rank), 0)
+            records.put(keys.k_holds(g, rank), HoldsState(0))
             return
         plan = plan_handoff(statuses)
         if plan.receivers and not self.broadcast_buffers and self._buffers:
@@ -442,15 +456,15 @@ class Trainer:
             stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s))
         self.committed = plan.target_step
         self.has_state = True
-        records.put(keys.k_holds(g, rank), self.committed)
-        self._report = {
-            "rank": rank, "proc": cfg.proc, "role": stats.role, "failure_seen_at": failure_seen,
-            "gen_seen_at": gen_seen, "group_ready_at": group_ready, "handoff_s": stats.seconds,
-            "handoff_bytes": stats.bytes, "handoff_end_at": time.time(), "replay_step": plan.target_step + 1,
-            "refetched_chunks": stats.refetched,
-            "steady_step_s": statistics.median(self._step_times) if self._step_times else None,
-            **split,
-        }
+        records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+        self._report = RecoveryReport(
+            rank=rank, proc=cfg.proc, role=stats.role, failure_seen_at=failure_seen, gen_seen_at=gen_seen,
+            group_ready_at=group_ready, handoff_s=stats.seconds, handoff_bytes=stats.bytes,
+            handoff_end_at=time.time(), replay_step=plan.target_step + 1, refetched_chunks=stats.refetched,
+            steady_step_s=statistics.median(self._step_times) if self._step_times else None,
+            teardown_s=self.comm.last_teardown_s, joined_at=t_joined, join_wait_s=t_all_joined - t_joined,
+            group_init_s=group_ready - t_all_joined,
+        )
         self._post_steps = []
 
     def _handoff_over_tls(self, plan: HandoffPlan, session: HandoffSession, rank: int, g: int,
@@ -480,19 +494,18 @@ class Trainer:
         if failure is not None:  # raised outside the except block: no traceback may pin the broken group
             raise CommFailure(f"initial broadcast failed: {failure}")
 
-    def _recover(self, g: int, message: str, untrusted: int | None = None, kind: str = "comm") -> int:
+    def _recover(self, g: int, message: str, untrusted: int | None = None,
+                 kind: Literal["comm", "state_lost"] = "comm") -> int:
         """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
         records, cfg = self.job.records, self.job.cfg
         self.comm.teardown()
         self._restore_uncommitted()
-        records.put(keys.k_failed(g, cfg.proc), {
-            "message": message, "time": time.time(), "step": self.committed, "untrusted_rank": untrusted,
-            "kind": kind,
-        })
+        records.put(keys.k_failed(g, cfg.proc), FailureReport(
+            message=message, time=time.time(), step=self.committed, kind=kind, untrusted_rank=untrusted))
         records.store.add(keys.k_failed_count(g), 1)
         deadline = time.monotonic() + cfg.recovery_timeout_s
-        while (newest := records.get_int(keys.k_current_gen())) <= g:
-            if records.has(keys.k_stop()):
+        while (newest := _current_gen(records)) <= g:
+            if records.get_record(keys.k_stop(), StopOrder) is not None:
                 self._stop_requested()
             if time.monotonic() > deadline:
                 sys.stderr.write(f"[trainmover] {cfg.proc}: no new generation within {cfg.recovery_timeout_s:.0f} s "
@@ -505,12 +518,12 @@ class Trainer:
         """Stay available as a source until every member has committed the last step."""
         assert self.gen is not None and self.rank is not None
         records = self.job.records
-        records.put(keys.k_done(self.gen, self.rank), self.committed)
-        records.wait([keys.k_done(self.gen, r) for r in range(self.world_size)],
-                     self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")
+        records.put(keys.k_done(self.gen, self.rank), Finished(self.committed))
+        records.wait_records([keys.k_done(self.gen, r) for r in range(self.world_size)], Finished,
+                             self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")
         self._flush_report()
         self.digest = self.state.digest()
-        records.put(keys.k_digest(self.job.proc), self.digest)
+        records.put(keys.k_digest(self.job.proc), FinalDigest(self.digest))
         self.comm.teardown()
 
     def _stop_requested(self) -> None:
@@ -536,27 +549,27 @@ class Trainer:
             self.buckets.zero()
         finally:
             self._warming_up = False
-        self.job.records.put(keys.k_ready(self.job.proc), {"warmup_s": time.perf_counter() - t0})
+        self.job.records.put(keys.k_ready(self.job.proc), StandbyReady(time.perf_counter() - t0))
 
     def _check_spec(self) -> None:
         """Every process must build the same model, parameter groups and registered state: compare with the
         job's first, before anything is exchanged. A difference is a script error, not a lost machine."""
         records, proc = self.job.records, self.job.proc
         mine = self.state.spec()
-        records.put(keys.k_spec(proc), mine)
-        ours = records.sealer.seal(keys.k_job_spec(), mine)
+        records.put(keys.k_spec(proc), ModelSpec(mine))
+        ours = records.sealer.seal(keys.k_job_spec(), ModelSpec(mine).to_json())
         expected = ""
         for _ in range(10):
             current = records.store.compare_set(keys.k_job_spec(), expected, ours)
-            reference = records.open(keys.k_job_spec(), current)
+            reference = records.open_record(keys.k_job_spec(), current, ModelSpec)
             if reference is not None:
                 break
             expected = current.decode(errors="surrogateescape")  # not the job's: replace what an outsider wrote
         else:
             raise keys.StoreTimeout("could not publish the job's spec: something keeps overwriting it")
-        if reference == mine:
+        if reference.spec == mine:
             return
-        difference = spec_difference(mine, reference, proc, "the first process to join")
+        difference = spec_difference(mine, reference.spec, proc, "the first process to join")
         if difference is not None:
             raise ScriptMismatch(
                 f"this process built a different model or optimizer from the rest of the job: {difference}. "
@@ -574,9 +587,9 @@ class Trainer:
                 if self.job.heartbeat.stopping:
                     return None
                 continue
-            gen = self.job.records.get(key)
-            if isinstance(gen, int) and not isinstance(gen, bool):
-                return gen if gen >= 0 else None
+            assignment = self.job.records.get_record(key, Assignment)
+            if assignment is not None:
+                return assignment.gen if assignment.gen >= 0 else None
             # Not sealed by the coordinator (refused and counted): wait for its own value to replace it.
             if self.job.heartbeat.stopping:
                 return None
@@ -589,8 +602,12 @@ class Trainer:
 
     def _publish_report(self) -> None:
         assert self._report is not None and self.gen is not None and self.rank is not None
-        self._report["post_steps_s"] = list(self._post_steps)
-        self._report["final"] = True
-        self.job.records.put(keys.k_report(self.gen, self.rank), self._report)
+        final = dataclasses.replace(self._report, post_steps_s=list(self._post_steps), final=True)
+        self.job.records.put(keys.k_report(self.gen, self.rank), final)
         self._report = None
         self._post_steps = []
+
+
+def _current_gen(records: keys.Records) -> int:
+    current = records.get_record(keys.k_current_gen(), CurrentGeneration)
+    return current.gen if current is not None else -1

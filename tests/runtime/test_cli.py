@@ -94,6 +94,46 @@ def test_a_job_stopped_with_sigterm_ends_every_process_without_a_stack_dump(tmp_
             os.kill(member["pid"], 0)
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for init to reap it is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def test_a_launcher_killed_outright_takes_every_process_of_its_machine_with_it(tmp_path: Path) -> None:
+    """One machine runs the multi-host path with one agent inside the launcher: the job's processes (workers, a
+    standby forked from the zygote, the zygote) watch that agent and end when it is SIGKILLed, leaving nothing
+    that could write into a store nobody serves."""
+    events = tmp_path / "events.jsonl"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
+         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", "100000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_event(events, "generation", job, 120)
+        records = [json.loads(line) for line in events.read_text().splitlines()]
+        started = next(e for e in records if e["event"] == "job_started")
+        placed = [e for e in records if e["event"] == "placed"]
+        job.kill()
+        job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert [h["slots"] for h in started["hosts"]] == [1024], started  # one host: this machine's agent
+    assert {e["role"] for e in placed} == {"worker", "standby"} and all(e["pid"] > 0 for e in placed), placed
+    pids = [e["pid"] for e in placed] + list(started["helpers"].values())
+    assert len(pids) == 4, started  # two workers, the standby, the zygote
+    deadline = time.monotonic() + 20  # one heartbeat (0.5 s) each, with room for a loaded machine
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes outlived their launcher: {left}"
+
+
 def test_a_missing_script_is_one_clear_line_without_a_traceback() -> None:
     result = trainmover("run", "--nproc", "2", "no_such_train.py")
     assert result.returncode == 2

@@ -18,6 +18,7 @@ from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_chaos
 from runtime.coordinator import Coordinator, CoordinatorSettings
 from runtime.events import EventLog
+from runtime.protocol import Finished
 from runtime.store import Records
 
 _pids = itertools.count(900_000)
@@ -69,7 +70,7 @@ def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, st
                           wait_for_workers=False)
     if done:  # every worker already finished the last step of generation 0
         for rank in range(2):
-            Records(store, Sealer(TOKEN)).put(keys.k_done(0, rank), 20)
+            Records(store, Sealer(TOKEN)).put(keys.k_done(0, rank), Finished(20))
     s = CoordinatorSettings(job_id="j", job_token=TOKEN, **{"nproc": 2, "standby": 1, **settings})  # type: ignore[arg-type]
     result = Coordinator(s, store, pool, EventLog(None)).run()
     return result.exit_code, result.message, result.events

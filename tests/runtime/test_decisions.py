@@ -8,6 +8,7 @@ import pytest
 
 from runtime.control import MoveRequest
 from runtime.decisions import MoveContext, move_refusal, recovery_metrics
+from runtime.protocol import RecoveryReport
 
 OK = MoveContext(last_seq=3, started=True, finished=False, world=4, recovering=False, ready=2)
 
@@ -31,12 +32,12 @@ def test_a_move_that_costs_no_restart_is_accepted() -> None:
     assert move_refusal(MoveRequest(4, (1, 2), "maintenance"), OK) is None
 
 
-def _report(rank: int, role: str, **over: float) -> dict[str, object]:
+def _report(rank: int, role: str, **over: object) -> RecoveryReport:
     base = {"rank": rank, "role": role, "group_ready_at": 10.5, "handoff_end_at": 11.0, "replay_done_at": 11.4,
             "handoff_s": 0.4, "handoff_bytes": 100 if role == "receiver" else 0, "replay_step": 8,
             "post_steps_s": [0.2, 0.2, 0.3], "steady_step_s": 0.2, "teardown_s": 0.1, "joined_at": 10.2,
             "group_init_s": 0.05}
-    return {**base, **over}
+    return RecoveryReport.from_json({**base, **over})
 
 
 def test_recovery_metrics_run_from_the_earliest_failure_to_the_replayed_commit() -> None:
@@ -55,5 +56,5 @@ def test_recovery_metrics_run_from_the_earliest_failure_to_the_replayed_commit()
 
 
 def test_a_report_without_a_replay_counts_the_handoff_end() -> None:
-    m = recovery_metrics([(1.0, 1.2)], [_report(0, "source", replay_done_at=0.0, post_steps_s=[])])
+    m = recovery_metrics([(1.0, 1.2)], [_report(0, "source", replay_done_at=None, post_steps_s=[])])
     assert m["replay_s"] == 0.0 and m["warmup_penalty_s"] == 0.0

@@ -231,3 +231,30 @@ def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster
         _no_process_left(hosts)
     finally:
         job.close()
+
+
+def test_hosts_killed_in_the_other_protocol_phases(hosts: Cluster, tmp_path: Path) -> None:
+    """One-slot hosts, four losses, one in each phase the tests above leave out: a standby host while its
+    standby waits warm, rank 0's host inside the optimizer step, rank 1's host just before its exchange and the
+    new rank 0's host just after one. Each time the lost rank goes to a standby host, fed by the other rank;
+    spare hosts take the replacement standbys, and the job ends bit for bit."""
+    for _ in range(7):
+        hosts.add_host()
+    steps = 30
+    job = Job(hosts, tmp_path, agents=7, nproc=2, standby=2, steps=steps, step_ms=20,
+              faults="host:proc=s1,phase=standby_wait;host:rank=0,step=4,phase=optimizer;"
+                     "host:rank=1,step=10,phase=before_exchange;host:rank=0,step=16,phase=after_exchange")
+    try:
+        for i in range(7):
+            job.agent(i, 1)
+        assert job.finish() == 0, job.log.read_text()
+        lost = job.events.of("host_lost")
+        assert len(lost) == 4, [e["cause"] for e in lost]
+        assert job.events.of("standby_lost")[0]["proc"] == "s1"
+        failed = job.events.of("member_failed")
+        assert [e["rank"] for e in failed] == [0, 1, 0], failed
+        assert len(job.events.of("recovered")) == 3
+        _exact(job, 2, steps)
+        _no_process_left(hosts)
+    finally:
+        job.close()

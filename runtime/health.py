@@ -1,0 +1,177 @@
+"""Health and detection: the coordinator's process table, heartbeats, hangs and how a process ended.
+
+`HealthWatch` reads what the processes say about themselves (hello, heartbeat, warm-up, fatal error: the
+records of runtime.protocol) and turns it into verdicts: who is hung or never started (to be fenced), which
+standby became warm. It kills nothing and publishes nothing; the coordinator (runtime.coordinator) acts on its
+verdicts. Time comes from the clocks it is given, so tests drive it with a fake one.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from runtime import store as keys
+from runtime.protocol import FatalError, Heartbeat, ProcessHello, StandbyReady
+
+
+class JobFailed(Exception):
+    """The job cannot go on; the message says why and what to do."""
+
+
+class ProcessHandle(Protocol):
+    """One training process as the coordinator sees it."""
+
+    name: str
+    role: str
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout_s: float) -> int | None: ...
+
+    def exit_fd(self) -> int | None:
+        """A file descriptor that turns readable when the process exits (a pidfd), or None to be polled."""
+        ...
+
+    def close(self) -> None:
+        """Release what watching the process held (its pidfd); the process is gone or killed by now."""
+        ...
+
+
+@dataclass
+class Member:
+    """One process of the job (worker or standby) and what the coordinator knows of its health."""
+
+    handle: ProcessHandle
+    started_at: float
+    hello_ok: bool = False
+    ready: bool = False
+    hb_value: int = -1
+    hb_changed_at: float = 0.0
+    hb_changed_wall: float = 0.0
+    dead: bool = False
+    exit_code: int | None = None
+    assigned_gen: int | None = None
+    exit_seen_at: float | None = None
+    """Wall-clock moment its pidfd turned readable: when the process exited, to the loop's latency."""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def exit_cause(handle: ProcessHandle, code: int) -> str:
+    """Why a process ended: what its pool knows (a lost host), else its exit status in words."""
+    return getattr(handle, "exit_cause", lambda: None)() or describe_exit(code)
+
+
+@dataclass(frozen=True, slots=True)
+class Fencing:
+    """A process to fence (kill, reap, declare dead) and why."""
+
+    proc: str
+    cause: str
+    failure_at: float | None = None
+    """When it failed, where known (the last heartbeat of a hung process)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """A standby that finished its warm-up."""
+
+    proc: str
+    warmup_s: float
+    ready_after_s: float
+
+
+@dataclass
+class Verdicts:
+    fence: list[Fencing] = field(default_factory=list)
+    warm: list[Warm] = field(default_factory=list)
+
+
+class HealthWatch:
+    """Heartbeat and hang detection over the process table, one health tick at a time."""
+
+    def __init__(
+        self,
+        records: keys.Records,
+        hang_timeout_s: float,
+        startup_timeout_s: float,
+        wall: Callable[[], float],
+        suspect: Callable[[str], bool] = lambda _: False,
+    ) -> None:
+        self.records = records
+        self.hang_timeout_s = hang_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.wall = wall
+        self.suspect = suspect
+        """Whether a process's whole host went silent: the host timeout then takes all its ranks at once."""
+
+    def poll(self, procs: dict[str, Member], now: float) -> Verdicts:
+        """Read every live process's heartbeat (one round trip for those that beat before) and judge it."""
+        out = Verdicts()
+        beating = [n for n, m in procs.items() if not m.dead and m.hello_ok and m.hb_value >= 0]
+        beats = self.records.get_present_records([keys.k_heartbeat(n) for n in beating], Heartbeat)
+        for name, m in procs.items():
+            if m.dead:
+                continue
+            if not m.hello_ok:
+                m.hello_ok = self.hello_ok(name, m)
+            key = keys.k_heartbeat(name)
+            beat = (beats[key] if key in beats else self.records.get_record(key, Heartbeat)) if m.hello_ok else None
+            value = beat.count if beat is not None else -1  # -1 until the first beat
+            if value > m.hb_value:  # a replayed older beat is no sign of life
+                m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, self.wall()
+            elif m.hb_value < 0 and now - m.started_at > self.startup_timeout_s:
+                out.fence.append(Fencing(name, f"did not start within {self.startup_timeout_s:.0f} s"))
+                continue
+            elif m.hb_value >= 0 and now - m.hb_changed_at > self.hang_timeout_s and not self.suspect(name):
+                out.fence.append(Fencing(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)",
+                                         m.hb_changed_wall))
+                continue
+            if m.handle.role == "standby" and not m.ready and m.hello_ok and (
+                warm := self.records.get_record(keys.k_ready(name), StandbyReady)
+            ) is not None:
+                m.ready = True
+                out.warm.append(Warm(name, warm.warmup_s, now - m.started_at))
+        return out
+
+    def looks_alive(self, m: Member, now: float) -> bool:
+        """A warm standby whose heartbeat has been silent for half the hang timeout is not promoted (it may be
+        hung; promoting it would cost the new generation a hang detection)."""
+        return m.hello_ok and now - m.hb_changed_at < self.hang_timeout_s / 2
+
+    def hello_ok(self, name: str, m: Member) -> bool:
+        """Whether the process said hello, sealed with the job's secret, from the pid the pool started.
+
+        A hello that fails is ignored (counted by the seal): an outsider who writes one first cannot get a
+        process fenced, and the real process's own hello overwrites it."""
+        hello = self.records.get_record(keys.k_hello(name), ProcessHello)
+        if hello is None:
+            return False
+        if hello.pid != m.handle.pid:
+            self.records.sealer.refuse(keys.k_hello(name), f"it names pid {hello.pid!r}, not {m.handle.pid}")
+            return False
+        return True
+
+    def check_fatal(self, name: str) -> None:
+        """Stop the job if the process's script raised: a standby would fail the same way."""
+        fatal = self.records.get_record(keys.k_fatal(name), FatalError)
+        if fatal is not None:
+            last = fatal.message.strip().splitlines()[-1] if fatal.message.strip() else "?"
+            raise JobFailed(
+                f"the training script failed in {name}: {last}\n"
+                "This is an error in the script itself, so a standby would fail the same way; the job was "
+                "stopped. Full traceback above."
+            )
