@@ -40,6 +40,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     sc.add_argument("--trials", type=_positive, default=10, help="hosts killed per size (default: %(default)s)")
     sc.add_argument("--quick", action="store_true", help="64 and 256 hosts, 3 trials")
     sc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    e = kinds.add_parser("exit-path", help="one machine: a death reaching the coordinator, own pidfd vs agent")
+    e.add_argument("--trials", type=_positive, default=40, help="kills per path and load (default: %(default)s)")
+    e.add_argument("--loads", default="0,2", help="busy processes beside it, comma-separated (default: %(default)s)")
+    e.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     s = kinds.add_parser("policy", help="learned standby policy vs static spares and the oracle; simulator timings")
     s.add_argument("--quick", action="store_true", help="small fleets, about a minute")
     s.add_argument("--json", metavar="FILE", help="write the full report as JSON")
@@ -57,6 +61,17 @@ def bench_command(ns: argparse.Namespace) -> int:
         if ns.quick:
             sizes, ns.trials = [n for n in sizes if n <= 256] or [64], 3
         return scale_main(sizes, slots=ns.slots, trials=ns.trials, json_path=ns.json)
+    if ns.kind == "exit-path":
+        from bench.exitpath import main as exit_main
+
+        try:
+            loads = [int(x) for x in ns.loads.split(",")]
+        except ValueError:
+            loads = [-1]
+        if any(n < 0 for n in loads):
+            print(f"trainmover bench exit-path: --loads takes comma-separated counts >= 0, e.g. 0,2, got {ns.loads!r}")
+            return 2
+        return exit_main(ns.trials, loads, ns.json)
     if ns.kind == "policy":
         from bench.policy import main as policy_main
 

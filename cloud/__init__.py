@@ -4,6 +4,7 @@
   `CheckResult`), the `Provider` and `NoticeSource` interfaces, the `CloudError` hierarchy and retry budgets.
 - `cloud.local`: slots on this machine, with failure injection (the demo's and the tests' default).
 - `cloud.aws`, `cloud.azure`: EC2 and Azure VMs; their SDKs are imported only when such a provider is made.
+- `cloud.iam`: the least-privilege AWS IAM policy and Azure custom role of one job (`trainmover cloud policy`).
 - `cloud.registry.make_provider(name, **options)`: a provider by name; `cloud.notices.NoticeWatcher`: polls every
   notice channel on a thread and de-duplicates.
 

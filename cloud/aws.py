@@ -45,10 +45,16 @@ from cloud.base import (
     RetryBudget,
     Role,
     ServiceUnavailableError,
+    TagLimits,
     ThrottledError,
     UnsupportedError,
+    validate_endpoint_url,
+    validate_job_id,
+    validate_role,
+    validate_tags,
     with_retries,
 )
+from cloud.bootstrap import render_cloud_init
 
 if TYPE_CHECKING:
     import boto3
@@ -98,6 +104,25 @@ _AWS_STATES: Mapping[str, InstanceState] = {
     "terminated": "terminated",
 }
 _LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
+# EC2 instance ids: "i-" and 8 (older) or 17 hex digits. AWS refuses a whole TerminateInstances call when one id
+# is malformed (InvalidInstanceID.Malformed), so ids are checked before any call.
+_INSTANCE_ID = re.compile(r"i-(?:[0-9a-f]{8}|[0-9a-f]{17})")
+# https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/Using_Tags.html#tag-restrictions
+TAG_LIMITS = TagLimits(
+    "aws",
+    max_tags=50,
+    max_key_len=128,
+    max_value_len=256,
+    reserved_key_prefixes=("aws:",),
+    doc="https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/Using_Tags.html#tag-restrictions",
+)
+# IMDSv2 only (session tokens; blocks SSRF-style reads of the instance role's credentials); a hop limit of 2 lets
+# a container on the instance reach it. The IAM policy (cloud.iam) refuses launches without HttpTokens=required.
+METADATA_OPTIONS: Mapping[str, Any] = {
+    "HttpTokens": "required",
+    "HttpEndpoint": "enabled",
+    "HttpPutResponseHopLimit": 2,
+}
 # EC2 answers NotFound for an id that never existed; a placeholder lets check() dry-run without an instance.
 _PLACEHOLDER_INSTANCE = "i-00000000000000000"
 
@@ -165,7 +190,6 @@ class _AwsApi:
 
     def __init__(self, region: str, session: boto3.Session | None, endpoint_url: str | None) -> None:
         self._boto3 = _load_boto3()
-        import botocore.config
         import botocore.exceptions
         import botocore.parsers
 
@@ -173,18 +197,10 @@ class _AwsApi:
         self._parser_error = botocore.parsers.ResponseParserError
         self.region = region
         self._session = session if session is not None else self._boto3.Session(region_name=region)
-        self._endpoint_url = endpoint_url
-        # botocore retries by itself (legacy mode: 5 attempts on throttling and 5xx). Under `with_retries` that
-        # multiplies the attempts and hides how long a call may take, so botocore makes exactly one attempt and
-        # the named budgets (MUTATE, DESCRIBE) are the only retry policy. Timeouts bound every call.
-        # https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html
-        self._config = botocore.config.Config(
-            region_name=region,
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            connect_timeout=5,
-            read_timeout=30,
-            user_agent_extra="trainmover",
+        self._endpoint_url = validate_endpoint_url(
+            endpoint_url, provider="aws", example="https://ec2.us-east-1.amazonaws.com or http://127.0.0.1:5000"
         )
+        self._config = one_attempt_config(region, read_timeout_s=30)
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._validate_region(region)
@@ -206,9 +222,14 @@ class _AwsApi:
     def client(self, service: str) -> Any:
         with self._lock:
             if service not in self._clients:
-                self._clients[service] = self._session.client(
-                    service, region_name=self.region, endpoint_url=self._endpoint_url, config=self._config
-                )
+                try:
+                    self._clients[service] = self._session.client(
+                        service, region_name=self.region, endpoint_url=self._endpoint_url, config=self._config
+                    )
+                except ValueError as err:  # botocore's "Invalid endpoint: ..."
+                    raise InvalidRequestError(
+                        f"aws: cannot make a {service} client: {err}", provider="aws", code="InvalidEndpointUrl"
+                    ) from err
             return self._clients[service]
 
     def call(self, service: str, operation: str, budget: RetryBudget, **params: Any) -> dict[str, Any]:
@@ -338,6 +359,25 @@ class _AwsApi:
 # ------------------------------------------------------------------------------------------------ provider
 
 
+
+def one_attempt_config(region: str, read_timeout_s: int) -> Any:
+    """The botocore client config of every AWS call of this project.
+
+    botocore retries by itself (legacy mode: 5 attempts on throttling and 5xx). Under `with_retries` that multiplies
+    the attempts and hides how long a call may take, so botocore makes exactly one attempt and the named budgets
+    (MUTATE, DESCRIBE) are the only retry policy. Timeouts bound every call.
+    https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html
+    """
+    import botocore.config
+
+    return botocore.config.Config(
+        region_name=region,
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=read_timeout_s,
+        user_agent_extra="trainmover",
+    )
+
 class AwsProvider(Provider):
     """TrainMover's instances in one AWS region.
 
@@ -358,6 +398,7 @@ class AwsProvider(Provider):
         image: str | None = None,
         subnet: str | None = None,
         security_groups: Sequence[str] = (),
+        instance_profile: str | None = None,
         prices_usd_per_h: Mapping[str, float] | None = None,
         mutate_budget: RetryBudget = MUTATE,
         describe_budget: RetryBudget = DESCRIBE,
@@ -367,6 +408,8 @@ class AwsProvider(Provider):
         self.image = image
         self.subnet = subnet
         self.security_groups = tuple(security_groups)
+        # The node role's instance profile (name or ARN); launching with it needs iam:PassRole on that role only.
+        self.instance_profile = instance_profile
         self.prices_usd_per_h = dict(prices_usd_per_h or {})
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
@@ -393,6 +436,8 @@ class AwsProvider(Provider):
     # launch -------------------------------------------------------------------------------------------------
 
     def launch(self, request: LaunchRequest) -> list[Instance]:
+        validate_tags(request.tags, TAG_LIMITS)
+        user_data = self._user_data(request)
         self._check_instance_type(request.instance_type)
         image = request.image or self.image
         if not image:
@@ -422,7 +467,9 @@ class AwsProvider(Provider):
                 {"ResourceType": "instance", "Tags": tags},
                 {"ResourceType": "volume", "Tags": tags},
             ],
+            "MetadataOptions": dict(METADATA_OPTIONS),
         }
+        params.update(self._profile_param())
         placement = {}
         if request.placement_group:
             placement["GroupName"] = request.placement_group
@@ -444,10 +491,41 @@ class AwsProvider(Provider):
             params["SubnetId"] = subnet
         if self.security_groups:
             params["SecurityGroupIds"] = list(self.security_groups)
-        if request.user_data:
-            params["UserData"] = request.user_data
+        if user_data:
+            params["UserData"] = user_data  # boto3 base64-encodes it
         response = self._api.call("ec2", "run_instances", self.mutate_budget, **params)
         return [self._instance(raw, "unknown") for raw in response.get("Instances", [])]
+
+    def _user_data(self, request: LaunchRequest) -> str | None:
+        """The instance's user-data: the rendered bootstrap (which names the job's secret, never holds it), or the
+        request's own user_data. Checked before any call: a host that could not fetch its secret would boot, bill,
+        and never join."""
+        spec = request.bootstrap
+        if spec is None:
+            return request.user_data
+        if not spec.secret.kind.startswith("aws-"):
+            raise InvalidRequestError(
+                f"aws: the bootstrap's secret is in {spec.secret.kind}: an EC2 instance fetches it with its instance "
+                "role, from Secrets Manager or SSM Parameter Store (cloud.secrets.AwsSecretsManagerStore or "
+                "AwsParameterStore)",
+                provider="aws",
+                code="InvalidBootstrap",
+            )
+        if not self.instance_profile:
+            raise InvalidRequestError(
+                "aws: a bootstrapped instance fetches the job's secret with its instance role: pass "
+                "instance_profile=<the node role's instance profile> to AwsProvider (the role the secret's store "
+                "lets read it: docs/cloud-aws.md)",
+                provider="aws",
+                code="InvalidBootstrap",
+            )
+        return render_cloud_init(spec)
+
+    def _profile_param(self) -> dict[str, Any]:
+        if not self.instance_profile:
+            return {}
+        key = "Arn" if self.instance_profile.startswith("arn:") else "Name"
+        return {"IamInstanceProfile": {key: self.instance_profile}}
 
     def _check_instance_type(self, instance_type: str) -> None:
         # moto launches any type string; real AWS refuses an unknown one only at RunInstances, after the quota and
@@ -473,6 +551,7 @@ class AwsProvider(Provider):
         ids = list(instance_ids)
         if not ids:
             return []
+        _refuse_malformed(ids, "stop")
         spot = [i.instance_id for i in self.describe(ids) if i.market == "spot"]
         if spot:
             # moto stops a one-time spot instance; real AWS refuses (UnsupportedOperation). Refusing here keeps
@@ -490,11 +569,33 @@ class AwsProvider(Provider):
         ids = list(instance_ids)
         if not ids:
             return []
+        _refuse_malformed(ids, "start")
         self._api.call("ec2", "start_instances", self.mutate_budget, InstanceIds=ids)
         return self.describe(ids)
 
+    def set_role(self, instance_id: str, role: Role) -> Instance:
+        validate_role(role, provider="aws")
+        _refuse_malformed([instance_id], "retag")
+        # Only the role tag: the job's policy (cloud.iam) allows CreateTags on its own instances for this key alone.
+        self._api.call(
+            "ec2", "create_tags", self.mutate_budget, Resources=[instance_id], Tags=[{"Key": ROLE_TAG, "Value": role}]
+        )
+        [instance] = self.describe([instance_id])
+        return instance
+
     def terminate(self, instance_ids: Sequence[str]) -> None:
-        ids = list(instance_ids)
+        malformed = [i for i in instance_ids if not _is_instance_id(i)]
+        # One malformed id makes AWS refuse the whole call: release every well-formed one, then report the rest.
+        self._terminate([i for i in instance_ids if _is_instance_id(i)])
+        if malformed:
+            raise InvalidRequestError(
+                f"aws: not EC2 instance ids (expected 'i-' and 8 or 17 hex digits): {', '.join(map(repr, malformed))}; "
+                "every other id of the call was terminated",
+                provider="aws",
+                code="InvalidInstanceID.Malformed",
+            )
+
+    def _terminate(self, ids: list[str]) -> None:
         if not ids:
             return
         try:
@@ -516,8 +617,10 @@ class AwsProvider(Provider):
         if instance_ids is not None:
             if not instance_ids:
                 return []
+            _refuse_malformed(list(instance_ids), "describe")
             params["InstanceIds"] = list(instance_ids)
         if job_id is not None:
+            validate_job_id(job_id, provider="aws")
             params["Filters"] = [
                 {"Name": f"tag:{JOB_TAG}", "Values": [job_id]},
                 {"Name": "instance-state-name", "Values": list(_LIVE_STATES)},
@@ -529,6 +632,10 @@ class AwsProvider(Provider):
             if not page.get("NextToken"):
                 break
             params["NextToken"] = page["NextToken"]
+        if job_id is not None:
+            # The tag filter above already asked for this job; keep only exact matches all the same, so that no
+            # filter semantics (EC2's `*` and `?` wildcards) can hand us another job's instances to act on.
+            raws = [raw for raw in raws if _tags_of(raw).get(JOB_TAG) == job_id]
         health = self._health([raw["InstanceId"] for raw in raws if raw.get("State", {}).get("Name") == "running"])
         return [self._instance(raw, health.get(raw["InstanceId"], "unknown")) for raw in raws]
 
@@ -546,7 +653,7 @@ class AwsProvider(Provider):
         return health
 
     def _instance(self, raw: Mapping[str, Any], health: Health) -> Instance:
-        tags = {t["Key"]: t["Value"] for t in raw.get("Tags") or []}
+        tags = _tags_of(raw)
         role: Role = "standby" if tags.get(ROLE_TAG) == "standby" else "worker"
         launched = raw.get("LaunchTime")
         return Instance(
@@ -672,18 +779,20 @@ class AwsProvider(Provider):
 
     # check --------------------------------------------------------------------------------------------------
 
-    def check(self, instance_type: str = "t3.micro") -> list[CheckResult]:
+    def check(self, instance_type: str = "t3.micro", *, job_id: str = "trainmover-check") -> list[CheckResult]:
         """Credentials, then each EC2 permission the provider uses (DryRun for mutating calls); creates nothing.
 
-        `instance_type` is what the RunInstances dry run asks for: pass the type your policy allows.
+        `instance_type` and `job_id` are what the dry runs ask for: with a per-job policy (cloud.aws_iam), pass the
+        job and a type that the policy allows.
         """
+        validate_job_id(job_id, provider="aws")
         try:
             identity = self._api.call("sts", "get_caller_identity", self.describe_budget)
         except CloudError as err:
             return [CheckResult("credentials", False, str(err))]
         results = [CheckResult("credentials", True, f"account {identity.get('Account')} as {identity.get('Arn')}")]
 
-        job_tag = [{"Key": JOB_TAG, "Value": "trainmover-check"}, {"Key": ROLE_TAG, "Value": "standby"}]
+        job_tag = [{"Key": JOB_TAG, "Value": job_id}, {"Key": ROLE_TAG, "Value": "standby"}]
         if self.image:
             launch: dict[str, Any] = {
                 "ImageId": self.image,
@@ -695,6 +804,8 @@ class AwsProvider(Provider):
                     {"ResourceType": "instance", "Tags": job_tag},
                     {"ResourceType": "volume", "Tags": job_tag},
                 ],
+                "MetadataOptions": dict(METADATA_OPTIONS),
+                **self._profile_param(),
             }
             if self.subnet:
                 launch["SubnetId"] = self.subnet
@@ -708,7 +819,7 @@ class AwsProvider(Provider):
 
         # A tagged instance of ours makes the dry runs exact (the policy's tag conditions apply to it); with none,
         # a placeholder id checks the action alone.
-        target, exact = self._check_target()
+        target, exact = self._check_target(job_id)
         for operation in ("start_instances", "stop_instances", "terminate_instances"):
             results.append(self._check_dry_run(operation, {"InstanceIds": [target]}, exact=exact))
         # Only the role tag: the policy lets an instance be re-tagged but never moved to another job.
@@ -735,14 +846,14 @@ class AwsProvider(Provider):
                 results.append(CheckResult(name, True, "allowed"))
         return results
 
-    def _check_target(self) -> tuple[str, bool]:
+    def _check_target(self, job_id: str) -> tuple[str, bool]:
         try:
             page = self._api.call(
                 "ec2",
                 "describe_instances",
                 self.describe_budget,
                 Filters=[
-                    {"Name": "tag-key", "Values": [JOB_TAG]},
+                    {"Name": f"tag:{JOB_TAG}", "Values": [job_id]},
                     {"Name": "instance-state-name", "Values": list(_LIVE_STATES)},
                 ],
                 MaxResults=5,
@@ -751,7 +862,8 @@ class AwsProvider(Provider):
             return _PLACEHOLDER_INSTANCE, False
         for reservation in page.get("Reservations", []):
             for raw in reservation.get("Instances", []):
-                return str(raw["InstanceId"]), True
+                if _tags_of(raw).get(JOB_TAG) == job_id:
+                    return str(raw["InstanceId"]), True
         return _PLACEHOLDER_INSTANCE, False
 
     def _check_dry_run(self, operation: str, params: dict[str, Any], *, exact: bool = True) -> CheckResult:
@@ -764,7 +876,7 @@ class AwsProvider(Provider):
                     name,
                     False,
                     f"{err} Checked on a placeholder instance without the {JOB_TAG} tag: if the policy requires that "
-                    "tag, run check again while one of the job's instances exists.",
+                    "tag, run check again (with the job's id) while one of the job's instances exists.",
                 )
             return CheckResult(name, False, str(err))
         except (NotFoundError, InvalidRequestError) as err:
@@ -775,6 +887,25 @@ class AwsProvider(Provider):
             return CheckResult(name, False, f"not verified: {err}")
         detail = "allowed (dry run)" if exact else "allowed (dry run on a placeholder instance)"
         return CheckResult(name, True, detail)
+
+
+def _tags_of(raw: Mapping[str, Any]) -> dict[str, str]:
+    return {str(t.get("Key")): str(t.get("Value")) for t in raw.get("Tags") or []}
+
+
+def _is_instance_id(value: object) -> bool:
+    return isinstance(value, str) and _INSTANCE_ID.fullmatch(value) is not None
+
+
+def _refuse_malformed(ids: Sequence[str], verb: str) -> None:
+    malformed = [i for i in ids if not _is_instance_id(i)]
+    if malformed:
+        raise InvalidRequestError(
+            f"aws: cannot {verb} {', '.join(map(repr, malformed))}: not EC2 instance ids (expected 'i-' and 8 or 17 "
+            "hex digits); nothing was done",
+            provider="aws",
+            code="InvalidInstanceID.Malformed",
+        )
 
 
 def _health_of(status: Mapping[str, Any]) -> Health:
@@ -804,6 +935,7 @@ _TARGET_ID = "trainmover-sqs"
 
 def notice_resource_names(job_id: str) -> tuple[str, dict[str, str]]:
     """The SQS queue name and the EventBridge rule names (by kind) used for `job_id`'s notices."""
+    validate_job_id(job_id, provider="aws")
     safe = re.sub(r"[^A-Za-z0-9_-]", "-", job_id)
     if safe != job_id or len(safe) > 32:
         # Keep names distinct when sanitizing or truncating would make two job ids collide.

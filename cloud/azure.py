@@ -48,9 +48,15 @@ from cloud.base import (
     RetryBudget,
     Role,
     ServiceUnavailableError,
+    TagLimits,
     ThrottledError,
+    validate_endpoint_url,
+    validate_job_id,
+    validate_role,
+    validate_tags,
     with_retries,
 )
+from cloud.bootstrap import azure_custom_data, render_cloud_init
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
@@ -74,6 +80,26 @@ PERMISSIONS_API_VERSION = "2022-04-01"
 # Without a Retry-After header the SDK waits `polling_interval` between LRO polls; its default (30 s) would add
 # up to half a minute to every start. Azure usually sends Retry-After on VM operations, which takes precedence.
 DEFAULT_POLLING_INTERVAL_S = 5.0
+# A status poll of a long-running operation that ARM throttles (429) or fails on its side (5xx) is retried, honouring
+# Retry-After, within the operation's own time bound (`lro_timeout_s`): the operation itself is still running, and
+# giving up would fail a launch (and delete its VMs) over one busy moment of the API. Backoff without Retry-After:
+POLL_RETRY = RetryBudget("lro-poll", attempts=1_000, base_delay_s=1.0, max_delay_s=30.0, deadline_s=900.0)
+_TRANSIENT_POLL_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_ARM_ENDPOINT = "https://management.azure.com"
+
+# https://learn.microsoft.com/azure/azure-resource-manager/management/tag-resources#limitations
+TAG_LIMITS = TagLimits(
+    "azure",
+    max_tags=50,
+    max_key_len=512,
+    max_value_len=256,
+    reserved_key_prefixes=("microsoft", "azure", "windows"),
+    forbidden_key_chars="<>%&\\?/",
+    doc="https://learn.microsoft.com/azure/azure-resource-manager/management/tag-resources#limitations",
+)
+# A VM's resource name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit and not ending with
+# '.' or '-' (https://learn.microsoft.com/azure/azure-resource-manager/management/resource-name-rules#microsoftcompute).
+_VM_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9_])?")
 
 # Every ARM action the provider performs, directly or through a linked access check when the compute RP creates the
 # VM's NIC and OS disk on our behalf. docs/iam/trainmover-azure-role.json grants exactly these.
@@ -213,7 +239,11 @@ class AzureProvider(Provider):
         self.lro_timeout_s = lro_timeout_s
         self._sizes: frozenset[str] | None = None
         self._sizes_lock = threading.Lock()
-        self._client = self._make_client(credential, base_url, dict(client_kwargs or {}))
+        validate_endpoint_url(base_url, provider=PROVIDER, example="https://management.azure.com")
+        kwargs = dict(client_kwargs or {})
+        self._polling_interval_s = float(kwargs.get("polling_interval", DEFAULT_POLLING_INTERVAL_S))  # type: ignore[arg-type]
+        self._arm_endpoint = base_url or _ARM_ENDPOINT
+        self._client = self._make_client(credential, base_url, kwargs)
 
     def __repr__(self) -> str:
         return f"AzureProvider(resource_group={self.resource_group!r}, location={self.location!r})"
@@ -255,7 +285,7 @@ class AzureProvider(Provider):
             # Raised by the credential before any request left (CredentialUnavailableError and friends).
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             return CredentialsError(
-                f"azure: no usable credentials for {action}: {first_line[:300]}. To fix: {LOGIN_HINT}",
+                f"azure: no usable credentials for {action} ({first_line[:300].rstrip('.')}). To fix: {LOGIN_HINT}",
                 provider=PROVIDER,
                 code=type(err).__name__,
             )
@@ -337,6 +367,15 @@ class AzureProvider(Provider):
             time.sleep(max(delay_s, min(retry_after_s, budget.max_delay_s)))
 
         return with_retries(attempt, budget, sleep=sleep)
+
+    def _polling(self) -> Any:
+        """The SDK's ARM polling method for one long-running operation, with its status polls retried (see
+        `POLL_RETRY`) until `lro_timeout_s` after the operation started."""
+        return _poll_retrying_class()(
+            self._polling_interval_s,
+            path_format_arguments={"endpoint": self._arm_endpoint},
+            budget_s=self.lro_timeout_s,
+        )
 
     def _wait(self, poller: LROPoller[Any], action: str) -> Any:
         """Wait for one long-running operation within `lro_timeout_s`; its failure becomes a CloudError."""
@@ -478,14 +517,41 @@ class AzureProvider(Provider):
             properties["proximityPlacementGroup"] = {"id": request.placement_group}
         if request.capacity_reservation:
             properties["capacityReservation"] = {"capacityReservationGroup": {"id": request.capacity_reservation}}
-        if request.user_data:
-            import base64
-
-            properties["userData"] = base64.b64encode(request.user_data.encode()).decode()
+        document = self._cloud_init(request)
+        if document is not None:
+            # cloud-init runs osProfile.customData (base64), not properties.userData (IMDS only: cloud-init does
+            # not run it). https://learn.microsoft.com/azure/virtual-machines/custom-data
+            properties["osProfile"]["customData"] = azure_custom_data(document)
         body: dict[str, Any] = {"location": self.location, "tags": tags, "properties": properties}
+        if request.bootstrap is not None:
+            # The host reads the job's secret from Key Vault with this identity (IMDS token); its principal id gets
+            # "Key Vault Secrets User" on that one secret (cloud.secrets.key_vault_reader_assignment).
+            body["identity"] = {"type": "SystemAssigned"}
         if request.zone:
             body["zones"] = [request.zone]
         return body
+
+    def _cloud_init(self, request: LaunchRequest) -> str | None:
+        """The cloud-init document for customData: the rendered bootstrap (it names the job's secret, never holds
+        it), or the request's own user_data. Checked before any call."""
+        spec = request.bootstrap
+        if spec is None:
+            return request.user_data
+        if spec.secret.kind != "azure-keyvault":
+            raise InvalidRequestError(
+                f"azure: the bootstrap's secret is in {spec.secret.kind}: an Azure VM fetches it from Key Vault with "
+                "its managed identity (cloud.secrets.AzureKeyVaultStore)",
+                provider=PROVIDER,
+                code="InvalidBootstrap",
+            )
+        if spec.secret.identity_client_id is not None:
+            raise InvalidRequestError(
+                "azure: the bootstrap's secret names a user-assigned identity, which AzureProvider does not attach: "
+                "use the VM's system-assigned identity (a SecretRef without identity_client_id)",
+                provider=PROVIDER,
+                code="InvalidBootstrap",
+            )
+        return render_cloud_init(spec)
 
     # ------------------------------------------------------------------------------------------------ Provider
 
@@ -502,6 +568,7 @@ class AzureProvider(Provider):
         )
 
     def launch(self, request: LaunchRequest) -> list[Instance]:
+        validate_tags(request.tags, TAG_LIMITS)
         if request.market == "spot" and request.capacity_reservation:
             raise InvalidRequestError(
                 "azure: spot VMs cannot use a capacity reservation group; launch on-demand or drop the reservation",
@@ -523,11 +590,8 @@ class AzureProvider(Provider):
             try:
                 pollers[vm_name] = self._call(
                     action,
-                    partial(
-                        self._client.virtual_machines.begin_create_or_update,
-                        self.resource_group,
-                        vm_name,
-                        VirtualMachine(bodies[vm_name]),
+                    lambda vm_name=vm_name: self._client.virtual_machines.begin_create_or_update(  # type: ignore[misc]
+                        self.resource_group, vm_name, VirtualMachine(bodies[vm_name]), polling=self._polling()
                     ),
                     self.mutate_budget,
                 )
@@ -544,6 +608,56 @@ class AzureProvider(Provider):
             raise first
         return self.describe(names)
 
+    def set_role(self, instance_id: str, role: Role) -> Instance:
+        validate_role(role, provider=PROVIDER)
+        _refuse_malformed([instance_id], "retag")
+        action = f"Microsoft.Compute/virtualMachines/write ({instance_id}, tags)"
+        vm = self._call(
+            f"Microsoft.Compute/virtualMachines/read ({instance_id})",
+            partial(self._client.virtual_machines.get, self.resource_group, instance_id),
+            self.describe_budget,
+        )
+        tags = dict(vm.tags or {})
+        if JOB_TAG not in tags:
+            raise InvalidRequestError(
+                f"azure: {instance_id} carries no {JOB_TAG} tag: not a TrainMover instance, so it is not retagged",
+                provider=PROVIDER,
+                code="NotTrainMoverInstance",
+            )
+        # A PATCH replaces the whole tag set: send every tag the VM has, with only the role changed.
+        tags[ROLE_TAG] = role
+        from azure.mgmt.compute.models import VirtualMachineUpdate
+
+        poller = self._call(
+            action,
+            lambda: self._client.virtual_machines.begin_update(
+                self.resource_group, instance_id, VirtualMachineUpdate(tags=tags), polling=self._polling()
+            ),
+            self.mutate_budget,
+        )
+        self._wait(poller, action)
+        [instance] = self.describe([instance_id])
+        return instance
+
+    def identity_principal_id(self, instance_id: str) -> str:
+        """The principal id of the VM's system-assigned identity (a bootstrapped VM has one): what
+        `cloud.secrets.key_vault_reader_assignment` needs to let this VM, and no other, read the job's secret."""
+        _refuse_malformed([instance_id], "read the identity of")
+        vm = self._call(
+            f"Microsoft.Compute/virtualMachines/read ({instance_id})",
+            partial(self._client.virtual_machines.get, self.resource_group, instance_id),
+            self.describe_budget,
+        )
+        principal = vm.identity.principal_id if vm.identity is not None else None
+        if not principal:
+            raise InvalidRequestError(
+                f"azure: {instance_id} has no system-assigned identity: launch it with a bootstrap "
+                "(LaunchRequest.bootstrap), which gives it one",
+                provider=PROVIDER,
+                code="NoManagedIdentity",
+            )
+        return str(principal)
+
     def _cleanup(self, vm_names: Sequence[str]) -> None:
         # The launch error is the one the caller needs; release_job(job_id) sweeps what is left by tag.
         with contextlib.suppress(CloudError):
@@ -558,14 +672,17 @@ class AzureProvider(Provider):
         return self.describe(instance_ids)
 
     def _run_on_each(self, instance_ids: Sequence[str], verb: str, action: str) -> None:
+        _refuse_malformed(instance_ids, verb)
         ops = self._client.virtual_machines
-        begin: Callable[[str, str], LROPoller[Any]] = ops.begin_deallocate if verb == "deallocate" else ops.begin_start
+        begin: Callable[..., LROPoller[Any]] = ops.begin_deallocate if verb == "deallocate" else ops.begin_start
         pollers: dict[str, LROPoller[Any]] = {}
         errors: dict[str, CloudError] = {}
         for vm_name in instance_ids:
             try:
                 pollers[vm_name] = self._call(
-                    f"{action} ({vm_name})", partial(begin, self.resource_group, vm_name), self.mutate_budget
+                    f"{action} ({vm_name})",
+                    lambda vm_name=vm_name: begin(self.resource_group, vm_name, polling=self._polling()),  # type: ignore[misc]
+                    self.mutate_budget,
                 )
             except CloudError as err:
                 errors[vm_name] = err  # the VMs are independent: still act on the others, then report
@@ -575,17 +692,32 @@ class AzureProvider(Provider):
 
     def terminate(self, instance_ids: Sequence[str]) -> None:
         action = "Microsoft.Compute/virtualMachines/delete"
+        malformed = [n for n in instance_ids if not _is_vm_name(n)]
         pollers: dict[str, LROPoller[Any]] = {}
-        for vm_name in instance_ids:
+        errors: dict[str, CloudError] = {}
+        # Release every VM that can be released, then report: one bad id or failed delete never leaves the others
+        # of the call running (and billing).
+        for vm_name in (n for n in instance_ids if _is_vm_name(n)):
             try:
                 pollers[vm_name] = self._call(
                     f"{action} ({vm_name})",
-                    partial(self._client.virtual_machines.begin_delete, self.resource_group, vm_name),
+                    lambda vm_name=vm_name: self._client.virtual_machines.begin_delete(  # type: ignore[misc]
+                        self.resource_group, vm_name, polling=self._polling()
+                    ),
                     self.mutate_budget,
                 )
             except NotFoundError:
                 continue  # already gone
-        errors = {n: e for n, e in self._wait_all(pollers, action).items() if not isinstance(e, NotFoundError)}
+            except CloudError as err:
+                errors[vm_name] = err
+        errors.update({n: e for n, e in self._wait_all(pollers, action).items() if not isinstance(e, NotFoundError)})
+        if malformed:
+            raise InvalidRequestError(
+                f"azure: not VM names ({VM_NAME_RULE}): {', '.join(map(repr, malformed))}; every other VM of the "
+                "call was deleted" + (f", except: {next(iter(errors.values()))}" if errors else ""),
+                provider=PROVIDER,
+                code="InvalidResourceName",
+            )
         if errors:
             raise next(iter(errors.values()))
 
@@ -593,6 +725,7 @@ class AzureProvider(Provider):
         if instance_ids is None:
             if job_id is None:
                 raise InvalidRequestError("azure: describe needs instance_ids or job_id", provider=PROVIDER)
+            validate_job_id(job_id, provider=PROVIDER)
             # ARM's list accepts $expand=instanceView only together with a scale-set $filter, so list the model
             # views, filter by tag here, then read each instance view.
             listed = self._call(
@@ -601,6 +734,10 @@ class AzureProvider(Provider):
                 self.describe_budget,
             )
             instance_ids = [vm.name for vm in listed if vm.name and (vm.tags or {}).get(JOB_TAG) == job_id]
+        else:
+            if job_id is not None:
+                validate_job_id(job_id, provider=PROVIDER)
+            _refuse_malformed(instance_ids, "describe")
         found: list[Instance] = []
         for vm_name in instance_ids:
             try:
@@ -716,6 +853,85 @@ class AzureProvider(Provider):
 
 
 # ------------------------------------------------------------------------------------------------ mapping helpers
+
+VM_NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, not ending with '.' or '-'"
+
+
+def _is_vm_name(value: object) -> bool:
+    return isinstance(value, str) and _VM_NAME.fullmatch(value) is not None
+
+
+def _refuse_malformed(vm_names: Sequence[str], verb: str) -> None:
+    malformed = [n for n in vm_names if not _is_vm_name(n)]
+    if malformed:
+        raise InvalidRequestError(
+            f"azure: cannot {verb} {', '.join(map(repr, malformed))}: not VM names ({VM_NAME_RULE}); nothing was done",
+            provider=PROVIDER,
+            code="InvalidResourceName",
+        )
+
+
+_POLL_RETRYING_CLASS: type | None = None
+
+
+def _poll_retrying_class() -> type:
+    """ARMPolling whose status polls survive throttling; built on first use so that importing this module never
+    imports the SDK."""
+    global _POLL_RETRYING_CLASS
+    if _POLL_RETRYING_CLASS is not None:
+        return _POLL_RETRYING_CLASS
+    from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+    from azure.mgmt.core.polling.arm_polling import ARMPolling
+
+    class PollRetryingArmPolling(ARMPolling):
+        """The SDK's ARM polling, except that a 408/429/5xx status poll (or a dropped connection) is polled again
+        after Retry-After (or a backoff) while the operation's time budget lasts. The client's own retry policy
+        stays off (`retry_total=0`): the initial request of each operation is retried by our named budgets."""
+
+        def __init__(self, timeout: float, *, budget_s: float, **kwargs: Any) -> None:
+            super().__init__(timeout, **kwargs)
+            self._budget_s = budget_s
+            self._deadline: float | None = None
+            self.poll_retries = 0
+
+        def request_status(self, status_link: str) -> Any:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + self._budget_s
+            attempt = 0
+            while True:
+                try:
+                    response = super().request_status(status_link)
+                except (ServiceRequestError, ServiceResponseError):
+                    if not self._pause(attempt, None):
+                        raise
+                else:
+                    http = response.http_response
+                    if http.status_code not in _TRANSIENT_POLL_STATUS or not self._pause(
+                        attempt, _retry_after_header(http.headers)
+                    ):
+                        return response
+                attempt += 1
+                self.poll_retries += 1
+
+        def _pause(self, attempt: int, retry_after_s: float | None) -> bool:
+            """Wait before the next poll; False (and no wait) when that would pass the operation's deadline."""
+            delay = retry_after_s if retry_after_s is not None else POLL_RETRY.delay_s(attempt)
+            assert self._deadline is not None
+            if time.monotonic() + delay > self._deadline:
+                return False
+            self._sleep(delay)
+            return True
+
+    _POLL_RETRYING_CLASS = PollRetryingArmPolling
+    return PollRetryingArmPolling
+
+
+def _retry_after_header(headers: Mapping[str, str]) -> float | None:
+    try:
+        value = headers.get("Retry-After")
+        return None if value is None else max(0.0, float(value))
+    except (TypeError, ValueError):
+        return None  # an HTTP date: fall back to our backoff
 
 
 def _text(value: object) -> str:

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import abc
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar, get_args
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from cloud.bootstrap import AgentBootstrap
 
 Role = Literal["worker", "standby"]
 Market = Literal["on-demand", "spot"]
@@ -31,6 +36,107 @@ NoticeKind = Literal[
 
 JOB_TAG = "trainmover:job"
 ROLE_TAG = "trainmover:role"
+
+# A job id is a tag value matched exactly, part of instance names and of notice queue names. EC2 tag filters treat
+# `*` and `?` as wildcards (`--job '*'` would match every job), so only characters that are literal everywhere.
+JOB_ID_MAX_LEN = 63
+_JOB_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{JOB_ID_MAX_LEN - 1}}}")
+JOB_ID_RULE = (
+    f"1-{JOB_ID_MAX_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit "
+    "(no wildcards such as '*' or '?': the id is matched exactly against the trainmover:job tag)"
+)
+
+
+def validate_job_id(job_id: object, *, provider: str | None = None) -> str:
+    """`job_id` itself when it is a valid job id; InvalidRequestError naming the allowed characters otherwise."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        where = f"{provider}: " if provider else ""
+        raise InvalidRequestError(
+            f"{where}invalid job id {job_id!r}: use {JOB_ID_RULE}", provider=provider, code="InvalidJobId"
+        )
+    return job_id
+
+
+def validate_role(role: object, *, provider: str | None = None) -> Role:
+    """`role` itself when it is a Role; InvalidRequestError naming the roles otherwise (Literal types are not
+    checked at run time, and a typo would become a tag value in the cloud)."""
+    if role not in get_args(Role):
+        where = f"{provider}: " if provider else ""
+        raise InvalidRequestError(
+            f"{where}invalid role {role!r}: use one of {', '.join(get_args(Role))}",
+            provider=provider,
+            code="InvalidRole",
+        )
+    return role  # type: ignore[return-value]
+
+
+def validate_endpoint_url(url: str | None, *, provider: str, example: str) -> str | None:
+    """`url` itself when it is None or an absolute http(s) URL; one clear InvalidRequestError otherwise (the SDKs
+    raise a bare ValueError deep inside client construction, or fail later as an unreachable host)."""
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError when the port is not a number in 0-65535
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        valid = False
+    if not valid:
+        raise InvalidRequestError(
+            f"{provider}: invalid endpoint URL {url!r}: give an absolute http(s) URL such as {example}, or leave it "
+            "out to use the cloud's own endpoint",
+            provider=provider,
+            code="InvalidEndpointUrl",
+        )
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class TagLimits:
+    """One cloud's limits on resource tags, checked before any call so that a bad tag is one clear message
+    instead of a refusal half-way through a launch."""
+
+    provider: str
+    max_tags: int  # per resource, the provider's own two tags included
+    max_key_len: int
+    max_value_len: int
+    reserved_key_prefixes: tuple[str, ...] = ()  # compared case-insensitively
+    forbidden_key_chars: str = ""
+    doc: str = ""  # where the cloud documents these limits
+
+
+def validate_tags(tags: Mapping[str, str], limits: TagLimits) -> None:
+    """InvalidRequestError listing every tag of `tags` (a request's own tags) that `limits` refuse."""
+    problems: list[str] = []
+    own = limits.max_tags - 2
+    if len(tags) > own:
+        problems.append(f"{len(tags)} tags, at most {own} allowed ({JOB_TAG} and {ROLE_TAG} are added to them)")
+    for key, value in tags.items():
+        if not isinstance(key, str) or not key:
+            problems.append(f"tag key {key!r} must be a non-empty string")
+            continue
+        shown = key if len(key) <= 40 else f"{key[:37]}..."
+        if key in (JOB_TAG, ROLE_TAG):
+            problems.append(f"tag key {key!r} is set by the provider from the request's job_id and role")
+        if len(key) > limits.max_key_len:
+            problems.append(f"tag key {shown!r} has {len(key)} characters, at most {limits.max_key_len} allowed")
+        reserved = next((p for p in limits.reserved_key_prefixes if key.lower().startswith(p)), None)
+        if reserved is not None:
+            problems.append(f"tag key {shown!r} starts with {reserved!r}, which is reserved")
+        bad = sorted({c for c in key if c in limits.forbidden_key_chars})
+        if bad:
+            problems.append(f"tag key {shown!r} contains {' '.join(bad)}, which tag keys may not")
+        if not isinstance(value, str):
+            problems.append(f"tag {shown!r}: the value must be a string, got {type(value).__name__}")
+        elif len(value) > limits.max_value_len:
+            problems.append(
+                f"tag {shown!r}: the value has {len(value)} characters, at most {limits.max_value_len} allowed"
+            )
+    if problems:
+        see = f" (see {limits.doc})" if limits.doc else ""
+        raise InvalidRequestError(
+            f"{limits.provider}: invalid tags: {'; '.join(problems)}{see}", provider=limits.provider, code="InvalidTag"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +154,55 @@ class LaunchRequest:
     zone: str | None = None
     subnet: str | None = None
     user_data: str | None = None
+    """A raw cloud-init document or script (EC2 user-data; Azure customData). Never put a secret in it: anyone
+    allowed to read the instance's attributes can read it. Prefer `bootstrap`."""
     tags: Mapping[str, str] = field(default_factory=dict)
+    bootstrap: AgentBootstrap | None = None
+    """Make each instance a host of the job: the provider renders `cloud.bootstrap.render_cloud_init(bootstrap)`
+    into the instance's user-data (EC2) or `osProfile.customData` (Azure), with the identity that fetches the job's
+    secret (the instance profile on AWS, a system-assigned managed identity on Azure). The document carries only
+    the secret's `SecretRef`. Excludes `user_data`."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise InvalidRequestError(f"count must be at least 1, got {self.count}")
         if not self.job_id:
             raise InvalidRequestError("job_id must not be empty: it tags every instance so that none is leaked")
+        validate_job_id(self.job_id)
+        validate_role(self.role)
+        if self.market not in get_args(Market):
+            raise InvalidRequestError(
+                f"invalid market {self.market!r}: use one of {', '.join(get_args(Market))}", code="InvalidMarket"
+            )
+        if self.bootstrap is not None:
+            self._check_bootstrap(self.bootstrap)
+
+    def _check_bootstrap(self, bootstrap: object) -> None:
+        from cloud.bootstrap import AgentBootstrap  # cloud.bootstrap imports this module
+
+        if not isinstance(bootstrap, AgentBootstrap):
+            raise InvalidRequestError(
+                f"bootstrap must be a cloud.bootstrap.AgentBootstrap, got {type(bootstrap).__name__}",
+                code="InvalidBootstrap",
+            )
+        if bootstrap.job_id != self.job_id:
+            raise InvalidRequestError(
+                f"the bootstrap is for job {bootstrap.job_id!r}, the launch for {self.job_id!r}: an instance must "
+                "join the job it is tagged with",
+                code="InvalidBootstrap",
+            )
+        if self.user_data is not None:
+            raise InvalidRequestError(
+                "give bootstrap or user_data, not both: the bootstrap is the instance's whole user-data",
+                code="InvalidBootstrap",
+            )
+        if self.count > 1 and (bootstrap.address is not None or bootstrap.head is not None):
+            what = "a fixed address" if bootstrap.address is not None else "the job's coordinator (head)"
+            raise InvalidRequestError(
+                f"the bootstrap gives every instance {what}, so it fits one instance only: launch the head (or the "
+                "host with a fixed address) with count=1, the others with a bootstrap without it",
+                code="InvalidBootstrap",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +410,12 @@ class Provider(abc.ABC):
         """Wake parked instances. CapacityError (e.g. InsufficientInstanceCapacity) is a normal outcome."""
 
     @abc.abstractmethod
+    def set_role(self, instance_id: str, role: Role) -> Instance:
+        """Retag one instance of a job with `role` (its `trainmover:role` tag): a promoted standby becomes a
+        worker, so that describe, the policy and the bill see the fleet as it is. Only the role tag changes; an
+        instance never moves to another job. Returns the instance as the provider saw it after the call."""
+
+    @abc.abstractmethod
     def terminate(self, instance_ids: Sequence[str]) -> None:
         """Release for good. Terminating an already-gone instance is not an error."""
 
@@ -307,7 +461,14 @@ class Provider(abc.ABC):
 
     def release_job(self, job_id: str) -> list[str]:
         """Terminate every instance tagged with `job_id`; returns their ids. The flows call it in `finally`."""
-        ids = [i.instance_id for i in self.describe(job_id=job_id) if i.state not in ("terminated", "terminating")]
+        validate_job_id(job_id, provider=self.name)
+        # The provider filtered by tag already; checking the tag again here means no filter quirk of a cloud can
+        # ever turn one job's release into another job's outage.
+        ids = [
+            i.instance_id
+            for i in self.describe(job_id=job_id)
+            if i.job_id == job_id and i.state not in ("terminated", "terminating")
+        ]
         if ids:
             self.terminate(ids)
         return ids

@@ -3,6 +3,7 @@
     trainmover cloud check --provider aws --region eu-west-1     # what would fail, before a job finds out
     trainmover cloud describe --provider azure --resource-group rg --location eastus --job JOB
     trainmover cloud release --provider aws --job JOB            # terminate everything tagged with JOB
+    trainmover cloud policy --provider aws --job JOB --region us-east-1 --image ami-... --instance-type p5.48xlarge
 
 The dispatcher calls `add_cloud_parser(subparsers)` and then `cloud_command(namespace)`. Exit codes: 0 success
 (every check passed), 1 some check failed, 2 a `CloudError` (missing credentials, unknown region, missing SDK),
@@ -12,14 +13,16 @@ printed as one line on stderr without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from cloud.base import CheckResult, CloudError, Instance, InvalidRequestError, Provider
+from cloud.base import JOB_ID_RULE, CheckResult, CloudError, Instance, InvalidRequestError, Provider, validate_job_id
 from cloud.registry import PROVIDER_NAMES, make_provider
 
 _EXIT_FAILED_CHECK = 1
@@ -32,12 +35,37 @@ def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     check = actions.add_parser("check", help="verify credentials and permissions without creating anything")
     _add_provider_options(check)
     check.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    check.add_argument("--job", help="AWS: dry-run as this job (a per-job policy allows only its own tag)")
+    check.add_argument("--instance-type", help="AWS: the type the launch dry run asks for (default t3.micro)")
+    job_help = f"the job id (tag trainmover:job), matched exactly: {JOB_ID_RULE}"
     describe = actions.add_parser("describe", help="list the instances tagged with a job")
     _add_provider_options(describe)
-    describe.add_argument("--job", required=True, help="the job id (tag trainmover:job)")
+    describe.add_argument("--job", required=True, help=job_help)
     release = actions.add_parser("release", help="terminate every instance tagged with a job; prints their ids")
     _add_provider_options(release)
-    release.add_argument("--job", required=True, help="the job id (tag trainmover:job)")
+    release.add_argument("--job", required=True, help=job_help)
+    policy = actions.add_parser(
+        "policy", help="print the least-privilege IAM policy (AWS) or custom role (Azure) for one job, as JSON"
+    )
+    policy.add_argument("--provider", required=True, choices=("aws", "azure"), help="which cloud")
+    policy.add_argument("--job", help=f"AWS: {job_help}")
+    policy.add_argument("--region", action="append", default=[], help="AWS: a region the job may use (repeatable)")
+    policy.add_argument("--image", action="append", default=[], help="AWS: an AMI id it may launch (repeatable)")
+    policy.add_argument(
+        "--instance-type", action="append", default=[], help="AWS: an instance type it may launch (repeatable)"
+    )
+    policy.add_argument("--account", default="*", help="AWS: the 12-digit account id (default: any)")
+    policy.add_argument("--node-role", metavar="ARN", help="AWS: the instances' IAM role, the only one it may pass")
+    policy.add_argument(
+        "--kms-key", action="append", default=[], metavar="ARN", help="AWS: a CMK of the EBS volumes (repeatable)"
+    )
+    policy.add_argument(
+        "--no-notice-wiring", action="store_true", help="AWS: an administrator creates the notice queue and rules"
+    )
+    policy.add_argument("--subscription", metavar="ID", help="Azure subscription id (default: $AZURE_SUBSCRIPTION_ID)")
+    policy.add_argument(
+        "--resource-group", metavar="RG", help="Azure: the dedicated resource group (default: $AZURE_RESOURCE_GROUP)"
+    )
 
 
 def _add_provider_options(p: argparse.ArgumentParser) -> None:
@@ -123,7 +151,12 @@ def format_instances(instances: Sequence[Instance]) -> str:
 
 def _check(ns: argparse.Namespace) -> int:
     provider = _provider(ns)
-    results = provider.check()
+    options: dict[str, Any] = {}
+    if ns.job is not None or ns.instance_type is not None:
+        if ns.provider != "aws":
+            raise InvalidRequestError("--job and --instance-type apply to `cloud check --provider aws` only")
+        options = _given(job_id=ns.job, instance_type=ns.instance_type)
+    results = provider.check(**options)
     print(format_checks(provider.name, results))
     if ns.json:
         payload = {
@@ -139,6 +172,7 @@ def _check(ns: argparse.Namespace) -> int:
 
 
 def _describe(ns: argparse.Namespace) -> int:
+    validate_job_id(ns.job, provider=ns.provider)  # before building the provider: no credentials needed to refuse
     provider = _provider(ns)
     instances = provider.describe(job_id=ns.job)
     if instances:
@@ -148,6 +182,7 @@ def _describe(ns: argparse.Namespace) -> int:
 
 
 def _release(ns: argparse.Namespace) -> int:
+    validate_job_id(ns.job, provider=ns.provider)
     provider = _provider(ns)
     released = provider.release_job(ns.job)
     for instance_id in released:
@@ -156,12 +191,57 @@ def _release(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _policy(ns: argparse.Namespace) -> int:
+    from cloud.iam import AwsJobScope, aws_job_policy, azure_job_role
+
+    if ns.provider == "aws":
+        if ns.job is None:
+            raise InvalidRequestError("the AWS policy is per job: pass --job", provider="aws")
+        scope = AwsJobScope(
+            job_id=ns.job,
+            regions=tuple(ns.region or filter(None, [_env("AWS_REGION", "AWS_DEFAULT_REGION")])),
+            images=tuple(ns.image),
+            instance_types=tuple(ns.instance_type),
+            account_id=ns.account,
+            node_role_arn=ns.node_role,
+            kms_key_arns=tuple(ns.kms_key),
+            notice_wiring=not ns.no_notice_wiring,
+        )
+        document = aws_job_policy(scope)
+    else:
+        subscription = ns.subscription or _env("AZURE_SUBSCRIPTION_ID")
+        resource_group = ns.resource_group or _env("AZURE_RESOURCE_GROUP")
+        if subscription is None or resource_group is None:
+            raise InvalidRequestError(
+                "the Azure role is assignable on one dedicated resource group: pass --subscription and "
+                "--resource-group (or set AZURE_SUBSCRIPTION_ID and AZURE_RESOURCE_GROUP)",
+                provider="azure",
+            )
+        document = azure_job_role(subscription, resource_group)
+    print(json.dumps(document, indent=2))
+    return 0
+
+
+@contextlib.contextmanager
+def _sdk_logs_quiet() -> Iterator[None]:
+    # azure-identity logs every credential it tried (a dozen lines) at WARNING before raising; the provider turns
+    # that error into one CredentialsError line that says what to set, so the log would only repeat it, worse.
+    logger = logging.getLogger("azure.identity")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def cloud_command(ns: argparse.Namespace) -> int:
     """Run `trainmover cloud ACTION`; 0 on success, 1 when a check failed, 2 with one line on stderr for a
     `CloudError`."""
-    handlers = {"check": _check, "describe": _describe, "release": _release}
+    handlers = {"check": _check, "describe": _describe, "release": _release, "policy": _policy}
     try:
-        return handlers[ns.action](ns)
+        with _sdk_logs_quiet():
+            return handlers[ns.action](ns)
     except CloudError as exc:
         # One line, whatever the SDK put in its message.
         print(f"trainmover cloud {ns.action}: error: {' '.join(str(exc).split())}", file=sys.stderr)

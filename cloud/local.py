@@ -51,6 +51,7 @@ from cloud.base import (
     Provider,
     Role,
     UnsupportedError,
+    validate_role,
 )
 
 Operation = Literal["launch", "start", "stop", "terminate"]
@@ -369,6 +370,15 @@ class LocalProvider(Provider):
                     provider=self.name,
                 )
             slot.impaired = True
+            return self._record(slot)
+
+    def set_role(self, instance_id: str, role: Role) -> Instance:
+        validate_role(role, provider=self.name)
+        with self._cond:
+            (slot,) = self._lookup([instance_id])
+            self._refuse_terminated([slot], "retag")
+            slot.role = role
+            slot.tags[ROLE_TAG] = role
             return self._record(slot)
 
     def tags(self, instance_id: str) -> dict[str, str]:

@@ -11,7 +11,9 @@ counts and an XID 48 (double-bit ECC). Once that rank has moved to another node,
 2. the unpredicted failure: once the first recovery is done and the policy has settled again, the process holding
    `surprise_rank` is killed with no warning in its telemetry.
 
-Each stage has a deadline, so a drill never waits forever for a condition that does not come.
+Each stage has a deadline, so a drill never waits forever for a condition that does not come. A run whose settings
+would let every stage time out (a cloud provider, one worker, a standby held from the start, a real-time clock) is
+refused by `drill_refusal` before anything launches, with what to change.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flows.models import TrainingRun
 from flows.supervisor import EVENT_PREFIX, Happening
 from policy.telemetry import TelemetrySample
 
@@ -131,3 +134,42 @@ class FailureDrill:
                 {"rank": rank, "pid": pid},
             )
         ]
+
+
+def drill_refusal(run: TrainingRun, time_scale: float, policy_every_s: float) -> str | None:
+    """Why the drill could not do what it says with these settings (what to change), or None when it can."""
+    feed, drill = DegradingFeed(), FailureDrill()
+    victims = sorted({drill.degrade_rank, drill.surprise_rank})
+    # The node shows XID 48 two telemetry hours after it starts degrading; leave half a stage for the pre-warm.
+    min_scale = (feed.degrade_from_h + 2.0) * 3600.0 / (drill.stage_timeout_s / 2)
+    max_every_s = drill.stage_timeout_s / 10
+    if run.provider != "local":
+        return (
+            f"the drill SIGKILLs worker processes by pid on this machine, so it runs with run.provider 'local' only "
+            f"(this run: {run.provider!r}); set drill to false, or use `faults` to inject failures in the job itself"
+        )
+    if run.workers <= victims[-1]:
+        return (
+            f"the drill degrades rank {drill.degrade_rank}'s node and kills ranks {victims}: "
+            f"set run.workers to at least {victims[-1] + 1}"
+        )
+    if run.standby.min_warm > 0:
+        return (
+            f"the drill shows the policy pre-warming a standby for a degrading node, but run.standby.min_warm="
+            f"{run.standby.min_warm} holds one from the start, so nothing would be pre-warmed and the drill would "
+            "kill nobody: set run.standby.min_warm to 0 (and max_warm to 1 or more), or drill to false"
+        )
+    if run.standby.max_warm < 1:
+        return "the drill needs room for the standby the policy pre-warms: set run.standby.max_warm to 1 or more"
+    if time_scale < min_scale:
+        return (
+            f"the drill's node degrades {feed.degrade_from_h:g} telemetry hours in and each stage waits "
+            f"{drill.stage_timeout_s:.0f} s, so with time_scale={time_scale:g} nothing would happen in time: set "
+            f"time_scale to at least {min_scale:.0f} (the demo uses 3600: one wall second stands for an hour)"
+        )
+    if policy_every_s > max_every_s:
+        return (
+            f"the drill's stages wait {drill.stage_timeout_s:.0f} s for the policy to react, so policy_every_s="
+            f"{policy_every_s:g} is too slow: set it to {max_every_s:g} s or less (the demo uses 0.5)"
+        )
+    return None

@@ -92,7 +92,10 @@ class TrainingRun(BaseModel):
         default=1.0, gt=0, le=100, description="Scales predicted failure probabilities: above 1 is more cautious."
     )
     faults: str | None = Field(
-        default=None, description="Failures to inject for a drill, e.g. 'kill:rank=1,step=8' (see README)."
+        default=None,
+        description="Failures to inject: `;`-separated `ACTION:key=value,...` items, e.g. 'kill:rank=1,step=8' "
+        "(SIGKILL rank 1 at step 8). The grammar is runtime/faults.py's; its parser checks the plan before anything "
+        "launches.",
     )
 
     @field_validator("job_id")
@@ -103,6 +106,18 @@ class TrainingRun(BaseModel):
                 f"job_id {v!r} must be 2-40 lower-case letters, digits or dashes, starting and ending with a letter "
                 "or digit (it becomes a cloud tag and part of instance names)"
             )
+        return v
+
+    @field_validator("faults")
+    @classmethod
+    def _faults(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        # The runtime's parser, so a plan the job would refuse 60 s later is refused here, before any launch.
+        # Imported here: runtime.faults pulls in torch, which a run without faults never needs.
+        from runtime.faults import parse_plan
+
+        parse_plan(v)  # FaultPlanError is a ValueError: pydantic reports it under `faults`
         return v
 
     @model_validator(mode="after")
@@ -117,6 +132,15 @@ class TrainingRun(BaseModel):
             )
         if self.job_nodes is not None and self.job_nodes < self.workers:
             raise ValueError(f"job_nodes={self.job_nodes} is below workers={self.workers}; leave it unset or raise it")
+        if self.faults is not None:
+            from runtime.faults import parse_plan
+
+            beyond = sorted({f.rank for f in parse_plan(self.faults) if f.rank is not None and f.rank >= self.workers})
+            if beyond:
+                raise ValueError(
+                    f"faults name rank(s) {beyond}, but the job has ranks 0-{self.workers - 1} only: such a fault "
+                    "would never fire; lower the rank or raise workers"
+                )
         if self.policy_model is not None and not Path(self.policy_model).is_file():
             raise ValueError(
                 f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"

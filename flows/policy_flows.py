@@ -4,13 +4,21 @@
 Both are thin: `policy.pipeline` and `policy.tuning` do the work; the flows add parameters the Prefect UI renders,
 artifacts people read, and events automations can hang on. A cost owner's ETTR floor may live in the Prefect
 Variable `trainmover-min-ettr`, so changing it needs no redeploy.
+
+Neither writes into the worker's working directory: a model goes, unless a path is given, to a new time-stamped
+file under the user's data directory (a scheduled re-training never overwrites the model a running job uses), and
+the frontier plot, unless a path is given, lives in a temporary directory only as long as it takes to embed it in
+its artifact.
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -21,7 +29,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy.costs import StandbyCosts
 
+if TYPE_CHECKING:
+    from policy.tuning import FrontierPoint
+
 MIN_ETTR_VARIABLE = "trainmover-min-ettr"
+
+
+def models_dir() -> Path:
+    """Where `train_failure_model` keeps models by default: `$XDG_DATA_HOME/trainmover/models` (~/.local/share)."""
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "trainmover" / "models"
+
+
+def new_model_path(now: datetime | None = None) -> Path:
+    """A fresh, time-stamped model file under `models_dir()`: `failure-model-20261201T030000Z.skops`."""
+    return models_dir() / f"failure-model-{(now or datetime.now(UTC)):%Y%m%dT%H%M%SZ}.skops"
 
 
 class TrainingData(BaseModel):
@@ -61,15 +83,25 @@ def evaluate_predictor(model: Any, data: TrainingData) -> dict[str, Any]:
 @flow(name="train-failure-model")
 def train_failure_model(
     data: TrainingData = TrainingData(),  # noqa: B008 - a pydantic default is how Prefect renders the form
-    model_path: str = "failure-model.skops",
+    model_path: str | None = None,
 ) -> dict[str, Any]:
     """Fit the FailurePredictor on synthetic fleets, evaluate it and the learned policy on a held-out fleet, save
-    it with skops (loadable only with the project's trusted types)."""
+    it with skops (loadable only with the project's trusted types).
+
+    Args:
+        data: Which synthetic fleets to train on, and the held-out one to evaluate on.
+        model_path: Where to save the model (a training run's `run.policy_model` names it). Empty: a new
+            time-stamped file under $XDG_DATA_HOME/trainmover/models (~/.local/share/...), never overwritten.
+    """
     logger = get_run_logger()
     model, train = fit_predictor(data)
     logger.info("trained on %d rows (%d positive) in %.1f s", train["rows"], train["positives"], train["fit_s"])
     ev = evaluate_predictor(model, data)
-    model.save(model_path)
+    path = Path(model_path) if model_path else new_model_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    model_path = str(path.resolve())
+    logger.info("model saved to %s", model_path)
     pred = ev["prediction"]
     rows = [
         {
@@ -100,7 +132,7 @@ def train_failure_model(
 
 
 @task(cache_policy=NO_CACHE)
-def run_sweep(trace_name: str, nodes: int | None, costs: StandbyCosts) -> list[Any]:
+def run_sweep(trace_name: str, nodes: int | None, costs: StandbyCosts) -> list[FrontierPoint]:
     from policy.traces import load_csv, load_infinitehbd
     from policy.tuning import sweep
 
@@ -121,12 +153,17 @@ def tune_standby_policy(
     lead_time_h: float = StandbyCosts().lead_time_h,
     restart_downtime_s: float = StandbyCosts().restart_downtime_s,
     min_ettr: float | None = None,
-    plot_path: str = "standby-frontier.png",
+    plot_path: str | None = None,
     output: Literal["artifacts", "none"] = "artifacts",
 ) -> dict[str, Any]:
     """Sweep standby settings on a fault trace and recommend the cheapest one that keeps ETTR above the floor
-    (`min_ettr`, or the Prefect Variable `trainmover-min-ettr` when not given)."""
-    from policy.tuning import frontier_table, pareto_frontier, plot_frontier, recommend
+    (`min_ettr`, or the Prefect Variable `trainmover-min-ettr` when not given).
+
+    Args:
+        plot_path: Where to keep the cost/ETTR frontier as a PNG. Empty: the plot is only embedded in the
+            `standby-recommendation` artifact, and its temporary file removed.
+    """
+    from policy.tuning import plot_frontier, recommend
 
     logger = get_run_logger()
     if min_ettr is None:
@@ -137,27 +174,39 @@ def tune_standby_policy(
     )
     points = run_sweep(trace, nodes, costs)
     best = recommend(points, min_ettr)
-    plot_frontier(points, plot_path, best)
     logger.info(
         "recommended %s: ETTR %.5f, %.2f USD per useful hour", best.setting, best.ettr, best.cost_per_useful_hour
     )
-    if output == "artifacts":
-        frontier = pareto_frontier(points)
-        create_table_artifact(
-            [p.to_dict() for p in frontier],
-            key="standby-frontier",
-            description="Settings no other setting beats on both cost and ETTR",
-        )
-        png = base64.b64encode(Path(plot_path).read_bytes()).decode()
-        create_markdown_artifact(
-            f"# Standby policy recommendation\n\n**{best.setting}**: ETTR {best.ettr:.5f}, "
-            f"{best.cost_per_useful_hour:.2f} USD per useful hour (floor: {min_ettr}).\n\n"
-            f"![cost/ETTR frontier](data:image/png;base64,{png})\n\n```\n{frontier_table(points)}\n```",
-            key="standby-recommendation",
-        )
+    with tempfile.TemporaryDirectory(prefix="trainmover-frontier-") as scratch:
+        plot = Path(plot_path) if plot_path else Path(scratch) / "standby-frontier.png"
+        if plot_path or output == "artifacts":
+            plot_frontier(points, str(plot), best)
+        if output == "artifacts":
+            publish_recommendation(points, best, min_ettr, plot)
     emit_event(
         event="trainmover.policy.tuned",
         resource={"prefect.resource.id": f"trainmover.trace.{trace}"},
         payload={"setting": best.setting, "ettr": best.ettr, "usd_per_useful_h": best.cost_per_useful_hour},
     )
     return {"recommended": best.to_dict(), "points": len(points), "plot": plot_path}
+
+
+def publish_recommendation(
+    points: list[FrontierPoint], best: FrontierPoint, min_ettr: float | None, plot: Path
+) -> None:
+    """The frontier table, and the recommendation with its plot embedded (the artifact outlives any file)."""
+    from policy.tuning import frontier_table, pareto_frontier
+
+    frontier = pareto_frontier(points)
+    create_table_artifact(
+        [p.to_dict() for p in frontier],
+        key="standby-frontier",
+        description="Settings no other setting beats on both cost and ETTR",
+    )
+    png = base64.b64encode(plot.read_bytes()).decode()
+    create_markdown_artifact(
+        f"# Standby policy recommendation\n\n**{best.setting}**: ETTR {best.ettr:.5f}, "
+        f"{best.cost_per_useful_hour:.2f} USD per useful hour (floor: {min_ettr}).\n\n"
+        f"![cost/ETTR frontier](data:image/png;base64,{png})\n\n```\n{frontier_table(points)}\n```",
+        key="standby-recommendation",
+    )

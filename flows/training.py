@@ -1,20 +1,26 @@
 """`resilient_training`: the Prefect flow that runs a training job with standbys, from provisioning to release.
 
-The flow body is a short sequence: validate, provision, start, supervise until the job ends, report, release.
+The flow body is a short sequence of tasks, one per phase, so the run's graph shows where a job is: check,
+provision, start, supervise (until the job ends), report, release. Bad parameters are refused before the first:
+limits and choices by the parameter schema (the UI form and the API refuse them before a flow run exists), what
+needs code (the faults plan, cross-field checks) by Prefect's validation of `TrainingRun` as the run starts, and
+what needs the worker's disk or the drill's envelope by the `check` task.
 What happens in between (policy decisions, promotions, replacement orders, notices) is `flows.supervisor`; the
 flow announces each happening as a Prefect event named `trainmover.<resource>.<action>` (automations can hang on
 them) and a line in the run's log, keeps a progress artifact, and ends with a table artifact of every
 interruption and a markdown cost report. Every instance the flow launched is released in `finally`, also when
-the run fails or is cancelled.
+the run fails or is cancelled, and the run's temporary directory is removed.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from dataclasses import asdict
+from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger, task
@@ -26,19 +32,26 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from pydantic import Field
 
 from cloud.base import Provider
-from flows.drill import DegradingFeed, FailureDrill
+from flows.drill import DegradingFeed, FailureDrill, drill_refusal
 from flows.models import TrainingRun
 from flows.supervisor import Happening, RunReport, Supervisor
 from policy.online import OnlineScorer
 
 TICK_S = 0.2
+MAX_WALL_S = 365 * 86400.0
 
 
-@task(cache_policy=NO_CACHE)
-def validate_run(run: TrainingRun, root: str = ".") -> str:
-    """Refuse a run whose script does not exist, before anything is launched."""
+@task(name="check", cache_policy=NO_CACHE)
+def check_run(
+    run: TrainingRun, drill: bool = False, time_scale: float = 1.0, policy_every_s: float = 60.0, root: str = "."
+) -> str:
+    """Refuse, before anything is launched, what only the worker can check: the script on its disk, and a drill
+    whose settings would let it do nothing. Returns the script's path."""
+    if drill and (why := drill_refusal(run, time_scale, policy_every_s)) is not None:
+        raise ValueError(f"drill refused: {why}")
     return str(run.check_script(root))
 
 
@@ -98,9 +111,11 @@ def interruption_rows(report: RunReport) -> list[dict[str, Any]]:
     ]
 
 
-def cost_markdown(report: RunReport, run: TrainingRun) -> str:
+def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0) -> str:
     n = len(report.interruptions)
     saved = report.restart_cost_usd - report.downtime_cost_usd
+    scaled = time_scale != 1.0
+    clock = " (scaled clock)" if scaled else ""
     lines = [
         f"# Cost report: {report.job_id}",
         "",
@@ -112,32 +127,128 @@ def cost_markdown(report: RunReport, run: TrainingRun) -> str:
         f"| interruptions | {n} | {n} |",
         f"| downtime | {report.downtime_s:.2f} s | {report.restart_downtime_s:.0f} s |",
         f"| downtime cost | {report.downtime_cost_usd:.2f} USD | {report.restart_cost_usd:.2f} USD |",
-        f"| ETTR | {report.ettr:.5f} | {report.restart_ettr:.5f} |",
-        f"| standby hours (warm / stopped) | {report.standby_hours['warm']:.2f} / "
+        f"| ETTR{clock} | {report.ettr:.5f} | {report.restart_ettr:.5f} |",
+        f"| standby hours (warm / stopped){clock} | {report.standby_hours['warm']:.2f} / "
         f"{report.standby_hours['stopped']:.2f} | 0 |",
-        f"| standby cost | {report.standby_cost_usd:.2f} USD | 0 |",
+        f"| standby cost{clock} | {report.standby_cost_usd:.2f} USD | 0 |",
         "",
         f"Downtime avoided: {report.restart_downtime_s - report.downtime_s:.0f} s, worth {saved:.2f} USD, "
         f"for {report.standby_cost_usd:.2f} USD of standbys.",
     ]
+    if scaled:
+        lines += [
+            "",
+            f"**Scaled clock**: this run's telemetry clock ran {time_scale:g} times wall time (one wall second stood "
+            f"for {time_scale / 3600.0:g} h), as in the demo. Standby hours, their cost and ETTR are on that clock; "
+            "downtimes are the wall seconds measured, priced at the job's hourly price. Not a bill.",
+        ]
     return "\n".join(lines)
 
 
-@flow(name="resilient-training", log_prints=False)
+@task(name="provision", cache_policy=NO_CACHE)
+def provision(sup: Supervisor) -> None:
+    """Launch the workers' instances and the standbys the limits hold from the start."""
+    for h in sup.provision():
+        announce(h, sup.run.job_id)
+
+
+@task(name="start", cache_policy=NO_CACHE)
+def start(sup: Supervisor, script: Path) -> None:
+    """Start the runtime's launcher (and its coordinator) for the job."""
+    sup.start(script)
+    get_run_logger().info("job %s started: %d workers, events in %s", sup.run.job_id, sup.run.workers, sup.events_path)
+
+
+@task(name="supervise", cache_policy=NO_CACHE)
+def supervise(sup: Supervisor, chaos: FailureDrill | None, progress: UUID, max_wall_s: float) -> RunReport:
+    """Steer the job until it ends: policy decisions, promotions, notices, replacements; the drill's kills."""
+    run = sup.run
+    deadline = time.monotonic() + max_wall_s
+    shown = -1.0
+    while not sup.done():
+        seen = len(sup.events)
+        happenings = sup.tick()
+        if chaos is not None:
+            happenings += chaos.observe(happenings, sup.events[seen:])
+        for h in happenings:
+            announce(h, run.job_id)
+        step = sup.committed_step()
+        if run.steps and step is not None and step / run.steps - shown >= 0.05:
+            shown = step / run.steps
+            update_progress_artifact(progress, min(100.0, 100.0 * shown))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {run.job_id} ran past max_wall_s={max_wall_s:.0f} s")
+        time.sleep(TICK_S)
+    update_progress_artifact(progress, 100.0 if sup.proc and sup.proc.returncode == 0 else max(shown, 0.0) * 100)
+    return sup.report()
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def publish_report(report: RunReport, run: TrainingRun, time_scale: float) -> None:
+    """The interruptions table and the cost report, as artifacts of the run."""
+    create_table_artifact(
+        interruption_rows(report) or [{"cause": "none", "lost_time_s": 0.0}],
+        key=f"{run.job_id}-interruptions",
+        description="Every interruption: what failed, which tier covered it, and what it cost in seconds",
+    )
+    create_markdown_artifact(
+        cost_markdown(report, run, time_scale),
+        key=f"{run.job_id}-cost-report",
+        description="Standby cost against downtime avoided" + (" (scaled clock)" if time_scale != 1.0 else ""),
+    )
+
+
+@task(name="release", cache_policy=NO_CACHE)
+def release(sup: Supervisor) -> list[str]:
+    """Stop the job if it still runs and terminate every instance it launched."""
+    released = sup.release()
+    get_run_logger().info("released %d instance(s) of job %s", len(released), sup.run.job_id)
+    return released
+
+
+def job_log_tail(workdir: Path, lines: int = 20) -> str:
+    """The last lines the job's launcher wrote, kept in the run's log before its directory goes."""
+    try:
+        return "\n".join((workdir / "job.log").read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def flow_run_name() -> str:
+    """`<job_id>-<UTC start>`: the runs of a job sort together in the UI, each told apart by when it started."""
+    from prefect.runtime import flow_run
+
+    run = flow_run.parameters.get("run")
+    job_id = run.job_id if isinstance(run, TrainingRun) else "trainmover"
+    return f"{job_id}-{flow_run.scheduled_start_time.astimezone(UTC):%Y%m%d-%H%M%S}"
+
+
+@flow(name="resilient-training", flow_run_name=flow_run_name, log_prints=False)
 def resilient_training(
     run: TrainingRun = TrainingRun(),  # noqa: B008 - a pydantic default is how Prefect renders the form
     drill: bool = False,
-    time_scale: float = 1.0,
-    policy_every_s: float = 60.0,
-    max_wall_s: float = 30 * 86400.0,
+    time_scale: Annotated[float, Field(gt=0, le=86_400)] = 1.0,
+    policy_every_s: Annotated[float, Field(ge=TICK_S, le=86_400)] = 60.0,
+    max_wall_s: Annotated[float, Field(gt=0, le=MAX_WALL_S)] = 30 * 86400.0,
 ) -> dict[str, Any]:
     """Run `run.script` with standbys on `run.provider`, steer them by the failure policy, report what it cost.
 
-    `drill=True` adds the demo's scripted telemetry (one node degrades) and kills (a predicted failure, then an
-    unpredicted one); `time_scale` maps wall seconds to telemetry time (the demo runs a day in a minute).
+    Args:
+        run: The job: where it runs, what it trains, its standby limits and prices, failures to inject.
+        drill: The demo's failure drill, on this machine only: one node's telemetry degrades, the policy
+            pre-warms a standby, the drill SIGKILLs that worker, then another one unannounced. Needs
+            run.provider 'local', 2 or more workers, run.standby.min_warm 0 and max_warm 1 or more, and a clock
+            fast enough for its stages (the demo's time_scale 3600 and policy_every_s 0.5); other settings are
+            refused before anything launches, with what to change.
+        time_scale: Telemetry seconds per wall second, 0 to 86400: the policy's clock, and the standby hours
+            and ETTR of the cost report, run this much faster (the demo: 3600, a wall second stands for an hour).
+            1 for a real job.
+        policy_every_s: Wall seconds between standby-policy decisions, 0.2 to 86400.
+        max_wall_s: Wall-clock limit of the run in seconds, up to 365 days; past it the job is stopped, the run
+            fails and every instance is released.
     """
     logger = get_run_logger()
-    script = Path(validate_run(run))
+    script = Path(check_run(run, drill, time_scale, policy_every_s))
     scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
     provider = make_provider(run)
     workdir = Path(tempfile.mkdtemp(prefix=f"trainmover-{run.job_id}-"))
@@ -153,45 +264,27 @@ def resilient_training(
     chaos = FailureDrill() if drill else None
     progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
     assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
-    deadline = time.monotonic() + max_wall_s
     try:
-        for h in sup.provision():
-            announce(h, run.job_id)
-        sup.start(script)
-        logger.info("job %s started: %d workers, events in %s", run.job_id, run.workers, sup.events_path)
-        shown = -1.0
-        while not sup.done():
-            seen = len(sup.events)
-            happenings = sup.tick()
-            if chaos is not None:
-                happenings += chaos.observe(happenings, sup.events[seen:])
-            for h in happenings:
-                announce(h, run.job_id)
-            step = sup.committed_step()
-            if run.steps and step is not None and step / run.steps - shown >= 0.05:
-                shown = step / run.steps
-                update_progress_artifact(progress, min(100.0, 100.0 * shown))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {run.job_id} ran past max_wall_s={max_wall_s:.0f} s")
-            time.sleep(TICK_S)
-        update_progress_artifact(progress, 100.0 if sup.proc and sup.proc.returncode == 0 else shown * 100)
-        report = sup.report()
-        rows = interruption_rows(report)
-        create_table_artifact(
-            rows or [{"cause": "none", "lost_time_s": 0.0}],
-            key=f"{run.job_id}-interruptions",
-            description="Every interruption: what failed, which tier covered it, and what it cost in seconds",
-        )
-        create_markdown_artifact(
-            cost_markdown(report, run),
-            key=f"{run.job_id}-cost-report",
-            description="Standby cost against downtime avoided",
-        )
+        provision(sup)
+        start(sup, script)
+        report = supervise(sup, chaos, progress, max_wall_s)
+        publish_report(report, run, time_scale)
         if report.exit_code != 0:
             raise RuntimeError(f"training failed: {report.message}")
         summary = asdict(report)
         summary["drill"] = chaos.log if chaos else []
         return summary
+    except BaseException:
+        if tail := job_log_tail(workdir):
+            logger.warning("the job's last log lines:\n%s", tail)
+        raise
     finally:
-        released = sup.release()
-        logger.info("released %d instance(s) of job %s", len(released), run.job_id)
+        try:
+            release(sup)
+        except BaseException:
+            # Whether the task failed or could not run at all (a cancellation under way), the fleet must go.
+            logger.warning("the release task did not finish; releasing job %s directly", run.job_id)
+            sup.release()
+            raise
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)

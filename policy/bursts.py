@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from policy.costs import TIER_NAMES
 from policy.decision import FleetState, decide_from_tail
-from policy.simulator import HazardFn, HazardPolicy, JobView, StandbySchedule, constant_schedule
+from policy.simulator import HazardFn, HazardPolicy, JobView, ScaledHazards, StandbySchedule, constant_schedule
 from policy.traces import FaultTrace, job_failure_times
 
 DEFAULT_K_MAX = 64
@@ -121,11 +121,9 @@ def burst_aware_learned(
     model = CompoundPoisson.fit(history, lead_time_h)
     share = model.singles_share
     extra = model.multi().pmf(lead_time_h)
-
-    def fn(t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
-        return share * np.asarray(hazard_fn(t_h, node_ids), dtype=np.float64)
-
-    return HazardPolicy(fn, every_h=every_h, name=name, extra_pmf=tuple(float(x) for x in extra))
+    return HazardPolicy(
+        ScaledHazards(hazard_fn, share), every_h=every_h, name=name, extra_pmf=tuple(float(x) for x in extra)
+    )
 
 
 @dataclass(frozen=True, slots=True)

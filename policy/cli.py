@@ -593,7 +593,7 @@ def _score_line(name: str, score: ModelScore) -> str:
 
 
 def _evaluate_trace(ns: argparse.Namespace) -> int:
-    from policy.history import evaluate_trace
+    from policy.history import INNER_ORIGINS, evaluate_trace
     from policy.pipeline import baseline_policies
     from policy.simulator import format_table
 
@@ -616,13 +616,16 @@ def _evaluate_trace(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         raise PolicyUsageError(f"--trace {ns.trace}: {exc}") from None
     print(
-        f"fitted on {result.chosen_on}, judged on the rest; each candidate was first fitted on the first half of "
-        "the training part and judged on its second half (the edge check):"
+        f"fitted on {result.chosen_on}, judged on the rest; the edge check: each candidate fitted before each of "
+        f"the rolling origins at {', '.join(f'{o:.0%}' for o in INNER_ORIGINS)} of the training part, judged on the "
+        "stretch after it against the static it would fall back to (an edge: never dearer on a stretch, never "
+        "dominated, mean saving > spread):"
     )
     for c in result.edge_checks:
         mark = "edge" if c.edge else ("dominated" if c.dominated else "no edge")
-        ratio = "-" if math.isnan(c.cost_ratio) else f"{c.cost_ratio:.3f}"
-        print(f"  {c.candidate:<16} inner ratio {ratio:>6}  {mark}")
+        ratio = "-" if math.isnan(c.cost_ratio) else f"{c.cost_ratio:.3f} +- {c.spread:.3f}"
+        stretches = " ".join(f"{r:.3f}" for r in c.stretch_ratios)
+        print(f"  {c.candidate:<16} mean inner ratio {ratio:>14}  ({stretches})  {mark}")
     shown = result.judgements.get(result.chosen) or next(iter(result.judgements.values()))
     print("test part ('*': Pareto frontier of the judged hours):")
     print(format_table(shown.test_rows))

@@ -11,11 +11,14 @@ edge on the data it was fitted on:
 2. Candidates, each fitted on training data only: the learned policy on those hazards (`learned-history`), the
    burst-aware learned policy (the same hazards for the single failures plus a compound-Poisson tail of the
    clusters, `bursts.burst_aware_learned`) and the burst-aware pool (`bursts.BurstAwarePool`).
-3. The edge check, on the training part alone: each candidate is fitted on its first `inner_fraction` and judged
-   on the rest of it (`verdict.judge`). A candidate has an edge when no static dominates it there and it costs less
-   than the static it would fall back to: the one cheapest per useful hour on that first piece. The one with the
-   lowest such ratio is kept; without any, the policy *falls back* to the static that is cheapest per useful hour
-   on the training part.
+3. The edge check, on the training part alone, at several rolling origins (`INNER_ORIGINS`): at each origin every
+   candidate is fitted on the training part before it and judged on the stretch up to the next origin (or to the
+   end of the training part) against the static it would fall back to there, the one cheapest per useful hour
+   before the origin (`verdict.judge`). A candidate has an edge only when no static dominates it on any stretch,
+   it costs no more than that static on any stretch, and its mean saving exceeds the spread of its savings from
+   stretch to stretch (their standard deviation): an edge that one lucky stretch makes is noise. The candidate
+   with the largest mean saving is kept; without any, the policy *falls back* to the static that is cheapest per
+   useful hour on the training part.
 4. The kept candidate is refitted on the whole training part and judged on the test part (`verdict.judge`); a
    fall-back is the static itself, so its figures on the test part are that static's and its ratio is 1.
 
@@ -38,11 +41,14 @@ from policy.learned import HazardTable, learned_policy
 from policy.predictor import FailurePredictor
 from policy.simulator import ComparisonRow, StandbyPolicy, fleet_node_ids
 from policy.traces import FaultTrace, split_trace
-from policy.verdict import DEFAULT_TRAIN_FRACTION, Judgement, is_static, judge
+from policy.verdict import DEFAULT_TRAIN_FRACTION, Judgement, cheapest_static, judge
 
 HISTORY_FEATURES = ("failures_last_30d", "hours_since_last_repair", "faults_last_7d")
-DEFAULT_INNER_FRACTION = 0.5
-"""Share of the training part on which the edge check fits its candidates; the rest of the training part judges."""
+INNER_ORIGINS = (0.4, 0.6, 0.8)
+"""The edge check's rolling origins, as shares of the training part: at each, candidates are fitted on what lies
+before it and judged on the stretch up to the next one (the last up to the end of the training part). Chosen
+before any held-out fleet was looked at: three stretches, so that a spread can be measured, each a fifth of the
+training part, so that each holds some failures even on a short trace."""
 MAX_TRAINING_ROWS = 300_000
 """Training rows are taken every hour per node, or sparser (up to every 6 h) so that they stay about this many:
 hourly rows of a year-long fleet are millions and add little."""
@@ -162,15 +168,74 @@ def candidates(
 
 @dataclass(frozen=True, slots=True)
 class EdgeCheck:
-    """One candidate on the training part: fitted on its first `inner_fraction`, judged on the rest of it."""
+    """One candidate on the training part: at each rolling origin fitted before it, judged on the next stretch."""
 
     candidate: str
     cost_ratio: float
-    """Candidate / the static cheapest on the first piece (the one it would fall back to), on the rest of the
-    training part."""
+    """Mean over the stretches of candidate / the static it would fall back to there (the cheapest per useful
+    hour before the origin); NaN when the candidate could not be fitted."""
     dominated: bool
+    """A static dominated the candidate on at least one stretch."""
     edge: bool
+    """Never dearer than the fall-back static on a stretch, never dominated, and a mean saving (1 - cost_ratio)
+    larger than `spread`."""
     summary: str
+    stretch_ratios: tuple[float, ...] = ()
+    """Candidate / fall-back static on each stretch, in time order."""
+    spread: float = math.nan
+    """Standard deviation of the stretch ratios (ddof 1): how much the saving moves from stretch to stretch."""
+
+
+def _spread(ratios: Sequence[float]) -> float:
+    return float(np.std(ratios, ddof=1)) if len(ratios) > 1 else math.inf
+
+
+def has_edge(stretch_ratios: Sequence[float], dominated: bool) -> bool:
+    """The keep rule: never dominated, never dearer than the fall-back static on a stretch, and a mean saving
+    (1 - mean ratio) larger than the stretch-to-stretch spread of the ratios (standard deviation, ddof 1)."""
+    ratios = list(stretch_ratios)
+    if dominated or len(ratios) < 2 or max(ratios) > 1.0:
+        return False
+    return 1.0 - float(np.mean(ratios)) > _spread(ratios)
+
+
+def edge_check(
+    name: str,
+    trace: FaultTrace,
+    split_h: float,
+    costs: StandbyCosts,
+    statics: Sequence[StandbyPolicy],
+    fitted: Sequence[dict[str, StandbyPolicy]],
+    origins: Sequence[float],
+    node_ids: Sequence[str],
+) -> EdgeCheck:
+    """The edge check of candidate `name` on the training part [0, `split_h`) of `trace` (see the module
+    docstring); `fitted[i]` holds the candidates fitted before origin i (`origins[i]` x `split_h`)."""
+    ends = [*origins[1:], 1.0]
+    ratios: list[float] = []
+    dominated = False
+    notes: list[str] = []
+    for origin, end, policies in zip(origins, ends, fitted, strict=True):
+        if name not in policies:
+            return EdgeCheck(
+                name, math.nan, False, False, f"{name}: no fault to learn from before hour {origin * split_h:.0f}"
+            )
+        piece = split_trace(trace, end * split_h)[0]
+        j = judge(piece, costs, policies[name], statics, train_fraction=origin / end, node_ids=node_ids)
+        fallback = cheapest_static(j.train_rows)
+        mine = _row(j.test_rows, name).cost_per_useful_hour
+        ratios.append(mine / _row(j.test_rows, fallback.name).cost_per_useful_hour)
+        dominated = dominated or bool(j.verdict.dominated_by)
+        notes.append(
+            f"hours {j.split_h:.0f}-{piece.duration_h:.0f}: {ratios[-1]:.3f}"
+            + (" dominated" if j.verdict.dominated_by else "")
+        )
+    mean, spread = float(np.mean(ratios)), _spread(ratios)
+    edge = has_edge(ratios, dominated)
+    summary = f"{name}: mean ratio {mean:.3f} (spread {spread:.3f}) to the static it would fall back to; " + "; ".join(
+        notes
+    )
+    return EdgeCheck(name, mean, dominated, edge, summary, tuple(ratios), spread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,18 +278,13 @@ def _row(rows: Sequence[ComparisonRow], name: str) -> ComparisonRow:
     return next(r for r in rows if r.name == name)
 
 
-def _cheapest_static(rows: Sequence[ComparisonRow]) -> ComparisonRow:
-    """The static cheapest per useful hour (ties: the more available): the one a cost owner picks there."""
-    return min((r for r in rows if is_static(r.name)), key=lambda r: (r.cost_per_useful_hour, -r.ettr))
-
-
 def evaluate_trace(
     trace: FaultTrace,
     costs: StandbyCosts,
     statics: Sequence[StandbyPolicy],
     *,
     train_fraction: float = DEFAULT_TRAIN_FRACTION,
-    inner_fraction: float = DEFAULT_INNER_FRACTION,
+    origins: Sequence[float] = INNER_ORIGINS,
     horizon_h: float = DEFAULT_HORIZON_H,
     only: Sequence[str] = CANDIDATES,
     make_candidates: Callable[[float], dict[str, StandbyPolicy]] | None = None,
@@ -235,8 +295,10 @@ def evaluate_trace(
 
     `make_candidates(fit_until_h)` replaces the history candidates (e.g. a telemetry predictor's policies, whose
     burst part is fitted before `fit_until_h`); it must use no fault at or after that hour."""
-    if not 0.0 < train_fraction < 1.0 or not 0.0 < inner_fraction < 1.0:
-        raise ValueError("train_fraction and inner_fraction must lie strictly between 0 and 1, e.g. 0.5")
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError("train_fraction must lie strictly between 0 and 1, e.g. 0.5")
+    if len(origins) < 2 or not all(0.0 < a < b <= 1.0 for a, b in zip(origins, [*origins[1:], 1.0], strict=True)):
+        raise ValueError(f"origins {tuple(origins)}: give at least two shares, rising, strictly between 0 and 1")
     nodes = tuple(node_ids) if node_ids is not None else fleet_node_ids(trace)
     custom = make_candidates is not None
     if make_candidates is None:
@@ -248,26 +310,10 @@ def evaluate_trace(
             return candidates(trace, until_h, costs, nodes, horizon_h=horizon_h)
 
     split_h = train_fraction * trace.duration_h
-    head, _ = split_trace(trace, split_h)
-    inner_h = inner_fraction * split_h
-
-    checks: list[EdgeCheck] = []
-    inner = make_candidates(inner_h)
+    fitted = [make_candidates(o * split_h) for o in origins]
     if custom:
-        only = list(inner)
-    for name in only:
-        if name not in inner:
-            checks.append(
-                EdgeCheck(name, math.nan, False, False, f"{name}: no fault to learn from before hour {inner_h:.0f}")
-            )
-            continue
-        j = judge(head, costs, inner[name], statics, train_fraction=inner_fraction, node_ids=nodes)
-        # Against the static the policy would fall back to: the cheapest on the first piece.
-        fallback = _cheapest_static(j.train_rows)
-        ratio = _row(j.test_rows, name).cost_per_useful_hour / _row(j.test_rows, fallback.name).cost_per_useful_hour
-        dominated = bool(j.verdict.dominated_by)
-        edge = not dominated and ratio < 1.0
-        checks.append(EdgeCheck(name, ratio, dominated, edge, j.verdict.summary))
+        only = list(fitted[0])
+    checks = [edge_check(name, trace, split_h, costs, statics, fitted, origins, nodes) for name in only]
     with_edge = [c for c in checks if c.edge]
     best = min(with_edge, key=lambda c: c.cost_ratio) if with_edge else None
 
@@ -278,15 +324,18 @@ def evaluate_trace(
         if name in final
     }
     any_j = next(iter(judgements.values()))
-    static_train = _cheapest_static(any_j.train_rows)
+    static_train = cheapest_static(any_j.train_rows)
     static_test = _row(any_j.test_rows, static_train.name)
     oracle = _row(any_j.test_rows, "oracle")
     chosen_on = any_j.verdict.chosen_on
     if best is None:
         chosen = static_test
-        why = "; ".join(f"{c.candidate} {c.cost_ratio:.3f}" + (" dominated" if c.dominated else "") for c in checks)
+        why = "; ".join(
+            f"{c.candidate} {c.cost_ratio:.3f} +- {c.spread:.3f}" + (" dominated" if c.dominated else "")
+            for c in checks
+        )
         summary = (
-            f"fell back to {static_train.name}: no candidate had an edge on the training part (inner ratios "
+            f"fell back to {static_train.name}: no candidate had an edge on the training part (mean inner ratios "
             f"{why}); on the test part it costs {chosen.cost_per_useful_hour:.2f} USD/useful h at ETTR "
             f"{chosen.ettr:.5f}, the static itself (ratio 1.000)"
         )
@@ -294,7 +343,8 @@ def evaluate_trace(
         chosen = _row(judgements[best.candidate].test_rows, best.candidate)
         ratio = chosen.cost_per_useful_hour / static_test.cost_per_useful_hour
         summary = (
-            f"kept {best.candidate} (inner ratio {best.cost_ratio:.3f} on the training part): on the test part "
+            f"kept {best.candidate} (mean inner ratio {best.cost_ratio:.3f} +- {best.spread:.3f} on the training "
+            "part): on the test part "
             f"{chosen.cost_per_useful_hour:.2f} USD/useful h at ETTR {chosen.ettr:.5f} vs {static_train.name} "
             f"{static_test.cost_per_useful_hour:.2f} at {static_test.ettr:.5f}: ratio {ratio:.3f}; "
             f"{judgements[best.candidate].verdict.summary}"

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policy.features import FeatureSet
-from policy.simulator import HazardFn, HazardPolicy
+from policy.simulator import HazardPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +63,59 @@ class HazardTable:
             row = self.p_horizon[slot]
             vals = row[np.where(known, cols, 0)]
             p_h = np.where(known & np.isfinite(vals), vals, p_h)
-        p_h = np.clip(p_h, 0.0, 1.0 - 1e-12)
-        return -np.expm1(np.log1p(-p_h) * (window_h / self.horizon_h))
+        return self._within(p_h, window_h)
 
-    def hazard_fn(self, lead_time_h: float, multiplier: float = 1.0) -> HazardFn:
+    def p_within_at(
+        self, times_h: npt.NDArray[np.float64], window_h: float, node_ids: Sequence[str]
+    ) -> npt.NDArray[np.float64]:
+        """`p_within` for many times at once, (times, nodes): row i equals `p_within(times_h[i], ...)` to the last
+        bit (the same element-wise arithmetic)."""
+        t = np.asarray(times_h, dtype=np.float64)
+        slots = np.floor(t / self.bin_h + 1e-9).astype(np.int64) - 1
+        scored = (slots >= 0) & (slots < self.p_horizon.shape[0])
+        cols = self._columns(node_ids)
+        known = cols >= 0
+        vals = self.p_horizon[np.ix_(np.where(scored, slots, 0), np.where(known, cols, 0))]
+        use = scored[:, None] & known[None, :] & np.isfinite(vals)
+        if not use.all():
+            vals = np.where(use, vals, self.base_p_horizon)
+        return self._within(vals, window_h, in_place=True)
+
+    def _within(
+        self, p_h: npt.NDArray[np.float64], window_h: float, *, in_place: bool = False
+    ) -> npt.NDArray[np.float64]:
+        """1 - (1 - p_h) ** (window / horizon), as -expm1(log1p(-p) x window / horizon); `in_place` overwrites
+        `p_h` (the same arithmetic, without a fresh array per step)."""
+        out = np.clip(p_h, 0.0, 1.0 - 1e-12, out=p_h if in_place else None)
+        np.negative(out, out=out)
+        np.log1p(out, out=out)
+        np.multiply(out, window_h / self.horizon_h, out=out)
+        np.expm1(out, out=out)
+        return np.negative(out, out=out)
+
+    def hazard_fn(self, lead_time_h: float, multiplier: float = 1.0) -> TableHazards:
         """The simulator's hazard function: P(fault within `lead_time_h`), scaled by `multiplier`, capped at 1."""
         if not multiplier > 0:
             raise ValueError(f"multiplier={multiplier} must be > 0")
+        return TableHazards(self, lead_time_h, multiplier)
 
-        def fn(t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
-            return np.minimum(1.0, multiplier * self.p_within(t_h, lead_time_h, node_ids))
 
-        return fn
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity, as a function is
+class TableHazards:
+    """A `HazardTable` read as the simulator's hazards (a `simulator.BatchHazardFn`): one time, or many at once."""
+
+    table: HazardTable
+    lead_time_h: float
+    multiplier: float = 1.0
+
+    def __call__(self, t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+        return np.minimum(1.0, self.multiplier * self.table.p_within(t_h, self.lead_time_h, node_ids))
+
+    def at_times(self, times_h: npt.NDArray[np.float64], node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+        p = self.table.p_within_at(times_h, self.lead_time_h, node_ids)
+        if self.multiplier == 1.0:
+            return p  # 1 x p is p, and p < 1 already
+        return np.minimum(1.0, self.multiplier * p)
 
 
 def hazard_table(scores: npt.ArrayLike, features: FeatureSet, *, bin_h: float = 1.0) -> HazardTable:

@@ -45,7 +45,17 @@ import numpy as np
 import numpy.typing as npt
 
 from policy.costs import DEFAULT_TIER_NAMES, TIER_NAMES, StandbyCosts, TierName
-from policy.decision import FleetState, binomial_tail, decide_from_tail, poisson_binomial_tails
+from policy.decision import (
+    CostFigures,
+    Counts,
+    FleetState,
+    StandbyPlan,
+    binomial_tail,
+    decide_counts,
+    decide_from_tail,
+    poisson_binomial_tails,
+    rule_counts,
+)
 from policy.traces import FaultTrace
 
 _SECONDS_PER_HOUR = 3600.0
@@ -416,26 +426,76 @@ class Oracle:
         return StandbySchedule(np.asarray(times, dtype=np.float64), np.asarray(rows, dtype=np.int64))
 
 
-def add_independent_count(tails: npt.NDArray[np.float64], pmf: Sequence[float]) -> npt.NDArray[np.float64]:
+def add_independent_count(
+    tails: npt.NDArray[np.float64], pmf: Sequence[float], k_top: int | None = None
+) -> npt.NDArray[np.float64]:
     """Tails P(A + B >= k), k = 0..K, of a count A with tails `tails` (rows: decision times, possibly truncated at
     K) plus an independent count B with P(B = j) = pmf[j] (mass missing from `pmf` counts as B > K).
 
     P(A + B >= k) = sum_j P(B = j) P(A >= k - j), with P(A >= m) = 1 for m <= 0; exact for k <= K even when A's
-    mass above K is lumped at K. An empty `pmf` (B = 0) returns `tails` unchanged.
+    mass above K is lumped at K. An empty `pmf` (B = 0) returns `tails` unchanged. `k_top`: the K that the result
+    stands for when `tails` holds only A's first entries (k <= K' < K); the entries returned are then the first
+    K' + 1 of the computation at K, to the last bit (B's mass is lumped at K the same way). Default: `tails`' own.
     """
     if len(pmf) == 0:
         return tails
-    k_top = tails.shape[-1] - 1
+    last = tails.shape[-1] - 1
+    k_top = last if k_top is None else k_top
     b = np.asarray(pmf[: k_top + 1], dtype=np.float64)
     out = np.zeros_like(tails)
     for j, bj in enumerate(b.tolist()):
         if bj == 0.0:
             continue
         out[..., : j + 1] += bj  # k <= j: A >= k - j always holds
-        if j < k_top:
-            out[..., j + 1 :] += bj * tails[..., 1 : k_top + 1 - j]
+        if j < min(k_top, last):
+            out[..., j + 1 :] += bj * tails[..., 1 : last + 1 - j]
     out += max(0.0, 1.0 - float(b.sum()))  # B beyond K: at least K failures whatever A is
     return np.clip(out, 0.0, 1.0)
+
+
+def hazards_at(fn: HazardFn, times_h: npt.NDArray[np.float64], node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+    """(times, nodes) hazards: `fn.at_times(times_h, node_ids)` where `fn` has it (a table answers all times in a
+    few array operations, `BatchHazardFn`), else one call of `fn` per time, stacked."""
+    at_times = getattr(fn, "at_times", None)
+    if at_times is not None:
+        return np.asarray(at_times(times_h, node_ids), dtype=np.float64)
+    return np.stack([np.asarray(fn(float(t_h), node_ids), dtype=np.float64) for t_h in times_h.tolist()])
+
+
+class BatchHazardFn(Protocol):
+    """A `HazardFn` that also answers for many times at once: `at_times(times_h, node_ids)[i]` must equal
+    `fn(times_h[i], node_ids)` to the last bit (the same element-wise arithmetic), so a policy's decisions do not
+    depend on which of the two it used."""
+
+    def __call__(self, t_h: float, node_ids: tuple[str, ...]) -> npt.ArrayLike: ...
+
+    def at_times(self, times_h: npt.NDArray[np.float64], node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity, as a function is
+class ScaledHazards:
+    """`factor` x another hazard function's probabilities, for one time or (`at_times`) many."""
+
+    inner: HazardFn
+    factor: float
+
+    def __call__(self, t_h: float, node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+        return self.factor * np.asarray(self.inner(t_h, node_ids), dtype=np.float64)
+
+    def at_times(self, times_h: npt.NDArray[np.float64], node_ids: tuple[str, ...]) -> npt.NDArray[np.float64]:
+        return self.factor * hazards_at(self.inner, times_h, node_ids)
+
+
+_TAIL_BATCH = 512
+"""Decision times whose tails share one truncation (widened together when one of them needs more)."""
+_K_MAX = 32
+"""The tails' first truncation (failures within L); widened when a decision could want more standbys."""
+_K_QUICK = 12
+"""Tails the fast schedule computes first: enough for a pool of up to a dozen standbys."""
+_TAIL_SLACK = 1e-12
+"""Rounding margin: tails with bursts added (`add_independent_count`) fall with k only up to a few ulps."""
+_HAZARD_CHUNK_ENTRIES = 8_000_000
+"""Hazards held at once by the fast schedule (times x nodes, 64 MB), so a large fleet's year stays in memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,9 +504,15 @@ class HazardPolicy:
 
     `hazard_fn` returns P(node fails within the lead time L) per node; the learned predictor plugs in here
     (`policy.learned`). The policy carries its own plan forward as the `FleetState`, so the decision's hysteresis
-    and minimum hold time act as they would in production. Hazards of all decision times are gathered first and
-    their Poisson-binomial tails computed in one batch (`poisson_binomial_tails`); only the cheap per-decision
-    bookkeeping runs in a Python loop.
+    and minimum hold time act as they would in production.
+
+    `schedule` is the fast path; `reference_schedule` is the plain loop it must equal decision for decision (one
+    hazard call and one `decide_from_tail` per decision time; `tests/policy/test_fast_schedule.py` holds them equal).
+    The fast path asks for the hazards of many times at once where `hazard_fn` can answer so (`BatchHazardFn`),
+    computes the Poisson-binomial tails of all of them in one pass over the nodes (`poisson_binomial_tails`), the
+    threshold rule's counts for all of them in array operations (`decision.rule_counts`), and calls the full
+    decision only where the rule asks for another pool than the one held: where it asks for the same, hysteresis,
+    the minimum hold time and the budget (which the held pool already fits) leave it as it is.
     """
 
     hazard_fn: HazardFn
@@ -465,41 +531,100 @@ class HazardPolicy:
         if self.extra_pmf and (min(self.extra_pmf) < 0 or sum(self.extra_pmf) > 1 + 1e-9):
             raise ValueError("extra_pmf must hold probabilities >= 0 that sum to at most 1")
 
+    def _times(self, job: JobView) -> npt.NDArray[np.float64]:
+        return np.arange(0.0, max(job.duration_h, self.every_h), self.every_h)
+
+    def _tails(
+        self, p: npt.NDArray[np.float64], floor: float, pb: npt.NDArray[np.float64] | None = None
+    ) -> npt.NDArray[np.float64]:
+        """Tails of one batch of decision times: truncated at 32 failures, widened until no decision could want
+        more standbys than they cover. `pb`: the batch's Poisson-binomial tails at 32, if already computed."""
+        n = p.shape[1]
+        k_max = _K_MAX
+        tails = add_independent_count(poisson_binomial_tails(p, k_max) if pb is None else pb, self.extra_pmf)
+        while k_max < n and np.any(tails[:, -1] > floor):
+            k_max *= 4
+            tails = add_independent_count(poisson_binomial_tails(p, k_max), self.extra_pmf)
+        return tails
+
+    def _check(self, p: npt.NDArray[np.float64], rows: int, job: JobView) -> None:
+        if p.shape != (rows, job.job_nodes):
+            raise ValueError(f"{self.name}: hazard_fn must return one probability per job node ({job.job_nodes})")
+
     def schedule(self, job: JobView) -> StandbySchedule:
-        times = np.arange(0.0, max(job.duration_h, self.every_h), self.every_h)
+        times = self._times(job)
+        counts = np.zeros((times.size, len(TIER_NAMES)), dtype=np.int64)
+        costs = job.costs
+        fig = CostFigures.of(costs)
+        floor = (1.0 - costs.hysteresis) * min(costs.threshold(t) for t in costs.tiers)
+        k_top = min(_K_MAX, job.job_nodes)
+        # Tails to k_quick only: the first entries of the tails at k_top, to the last bit (see
+        # poisson_binomial_tails and add_independent_count). Enough for every decision that reads no further.
+        k_quick = min(_K_QUICK, k_top) if costs.budget_usd_per_h is None else k_top
+        held: Counts = dict.fromkeys(TIER_NAMES, 0)
+        held_row = tuple(held.values())
+        last_change_s = -math.inf
+        chunk = max(_TAIL_BATCH, _HAZARD_CHUNK_ENTRIES // max(1, job.job_nodes) // _TAIL_BATCH * _TAIL_BATCH)
+        for c0 in range(0, times.size, chunk):
+            c_times = times[c0 : c0 + chunk]
+            p = hazards_at(self.hazard_fn, c_times + self.offset_h, job.node_ids)
+            self._check(p, c_times.size, job)
+            quick_all = add_independent_count(poisson_binomial_tails(p, k_quick), self.extra_pmf, k_top)
+            for b0 in range(0, c_times.size, _TAIL_BATCH):
+                b1 = min(c_times.size, b0 + _TAIL_BATCH)
+                tails = quick_all[b0:b1]
+                full: npt.NDArray[np.float64] | None = None
+                # Past the last entry no position pays (with a margin for rounding where bursts are added), so the
+                # rule reads no further and the batch needs no wider truncation; else do what the reference does.
+                if not np.all(tails[:, -1] + _TAIL_SLACK <= floor):
+                    tails = full = self._tails(p[b0:b1], floor)
+                wanted = rule_counts(tails, costs)
+                for i, want in enumerate(map(tuple, wanted.tolist())):
+                    row = c0 + b0 + i
+                    if want == held_row:  # hysteresis, the hold time and a budget the pool fits keep it as it is
+                        counts[row] = held_row
+                        continue
+                    tail = tails[i]
+                    if tail.size <= sum(want) + sum(held_row) + 1:  # the decision may read past the quick tails
+                        if full is None:
+                            full = self._tails(p[b0:b1], floor)
+                        tail = full[i]
+                    now_s = float(c_times[b0 + i]) * _SECONDS_PER_HOUR
+                    plan = decide_counts(tail, fig, held, last_change_s, now_s)
+                    if plan != held:
+                        held, held_row, last_change_s = plan, tuple(plan.values()), now_s
+                    counts[row] = held_row
+        return StandbySchedule(times, counts)
+
+    def reference_schedule(self, job: JobView) -> StandbySchedule:
+        """The schedule by the plain loop: the hazards and the full decision at every decision time, in turn."""
+        times = self._times(job)
         counts = np.zeros((times.size, len(TIER_NAMES)), dtype=np.int64)
         fleet = FleetState()
         costs = job.costs
         floor = (1.0 - costs.hysteresis) * min(costs.threshold(t) for t in costs.tiers)
-        batch = 512
-        for b0 in range(0, times.size, batch):
-            chunk = times[b0 : b0 + batch]
+        for b0 in range(0, times.size, _TAIL_BATCH):
+            chunk = times[b0 : b0 + _TAIL_BATCH]
             p = np.stack(
                 [
                     np.asarray(self.hazard_fn(float(t_h) + self.offset_h, job.node_ids), dtype=np.float64)
                     for t_h in chunk
                 ]
             )
-            if p.shape != (chunk.size, job.job_nodes):
-                raise ValueError(f"{self.name}: hazard_fn must return one probability per job node ({job.job_nodes})")
-            k_max = 32
-            tails = add_independent_count(poisson_binomial_tails(p, k_max), self.extra_pmf)
-            # Widen the truncation until no decision could want more standbys than it covers.
-            while k_max < job.job_nodes and np.any(tails[:, -1] > floor):
-                k_max *= 4
-                tails = add_independent_count(poisson_binomial_tails(p, k_max), self.extra_pmf)
+            self._check(p, chunk.size, job)
+            tails = self._tails(p, floor)
             for i, t_h in enumerate(chunk.tolist()):
                 plan = decide_from_tail(tails[i], costs, fleet, now_s=t_h * _SECONDS_PER_HOUR)
                 counts[b0 + i] = [plan.count(t) for t in TIER_NAMES]
                 if any(plan.count(t) != fleet.count(t) for t in TIER_NAMES):
-                    fleet = FleetState(
-                        stopped=plan.stopped,
-                        warm=plan.warm,
-                        hot=plan.hot,
-                        spot=plan.spot,
-                        last_change_s=t_h * _SECONDS_PER_HOUR,
-                    )
+                    fleet = _held(plan, t_h)
         return StandbySchedule(times, counts)
+
+
+def _held(plan: StandbyPlan, t_h: float) -> FleetState:
+    return FleetState(
+        stopped=plan.stopped, warm=plan.warm, hot=plan.hot, spot=plan.spot, last_change_s=t_h * _SECONDS_PER_HOUR
+    )
 
 
 # ------------------------------------------------------------------------------------------------ simulation

@@ -222,3 +222,46 @@ def judge(
     test_rows = compare_policies(tail, costs, [*frozen, shifted(candidate, split_h), Oracle()], job_nodes, seed, nodes)
     chosen_on = f"hours 0-{split_h:.0f} of {trace.duration_h:.0f}"
     return Judgement(split_h, train_rows, test_rows, verdict(train_rows, test_rows, candidate.name, chosen_on))
+
+
+def cheapest_static(rows: Sequence[ComparisonRow]) -> ComparisonRow:
+    """The static cheapest per useful hour (ties: the more available): the one a cost owner picks on these rows."""
+    return min((r for r in rows if is_static(r.name)), key=lambda r: (r.cost_per_useful_hour, -r.ettr))
+
+
+@dataclass(frozen=True, slots=True)
+class StaticChoice:
+    """The static a cost owner picks on the training part of a trace, and every static on the test part."""
+
+    split_h: float
+    chosen: str
+    """The static cheapest per useful hour on the training part (rule-based ones frozen there)."""
+    train_rows: list[ComparisonRow]
+    test_rows: list[ComparisonRow]
+
+    @property
+    def on_test(self) -> ComparisonRow:
+        """The chosen static's figures on the test part."""
+        return next(r for r in self.test_rows if r.name == self.chosen)
+
+
+def choose_static(
+    trace: FaultTrace,
+    costs: StandbyCosts,
+    statics: Sequence[StandbyPolicy],
+    *,
+    train_fraction: float = DEFAULT_TRAIN_FRACTION,
+    node_ids: Sequence[str] | None = None,
+) -> StaticChoice:
+    """Pick the static cheapest per useful hour on the first `train_fraction` of `trace` and replay every static
+    (frozen there) on the rest: the temporal split without a candidate, e.g. to ask whether offering another tier
+    (spot) pays without choosing its pools in hindsight."""
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction={train_fraction} must lie strictly between 0 and 1, e.g. 0.5")
+    split_h = train_fraction * trace.duration_h
+    head, tail = split_trace(trace, split_h)
+    nodes = tuple(node_ids) if node_ids is not None else fleet_node_ids(trace)
+    frozen = [freeze(p, head, costs, None, 0, nodes) for p in statics]
+    train_rows = compare_policies(head, costs, [*frozen, Oracle()], node_ids=nodes)
+    test_rows = compare_policies(tail, costs, [*frozen, Oracle()], node_ids=nodes)
+    return StaticChoice(split_h, cheapest_static(train_rows).name, train_rows, test_rows)

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class AgentConfig:
         return host.strip("[]"), int(port)
 
 
-class _Child:
+class Child:
     """A process this agent started: a subprocess, or one the zygote forked and this process adopted."""
 
     def __init__(self, proc: str, slot: int, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
@@ -108,12 +109,23 @@ class _Child:
         self.popen = popen
         self.code: int | None = None
         self.pidfd: int | None = None
+        self._reaping = threading.Lock()
+        """On one machine the launcher's coordinator polls the agent's children too (runtime.launcher)."""
         with contextlib.suppress(OSError, AttributeError):
             self.pidfd = os.pidfd_open(pid)
 
     def poll(self) -> int | None:
+        """The exit code, or None while it runs (or while another thread is reaping it)."""
         if self.popen is not None:
-            return self.popen.poll()
+            return self.popen.poll()  # Popen guards its own reaping
+        if self.code is None and self._reaping.acquire(blocking=False):
+            try:
+                self._reap_once()
+            finally:
+                self._reaping.release()
+        return self.code
+
+    def _reap_once(self) -> None:
         if self.code is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -122,7 +134,6 @@ class _Child:
             else:
                 if pid == self.pid:
                     self.code = os.waitstatus_to_exitcode(status)
-        return self.code
 
     def signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -153,7 +164,7 @@ class Agent:
             raise AgentError(f"--slots must be 1 or more (the host's GPUs, or processes on CPU), got {cfg.slots}")
         cfg.endpoint()
         self.cfg = cfg
-        self.children: dict[str, _Child] = {}
+        self.children: dict[str, Child] = {}
         self.incarnation = uuid.uuid4().hex[:8]
         self.exit_code = 0
         self.fenced = 0
@@ -309,14 +320,14 @@ class Agent:
         if order.role == "standby" and self.zygote is not None and not nccl:
             pid = self.zygote.spawn(env, list(order.argv))
         if pid is not None:
-            child = _Child(order.proc, order.slot, pid)
+            child = Child(order.proc, order.slot, pid)
             how = "forked"
         else:
             try:
                 popen = subprocess.Popen([sys.executable, *order.argv], env=env, start_new_session=True)
             except OSError as exc:
                 return Started(order.proc, -1, f"cannot start {order.argv[:1]}: {exc}")
-            child, how = _Child(order.proc, order.slot, popen.pid, popen), "started"
+            child, how = Child(order.proc, order.slot, popen.pid, popen), "started"
         self.children[order.proc] = child
         if child.pidfd is not None:
             sel.register(child.pidfd, selectors.EVENT_READ, child)
@@ -324,7 +335,7 @@ class Agent:
                  child.pid)
         return Started(order.proc, child.pid)
 
-    def _reap(self, child: _Child, link: Link, sel: selectors.BaseSelector) -> None:
+    def _reap(self, child: Child, link: Link, sel: selectors.BaseSelector) -> None:
         at = time.time()
         assert child.pidfd is not None
         sel.unregister(child.pidfd)

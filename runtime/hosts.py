@@ -204,7 +204,7 @@ class HostPool:
     def spawn(self, name: str, role: str) -> RemoteProcess:
         with self._cond:
             host, slot = self._place(role)
-            handle = RemoteProcess(self, name, role, host, slot)
+            handle = self._new_handle(name, role, host, slot)
             host.procs[slot] = handle
         env = {**self.env, "TM_PROC": name, "TM_ROLE": role}
         self.order(host, Spawn(name, role, slot, list(self.argv), env))
@@ -216,6 +216,16 @@ class HostPool:
             self._events.append(("placed", {"proc": name, "role": role, "host": host.name,
                                             "incarnation": host.incarnation, "slot": slot, "pid": handle.pid}))
         return handle
+
+    def _new_handle(self, name: str, role: str, host: Host, slot: int) -> RemoteProcess:
+        return RemoteProcess(self, name, role, host, slot)
+
+    def mark_exited(self, handle: RemoteProcess, code: int) -> None:
+        """An exit seen on this machine before its agent reported it (a local pool watches its children's pidfds
+        itself); the agent's report that follows is then ignored."""
+        with self._cond:
+            if handle.code is None:
+                self._exit(handle, code, None, time.time())
 
     def _place(self, role: str) -> tuple[Host, int]:
         """Workers fill hosts in the order they joined; a standby goes to a host that holds no member (a

@@ -11,12 +11,15 @@ path is the multi-host path with one host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +27,14 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from runtime.agent import Agent, AgentConfig
+from runtime.agent import Agent, AgentConfig, Child
 from runtime.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
 from runtime.chaos import parse_chaos
 from runtime.config import ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.events import EventLog
 from runtime.faults import parse_plan
-from runtime.hosts import HostPool, HostTiming
+from runtime.hosts import Host, HostPool, HostTiming, RemoteProcess
 from runtime.netaddr import interface_of
 
 log = logging.getLogger("trainmover.launcher")
@@ -212,6 +215,62 @@ LOCAL_GLOO_SLOTS = 1024
 """On CPU one machine runs as many processes as the job asks for; on NCCL, one per GPU."""
 
 
+class LocalProcess(RemoteProcess):
+    """A process of the local agent, as the coordinator sees it: placed and started through the agent like any
+    other, but watched through its own pidfd, so that an exit reaches the coordinator's loop the moment the kernel
+    reports it (no hop through the agent's thread, its link and the link thread), and killed directly."""
+
+    pool: LocalHostPool
+
+    def __init__(self, pool: LocalHostPool, name: str, role: str, host: Host, slot: int) -> None:
+        super().__init__(pool, name, role, host, slot)
+        self._pidfd: int | None = None
+
+    def _child(self) -> Child | None:
+        child = self.pool.agent.children.get(self.name)
+        return child if child is not None and child.pid == self.pid else None
+
+    def poll(self) -> int | None:
+        if self.code is None and (child := self._child()) is not None:
+            code = child.poll()
+            if code is None and self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+                code = child.wait(1.0)  # it is dead, and the agent's thread is reaping it this instant
+            if code is not None:
+                self.pool.mark_exited(self, code)
+        return self.code
+
+    def kill(self) -> None:
+        child = self._child()
+        if child is None:
+            super().kill()
+        elif self.code is None:
+            child.signal(signal.SIGKILL)
+
+    def wait(self, timeout_s: float) -> int | None:
+        fd = self.exit_fd()
+        if fd is None:
+            return super().wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            select.select([fd], [], [], min(left, 0.05))  # readable at once when it exited: the bound is a guard
+        return self.code
+
+    def exit_fd(self) -> int | None:
+        if self._pidfd is None and self.pid > 0 and self.code is None:
+            with contextlib.suppress(OSError):  # reaped already: the agent's report says how it ended
+                self._pidfd = os.pidfd_open(self.pid)
+        return self._pidfd
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
+
 class LocalHostPool(HostPool):
     """One machine: the pool across hosts with a single agent, run by this process in a thread.
 
@@ -237,6 +296,9 @@ class LocalHostPool(HostPool):
             rejoin=False, fork_server=cfg.fork_server and cfg.backend == "gloo"), zygote_env)
         self._agent_thread = threading.Thread(target=self.agent.run, name="trainmover-local-agent", daemon=True)
         self._agent_thread.start()
+
+    def _new_handle(self, name: str, role: str, host: Host, slot: int) -> RemoteProcess:
+        return LocalProcess(self, name, role, host, slot)
 
     def helpers(self) -> dict[str, int]:
         return self.agent.helpers()

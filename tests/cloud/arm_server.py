@@ -1,10 +1,11 @@
 """Local stand-ins for the Azure endpoints the provider talks to, so the real SDK runs against real HTTP.
 
-`ArmServer` speaks exactly the ARM REST routes `cloud.azure.AzureProvider` calls (VM PUT/GET/DELETE/list, start,
-deallocate, powerOff (only to prove it is never called), VM sizes, effective permissions) over HTTPS with a
-throw-away CA, including real long-running-operation behaviour: 201/202 answers that carry `Azure-AsyncOperation`
-and `Location` headers, which the SDK polls until the operation reports Succeeded or Failed. Faults are injected
-per operation (`inject`). No Azure compute emulator exists, hence this server.
+`ArmServer` speaks exactly the ARM REST routes `cloud.azure.AzureProvider` calls (VM PUT/GET/DELETE/list, tag
+updates (PATCH), start, deallocate, powerOff (only to prove it is never called), VM sizes, effective permissions) over
+HTTPS with a throw-away CA, including real long-running-operation behaviour: 201/202 answers that carry
+`Azure-AsyncOperation` and `Location` headers, which the SDK polls until the operation reports Succeeded or Failed.
+Faults are injected per operation (`inject`). A VM created with a system-assigned identity gets a principal id, and
+customData is never returned, as on ARM. No Azure compute emulator exists, hence this server.
 
 `ImdsServer` serves the instance metadata Scheduled Events document over plain http, as 169.254.169.254 does.
 
@@ -117,7 +118,9 @@ class Fault:
     """An injected failure of one operation: `skip` matching calls pass first, then `times` calls fail.
 
     `in_operation`: the initial call is accepted and the long-running operation ends Failed with this error
-    (how ARM reports AllocationFailed); otherwise the initial call itself answers `status`.
+    (how ARM reports AllocationFailed); otherwise the initial call itself answers `status`. The op `poll` (any
+    operation) or `poll:<kind>` (e.g. `poll:create`) fails the status polls of long-running operations instead,
+    as a busy ARM answers 429 with Retry-After to a poll while the operation goes on.
     """
 
     op: str
@@ -137,6 +140,7 @@ class _Vm:
     tags: dict[str, str]
     zones: list[str] | None
     properties: dict[str, Any]
+    identity: dict[str, Any] | None = None
     provisioning: str = "Creating"
     power: str | None = "starting"
     created_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat())
@@ -147,7 +151,7 @@ class _Vm:
 class _Operation:
     op_id: str
     vm: str
-    kind: str  # create | start | deallocate | powerOff | delete
+    kind: str  # create | update | start | deallocate | powerOff | delete
     polls_left: int
     error: dict[str, str] | None = None
     status: str = "InProgress"
@@ -219,6 +223,7 @@ class ArmServer:
                 "properties": json.loads(json.dumps(record.properties)),
                 "provisioning": record.provisioning,
                 "power": record.power,
+                "identity": record.identity,
             }
 
     def calls(self, method: str | None = None, pattern: str = "") -> list[Recorded]:
@@ -280,6 +285,8 @@ class ArmServer:
             return self._power_action(key, verb.lower())
         if not verb and method == "PUT":
             return self._put(rg, name, body)
+        if not verb and method == "PATCH":
+            return self._patch(rg, key, body)
         if not verb and method == "GET":
             fault = self._fault("get")
             if fault is not None:
@@ -334,10 +341,26 @@ class ArmServer:
         if existing is not None:
             existing.tags = dict(body.get("tags") or {})
             return _Reply(200, self._vm_json(rg, existing, expand=False))
-        vm = _Vm(name, location, dict(body.get("tags") or {}), body.get("zones"), props)
+        vm = _Vm(name, location, dict(body.get("tags") or {}), body.get("zones"), props, _identity(body))
         self._vms[key] = vm
         op = self._new_operation(name, "create", fault)
         return _Reply(201, self._vm_json(rg, vm, expand=False), self._lro_headers(location, op, with_location=False))
+
+    def _patch(self, rg: str, key: tuple[str, str], body: Any) -> _Reply:
+        """An update. Only tags are supported, replaced as a whole (ARM's PATCH semantics for `tags`)."""
+        fault = self._fault("update")
+        if fault is not None and not fault.in_operation:
+            return _fault_reply(fault)
+        vm = self._vms.get(key)
+        if vm is None:
+            return _not_found(key[1])
+        unsupported = sorted(set(body or {}) - {"tags"})
+        if unsupported:
+            return _error(400, "NotSupportedInTestServer", f"PATCH of {unsupported}")
+        if "tags" in body:
+            vm.tags = dict(body["tags"] or {})
+        op = self._new_operation(vm.name, "update", fault)
+        return _Reply(200, self._vm_json(rg, vm, expand=False), self._lro_headers(vm.location, op, with_location=False))
 
     def _power_action(self, key: tuple[str, str], verb: str) -> _Reply:
         kind = {"start": "start", "deallocate": "deallocate", "poweroff": "powerOff"}[verb]
@@ -379,6 +402,9 @@ class ArmServer:
         op = self._operations.get(op_id)
         if op is None:
             return _error(404, "OperationNotFound", op_id)
+        fault = self._fault(f"poll:{op.kind}") or self._fault("poll")
+        if fault is not None:
+            return _fault_reply(fault)  # the operation itself is unaffected: this poll did not count
         if result:
             return _Reply(202 if op.status == "InProgress" else 200, None)
         if op.status == "InProgress":
@@ -413,6 +439,9 @@ class ArmServer:
             f"virtualMachines/{vm.name}"
         )
         props = {**vm.properties, "provisioningState": vm.provisioning, "vmId": vm.vm_id, "timeCreated": vm.created_at}
+        if isinstance(props.get("osProfile"), dict):
+            # ARM never returns customData once the VM exists.
+            props["osProfile"] = {k: v for k, v in props["osProfile"].items() if k != "customData"}
         if expand:
             statuses = [{"code": f"ProvisioningState/{vm.provisioning.lower()}", "level": "Info"}]
             if vm.power:
@@ -428,7 +457,21 @@ class ArmServer:
         }
         if vm.zones:
             reply["zones"] = vm.zones
+        if vm.identity is not None:
+            reply["identity"] = vm.identity
         return reply
+
+
+def _identity(body: Any) -> dict[str, Any] | None:
+    """A system-assigned identity as ARM creates one: its type plus a new principal id and the tenant."""
+    asked = body.get("identity") if isinstance(body, dict) else None
+    if not asked:
+        return None
+    identity = dict(asked)
+    if "SystemAssigned" in str(identity.get("type", "")):
+        identity["principalId"] = str(uuid.uuid4())
+        identity["tenantId"] = "00000000-0000-0000-0000-0000000000aa"
+    return identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,6 +520,9 @@ class _JsonHandler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self.dispatch("DELETE")
+
+    def do_PATCH(self) -> None:
+        self.dispatch("PATCH")
 
     def lower_headers(self) -> dict[str, str]:
         return {k.lower(): v for k, v in self.headers.items()}

@@ -13,7 +13,7 @@ import http.client
 import json
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -64,6 +64,7 @@ class _Rule:
     body: bytes
     times: int
     dry_run: bool | None  # None: any request; True/False: only requests with/without DryRun=true
+    when: Callable[[dict[str, Any]], bool] | None = None  # only requests whose parameters satisfy this
 
 
 @dataclass
@@ -96,11 +97,21 @@ class FaultProxy:
         host, port = self._server.httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def fail(self, action: str, code: str, *, status: int, times: int = 1, dry_run: bool | None = None) -> None:
-        """Answer the next `times` requests for `action` with the AWS error `code` and HTTP `status`."""
+    def fail(
+        self,
+        action: str,
+        code: str,
+        *,
+        status: int,
+        times: int = 1,
+        dry_run: bool | None = None,
+        when: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
+        """Answer the next `times` requests for `action` (whose parameters satisfy `when`, if given) with the AWS
+        error `code` and HTTP `status`."""
         body = ec2_error_xml(code, f"Injected {code}")
         with self._lock:
-            self._rules.append(_Rule(action, status, body, times, dry_run))
+            self._rules.append(_Rule(action, status, body, times, dry_run, when))
 
     def answer(self, action: str, body: str, *, times: int = 1) -> None:
         """Answer the next `times` requests for `action` with `body` (HTTP 200)."""
@@ -172,7 +183,12 @@ class FaultProxy:
         dry_run = str(params.get("DryRun", "")).lower() == "true"
         with self._lock:
             for rule in self._rules:
-                if rule.action == action and rule.times > 0 and rule.dry_run in (None, dry_run):
+                if (
+                    rule.action == action
+                    and rule.times > 0
+                    and rule.dry_run in (None, dry_run)
+                    and (rule.when is None or rule.when(params))
+                ):
                     rule.times -= 1
                     return rule
         return None

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -37,6 +40,9 @@ from cloud.base import (
     ThrottledError,
     UnsupportedError,
 )
+from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init
+from cloud.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
+from cloud.secrets import AwsSecretsManagerStore, SecretRef
 from tests.cloud.aws_servers import FaultProxy, ImdsServer, fault_proxy, imds_server, moto_server
 
 REGION = "us-east-1"
@@ -102,6 +108,13 @@ def assert_nothing_running(provider: AwsProvider, job_id: str) -> None:
     provider.release_job(job_id)
     left = [(i.instance_id, i.state) for i in provider.describe(job_id=job_id) if i.state not in NOT_RUNNING]
     assert left == [], f"instances leaked by {job_id}: {left}"
+
+
+def bootstrap_for(job_id: str, secret: SecretRef) -> AgentBootstrap:
+    return AgentBootstrap(
+        job_id=job_id, coordinator_host="10.0.0.1", agent_port=29401, slots=8, source="trainmover[aws]==0.1.0",
+        secret=secret, script="/opt/job/train.py",
+    )
 
 
 def free_closed_port() -> int:
@@ -173,6 +186,93 @@ def test_unknown_instance_type_is_refused_before_launching(aws: AwsProvider, pro
     assert_nothing_running(aws, job)
 
 
+# ------------------------------------------------------------------------------------------------ bootstrap
+
+
+def test_a_bootstrapped_instance_holds_the_bootstrap_not_the_secret_and_keeps_it_when_parked_and_woken(
+    proxy: FaultProxy, moto_url: str, job: str
+) -> None:
+    session = dummy_session()
+    profile = f"trainmover-node-{job}"
+    session.client("iam", endpoint_url=moto_url).create_instance_profile(InstanceProfileName=profile)
+    store = AwsSecretsManagerStore(
+        REGION, reader_role_arn=f"arn:aws:iam::123456789012:role/{profile}", session=session, endpoint_url=moto_url
+    )
+    secret = secrets.token_hex(32)
+    ref = store.put(job, secret)
+    spec = bootstrap_for(job, ref)
+    aws = AwsProvider(
+        REGION, session=session, endpoint_url=proxy.url, image=AMI, instance_profile=profile,
+        mutate_budget=FAST_MUTATE, describe_budget=FAST_DESCRIBE,
+    )
+    ec2 = session.client("ec2", endpoint_url=moto_url)
+
+    def user_data(instance_id: str) -> str:
+        # What anyone allowed DescribeInstanceAttribute reads, straight from moto.
+        value = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")["UserData"]["Value"]
+        return base64.b64decode(value).decode()
+
+    try:
+        [standby] = aws.launch(LaunchRequest(job, "standby", "g5.xlarge", bootstrap=spec))
+
+        document = user_data(standby.instance_id)
+        assert document == render_cloud_init(spec)
+        assert ref.name in document and secret not in document
+        [run] = proxy.seen("RunInstances")
+        assert run.params["IamInstanceProfile.Name"] == profile
+        assert secret not in json.dumps(run.params)
+
+        # Parked and woken: EC2 keeps the user-data. cloud-init does not run it again; the unit it enabled starts
+        # the agent at every boot.
+        aws.stop([standby.instance_id])
+        aws.wait_for_state([standby.instance_id], ["stopped"], timeout_s=10, poll_s=0.05)
+        aws.start([standby.instance_id])
+        aws.wait_for_state([standby.instance_id], ["running"], timeout_s=10, poll_s=0.05)
+        assert user_data(standby.instance_id) == document
+        cloud_config = json.loads(document.removeprefix("#cloud-config\n"))
+        assert ["systemctl", "enable", "--now", AGENT_UNIT] in cloud_config["runcmd"]
+        [unit] = [f["content"] for f in cloud_config["write_files"] if f["path"].endswith(AGENT_UNIT)]
+        assert "WantedBy=multi-user.target" in unit and "Restart=on-failure" in unit
+    finally:
+        store.delete(ref)
+    assert_nothing_running(aws, job)
+
+
+def test_a_bootstrap_the_instance_could_not_use_is_refused_before_any_call(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    ssm = SecretRef("aws-ssm", f"/trainmover/{job}/job-secret", REGION)
+    with pytest.raises(InvalidRequestError, match="instance_profile="):
+        aws.launch(LaunchRequest(job, "worker", "g5.xlarge", bootstrap=bootstrap_for(job, ssm)))
+
+    key_vault = SecretRef("azure-keyvault", "https://v.vault.azure.net/secrets/job-secret")
+    profiled = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, image=AMI, instance_profile="p")
+    with pytest.raises(InvalidRequestError, match="Secrets Manager or SSM"):
+        profiled.launch(LaunchRequest(job, "worker", "g5.xlarge", bootstrap=bootstrap_for(job, key_vault)))
+    assert proxy.seen() == []
+
+
+def test_a_promoted_standby_is_retagged_worker_and_only_its_role_tag_changes(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    [standby] = aws.launch(LaunchRequest(job, "standby", "g5.xlarge", tags={"team": "llm"}))
+
+    promoted = aws.set_role(standby.instance_id, "worker")
+
+    assert (promoted.role, promoted.job_id) == ("worker", job)
+    [tagging] = proxy.seen("CreateTags")
+    assert {k: v for k, v in tagging.params.items() if k.startswith("Tag.")} == {
+        "Tag.1.Key": ROLE_TAG, "Tag.1.Value": "worker"
+    }
+    assert [i.role for i in aws.describe(job_id=job)] == ["worker"]
+    with pytest.raises(InvalidRequestError, match="invalid role 'boss'"):
+        aws.set_role(standby.instance_id, "boss")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="not EC2 instance ids"):
+        aws.set_role("i-bad", "worker")
+    assert len(proxy.seen("CreateTags")) == 1
+    assert_nothing_running(aws, job)
+
+
 # ------------------------------------------------------------------------------------------------ park / wake
 
 
@@ -232,6 +332,94 @@ def test_terminate_skips_instances_already_gone(aws: AwsProvider, job: str) -> N
 
     assert [i.state for i in aws.describe([worker.instance_id])] == ["terminated"]
     assert_nothing_running(aws, job)
+
+
+# ------------------------------------------------------------------------------------------------ job ids, tags, ids
+
+
+def _instances_xml(instance_id: str, job_id: str) -> str:
+    """A DescribeInstances answer holding one running instance tagged with `job_id`."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<DescribeInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>r-1</requestId>'
+        "<reservationSet><item><reservationId>r-0a</reservationId><ownerId>123456789012</ownerId><instancesSet><item>"
+        f"<instanceId>{instance_id}</instanceId><instanceType>m5.large</instanceType>"
+        "<instanceState><code>16</code><name>running</name></instanceState>"
+        f"<tagSet><item><key>{JOB_TAG}</key><value>{job_id}</value></item></tagSet>"
+        "</item></instancesSet></item></reservationSet></DescribeInstancesResponse>"
+    )
+
+
+def test_a_job_id_is_never_a_tag_wildcard(aws: AwsProvider, proxy: FaultProxy) -> None:
+    # EC2 tag filters expand `*` and `?`: each of these would match other jobs (test_cli.py shows it end to end).
+    for pattern in ("*", "job-?*", "llm-?b", "job a", ""):
+        with pytest.raises(InvalidRequestError, match=re.escape("letters, digits, '.', '_' or '-'")):
+            aws.release_job(pattern)
+        with pytest.raises(InvalidRequestError, match="matched exactly"):
+            aws.describe(job_id=pattern)
+    assert proxy.seen() == [], "refused before any call"
+
+
+def test_release_acts_only_on_instances_whose_tag_is_the_job(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    other = f"{job}-other"
+    [theirs] = aws.launch(LaunchRequest(other, "worker", "m5.large"))
+    try:
+        # As if EC2's filter had matched another job's instance: what comes back is checked, not trusted.
+        proxy.answer("DescribeInstances", _instances_xml(theirs.instance_id, other))
+
+        assert aws.release_job(job) == []
+
+        assert proxy.seen("TerminateInstances") == []
+        assert [i.state for i in aws.describe([theirs.instance_id])] == ["running"]
+    finally:
+        assert_nothing_running(aws, other)
+
+
+def test_terminate_releases_every_well_formed_id_and_names_the_malformed(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    first, second = aws.launch(LaunchRequest(job, "worker", "m5.large", count=2))
+    # EC2 refuses a whole call that holds one malformed id (moto answers NotFound instead): make it do so.
+    proxy.fail(
+        "TerminateInstances", "InvalidInstanceID.Malformed", status=400, times=10, when=lambda p: "i-bad" in p.values()
+    )
+
+    with pytest.raises(InvalidRequestError, match="'i-bad'") as raised:
+        aws.terminate([first.instance_id, "i-bad", second.instance_id])
+
+    assert "every other id of the call was terminated" in str(raised.value)
+    assert {i.state for i in aws.describe([first.instance_id, second.instance_id])} <= NOT_RUNNING
+    assert all("i-bad" not in s.params.values() for s in proxy.seen("TerminateInstances"))
+    assert_nothing_running(aws, job)
+
+
+def test_tags_are_validated_before_any_call(aws: AwsProvider, proxy: FaultProxy) -> None:
+    cases: list[tuple[dict[str, str], str]] = [
+        ({"k" * 129: "v"}, "129 characters, at most 128"),
+        ({"team": "v" * 257}, "257 characters, at most 256"),
+        ({"AWS:owner": "me"}, "starts with 'aws:', which is reserved"),
+        ({f"t{n}": "v" for n in range(49)}, "49 tags, at most 48"),
+        ({ROLE_TAG: "worker"}, "set by the provider"),
+    ]
+    for tags, says in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(says)):
+            aws.launch(LaunchRequest("job-tags", "worker", "m5.large", tags=tags))
+    assert proxy.seen() == [], "refused before any call"
+
+
+def test_role_and_market_are_checked_when_the_request_is_made() -> None:
+    with pytest.raises(InvalidRequestError, match="invalid role 'boss': use one of worker, standby"):
+        LaunchRequest("job-r", "boss", "m5.large")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="invalid market 'reserved'"):
+        LaunchRequest("job-r", "worker", "m5.large", market="reserved")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="invalid job id 'a b'"):
+        LaunchRequest("a b", "worker", "m5.large")
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://host", "http://[::1", "http://host:port"])
+def test_an_invalid_endpoint_url_is_one_clear_error(url: str) -> None:
+    with pytest.raises(InvalidRequestError, match="invalid endpoint URL"):
+        AwsProvider(REGION, session=dummy_session(), endpoint_url=url)
 
 
 # ------------------------------------------------------------------------------------------------ health
@@ -635,11 +823,10 @@ def test_importing_cloud_aws_needs_no_boto3_and_launching_says_how_to_install() 
 
 # ------------------------------------------------------------------------------------------------ IAM policy
 
-POLICY = Path(__file__).resolve().parents[2] / "docs" / "iam" / "trainmover-aws-policy.json"
 # API calls whose IAM permission has another name, and permissions a call needs beyond its own name.
 _PERMISSION_OF = {"sqs:DeleteMessageBatch": "sqs:DeleteMessage"}
 _IMPLIED = {
-    "ec2:RunInstances": {"ec2:CreateTags"},
+    "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole"},  # PassRole: it launches with the node's profile
     "sqs:CreateQueue": {"sqs:TagQueue"},
     "events:PutRule": {"events:TagResource"},
 }
@@ -649,12 +836,27 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
     proxy: FaultProxy, moto_url: str, job: str
 ) -> None:
     session = dummy_session()
+    profile = f"trainmover-node-{job}"
+    session.client("iam", endpoint_url=moto_url).create_instance_profile(InstanceProfileName=profile)
     queue_url = ensure_notice_queue(job, region=REGION, session=session, endpoint_url=proxy.url)
     try:
-        provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, image=AMI, notice_queue_url=queue_url)
-        [standby] = provider.launch(LaunchRequest(job, "standby", "g5.xlarge"))
+        provider = AwsProvider(
+            REGION,
+            session=session,
+            endpoint_url=proxy.url,
+            image=AMI,
+            notice_queue_url=queue_url,
+            instance_profile=profile,
+        )
+        # A bootstrapped launch needs nothing more than a plain one: the host reads its secret with its own role.
+        ref = SecretRef("aws-ssm", f"/trainmover/{job}/job-secret", REGION)
+        [standby] = provider.launch(LaunchRequest(job, "standby", "g5.xlarge", bootstrap=bootstrap_for(job, ref)))
+        [run] = proxy.seen("RunInstances")
+        assert run.params["MetadataOptions.HttpTokens"] == "required", "the policy allows only IMDSv2 launches"
+        assert run.params["IamInstanceProfile.Name"] == profile
         provider.stop([standby.instance_id])
         provider.start([standby.instance_id])
+        provider.set_role(standby.instance_id, "worker")  # a promotion
         provider.hourly_price_usd("g5.xlarge", "spot")
         # Straight to moto, past the proxy: only the provider's own calls are counted.
         session.client("sqs", endpoint_url=moto_url).send_message(QueueUrl=queue_url, MessageBody="{}")
@@ -667,6 +869,19 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
     called = {_PERMISSION_OF.get(f"{s.service}:{s.action}", f"{s.service}:{s.action}") for s in proxy.seen()}
     called |= {implied for action in list(called) for implied in _IMPLIED.get(action, set())}
     called.discard("sts:GetCallerIdentity")  # needs no permission and cannot be denied
-    statements = json.loads(POLICY.read_text())["Statement"]
+    # EC2 calls KMS on the caller's behalf for CMK-encrypted volumes (moto encrypts nothing).
+    called |= {*KMS_FOR_EBS_VOLUMES, "kms:CreateGrant"}
+    statements = aws_job_policy(AWS_EXAMPLE)["Statement"]
     granted = {a for st in statements for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
     assert granted == called
+
+
+def test_the_job_policy_is_a_valid_iam_policy_document(moto_url: str) -> None:
+    iam = dummy_session().client("iam", endpoint_url=moto_url)
+    for scope in (AWS_EXAMPLE, AwsJobScope("job-min", ("eu-west-1", "us-west-2"), (AMI,), ("g5.xlarge",))):
+        document = json.dumps(aws_job_policy(scope))
+        name = f"trainmover-{scope.job_id}-{uuid.uuid4().hex[:6]}"
+        arn = iam.create_policy(PolicyName=name, PolicyDocument=document)["Policy"]["Arn"]
+        iam.delete_policy(PolicyArn=arn)
+        # IAM's limit for a managed policy, whitespace not counted.
+        assert len(re.sub(r"\s", "", document)) < 6144

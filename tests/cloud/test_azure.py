@@ -6,8 +6,11 @@ Every test that launches VMs ends by checking that the server holds none.
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import json
+import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -37,7 +40,10 @@ from cloud.base import (
     ServiceUnavailableError,
     ThrottledError,
 )
+from cloud.bootstrap import AgentBootstrap, render_cloud_init
+from cloud.secrets import AzureKeyVaultStore, SecretRef
 from tests.cloud.arm_server import ArmServer, Fault, ImdsServer
+from tests.cloud.keyvault_server import key_vault
 
 SUBSCRIPTION = "00000000-0000-0000-0000-00000000cafe"
 RG = "rg-trainmover"
@@ -58,6 +64,16 @@ class FakeCredential:
     def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
         self.calls += 1
         return AccessToken(TOKEN, int(time.time()) + 3600)
+
+
+class FakeVaultCredential:
+    """A credential for the local Key Vault: one token it accepts."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        return AccessToken(self.token, int(time.time()) + 3600)
 
 
 class UnavailableCredential:
@@ -114,6 +130,13 @@ def puts(arm: ArmServer) -> list[Any]:
     return arm.calls("PUT", r"/virtualMachines/")
 
 
+def bootstrap_for(job_id: str, secret: SecretRef) -> AgentBootstrap:
+    return AgentBootstrap(
+        job_id=job_id, coordinator_host="10.0.0.4", agent_port=29401, slots=8, source="trainmover[azure]==0.1.0",
+        secret=secret, script="/opt/job/train.py",
+    )
+
+
 # ------------------------------------------------------------------------------------------------ launch
 
 
@@ -136,6 +159,74 @@ def test_launch_on_demand_puts_tagged_vms_with_their_own_nic(provider: AzureProv
     assert nic["ipConfigurations"][0]["properties"]["subnet"]["id"] == SUBNET
     assert nic["deleteOption"] == "Delete" and props["storageProfile"]["osDisk"]["deleteOption"] == "Delete"
     release_and_assert_empty(provider, arm, "job-a")
+
+
+def test_a_bootstrapped_vm_gets_the_document_as_custom_data_an_identity_and_never_the_secret(
+    provider: AzureProvider, arm: ArmServer, tmp_path: Path
+) -> None:
+    (tmp_path / "kv").mkdir()
+    with key_vault(tmp_path / "kv") as (vault, _):
+        store = AzureKeyVaultStore(
+            vault.url, credential=FakeVaultCredential(vault.tokens.issue()), budget=FAST,
+            ssl_context=vault.client_ssl_context(),
+        )
+        secret = secrets.token_hex(32)
+        ref = store.put("job-b", secret)
+        spec = bootstrap_for("job-b", ref)
+
+        [vm] = provider.launch(LaunchRequest("job-b", "standby", GPU, bootstrap=spec))
+
+        [put] = puts(arm)
+        os_profile = put.body["properties"]["osProfile"]
+        document = base64.b64decode(os_profile["customData"]).decode()
+        assert document == render_cloud_init(spec)
+        assert ref.name in document and secret not in json.dumps(put.body)
+        assert "userData" not in put.body["properties"], "cloud-init does not run properties.userData"
+        # The host reads its secret with the VM's own identity, which ARM creates with the VM.
+        assert put.body["identity"] == {"type": "SystemAssigned"}
+        principal = provider.identity_principal_id(vm.instance_id)
+        assert principal == arm.vm(vm.instance_id, RG)["identity"]["principalId"]
+        store.delete(ref)
+    release_and_assert_empty(provider, arm, "job-b")
+
+
+def test_raw_user_data_goes_to_custom_data_too(provider: AzureProvider, arm: ArmServer) -> None:
+    provider.launch(LaunchRequest("job-u", "worker", CPU, user_data="#cloud-config\nruncmd: [[true]]\n"))
+
+    props = puts(arm)[0].body["properties"]
+    assert base64.b64decode(props["osProfile"]["customData"]).decode() == "#cloud-config\nruncmd: [[true]]\n"
+    assert "userData" not in props and "identity" not in puts(arm)[0].body
+    with pytest.raises(InvalidRequestError, match="no system-assigned identity"):
+        provider.identity_principal_id(puts(arm)[0].path.rsplit("/", 1)[-1])
+    release_and_assert_empty(provider, arm, "job-u")
+
+
+def test_a_bootstrap_a_vm_could_not_use_is_refused_before_any_call(provider: AzureProvider, arm: ArmServer) -> None:
+    aws_secret = SecretRef("aws-ssm", "/trainmover/job-c/job-secret", "us-east-1")
+    with pytest.raises(InvalidRequestError, match="from Key Vault with its managed identity"):
+        provider.launch(LaunchRequest("job-c", "worker", CPU, bootstrap=bootstrap_for("job-c", aws_secret)))
+    user_assigned = SecretRef(
+        "azure-keyvault", "https://v.vault.azure.net/secrets/s",
+        identity_client_id="11111111-2222-3333-4444-555555555555",
+    )
+    with pytest.raises(InvalidRequestError, match="system-assigned identity"):
+        provider.launch(LaunchRequest("job-c", "worker", CPU, bootstrap=bootstrap_for("job-c", user_assigned)))
+    assert arm.requests == []
+
+
+def test_a_promoted_standby_is_retagged_worker_keeping_its_other_tags(provider: AzureProvider, arm: ArmServer) -> None:
+    [standby] = provider.launch(LaunchRequest("job-p", "standby", CPU, tags={"team": "llm"}))
+
+    promoted = provider.set_role(standby.instance_id, "worker")
+
+    assert (promoted.role, promoted.job_id, promoted.state) == ("worker", "job-p", "running")
+    [patch] = arm.calls("PATCH", r"/virtualMachines/")
+    assert patch.body == {"tags": {"team": "llm", JOB_TAG: "job-p", ROLE_TAG: "worker"}}
+    assert arm.vm(standby.instance_id, RG)["tags"][ROLE_TAG] == "worker"
+    with pytest.raises(InvalidRequestError, match="invalid role"):
+        provider.set_role(standby.instance_id, "boss")  # type: ignore[arg-type]
+    assert len(arm.calls("PATCH")) == 1
+    release_and_assert_empty(provider, arm, "job-p")
 
 
 def test_launch_spot_asks_for_deallocate_on_eviction(provider: AzureProvider, arm: ArmServer) -> None:
@@ -325,6 +416,79 @@ def test_failed_launch_leaves_no_vm(provider: AzureProvider, arm: ArmServer, in_
     assert len(puts(arm)) == (3 if in_operation else 2)
     assert len(arm.calls("DELETE")) == (3 if in_operation else 2)
     release_and_assert_empty(provider, arm, "job-3")
+
+
+def test_a_throttled_status_poll_is_polled_again_after_retry_after(provider: AzureProvider, arm: ArmServer) -> None:
+    # ARM throttles the second poll of the create; the VM is being created all the same. Giving up would fail the
+    # launch and delete a VM that was about to run.
+    arm.inject(Fault("poll:create", "TooManyRequests", status=429, skip=1, retry_after_s=1))
+
+    started = time.monotonic()
+    [vm] = provider.launch(LaunchRequest("job-poll-429", "worker", CPU))
+
+    assert vm.running and time.monotonic() - started >= 1.0, "Retry-After is honoured"
+    assert len(puts(arm)) == 1, "the operation was polled again, not started again"
+    assert len(arm.calls("GET", r"/operations/")) == arm.polls_per_operation + 1
+    release_and_assert_empty(provider, arm, "job-poll-429")
+
+
+def test_throttled_polls_past_the_operation_budget_fail_the_launch_and_leave_no_vm(arm: ArmServer) -> None:
+    provider = make_provider(arm)
+    provider.lro_timeout_s = 0.5  # the operation's budget; each Retry-After (1 s) would pass it
+    arm.inject(Fault("poll:create", "TooManyRequests", status=429, times=100, retry_after_s=1))
+
+    with pytest.raises(ThrottledError):
+        provider.launch(LaunchRequest("job-poll-budget", "worker", CPU))
+
+    # One poll of the create (not retried past the budget), then the cleanup's delete, polled as usual.
+    assert len(arm.calls("GET", r"/operations/")) == 1 + arm.polls_per_operation
+    assert len(arm.calls("DELETE")) == 1 and arm.vm_names() == []
+
+
+def test_terminate_deletes_every_valid_vm_and_names_the_malformed_one(provider: AzureProvider, arm: ArmServer) -> None:
+    first, second = provider.launch(LaunchRequest("job-term", "worker", CPU, count=2))
+    arm.inject(Fault("delete", "OperationNotAllowed", status=409, message="busy"))  # the first delete is refused
+
+    with pytest.raises(InvalidRequestError, match=r"not VM names .*'bad/name'") as caught:
+        provider.terminate([first.instance_id, "bad/name", second.instance_id])
+
+    assert "busy" in str(caught.value), "the refused delete is reported too"
+    assert arm.vm_names() == [first.instance_id], "the second VM was deleted although the first delete failed"
+    assert not arm.calls(pattern="bad"), "a malformed name never reaches ARM"
+    release_and_assert_empty(provider, arm, "job-term")
+
+
+@pytest.mark.parametrize("job_id", ["*", "job-?", "job a", "", "x" * 64])
+def test_job_ids_are_validated_and_never_a_pattern(provider: AzureProvider, arm: ArmServer, job_id: str) -> None:
+    with pytest.raises(InvalidRequestError, match="letters, digits"):
+        provider.release_job(job_id)
+    with pytest.raises(InvalidRequestError, match="matched exactly"):
+        provider.describe(job_id=job_id)
+    assert arm.requests == []
+
+
+@pytest.mark.parametrize(
+    ("tags", "says"),
+    [
+        ({"a/b": "v"}, "contains /"),
+        ({"Microsoft.Owner": "v"}, "starts with 'microsoft'"),
+        ({"k" * 513: "v"}, "513 characters, at most 512"),
+        ({"team": "v" * 257}, "257 characters, at most 256"),
+        ({f"t{n}": "v" for n in range(49)}, "49 tags, at most 48"),
+        ({JOB_TAG: "other-job"}, "set by the provider"),
+    ],
+)
+def test_tags_are_validated_before_any_call(
+    provider: AzureProvider, arm: ArmServer, tags: dict[str, str], says: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(says)):
+        provider.launch(LaunchRequest("job-tags", "worker", CPU, tags=tags))
+    assert arm.requests == []
+
+
+def test_an_invalid_endpoint_is_one_clear_error() -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape("invalid endpoint URL 'management.azure.com'")):
+        AzureProvider(SUBSCRIPTION, RG, LOCATION, credential=FakeCredential(), base_url="management.azure.com")
 
 
 # ------------------------------------------------------------------------------------------------ credentials, check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,12 +13,14 @@ import pytest
 
 from cloud.base import InvalidRequestError, LaunchRequest
 from cloud.cli import format_checks, format_instances
+from cloud.iam import AWS_EXAMPLE, aws_job_policy, azure_job_role
 from cloud.local import LocalProvider
 from cloud.registry import PROVIDER_NAMES, make_provider
 from trainmover.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINMOVER = ROOT / ".venv" / "bin" / "trainmover"
+# The console script that was installed with the interpreter running the tests, wherever its environment lives.
+TRAINMOVER = Path(sys.executable).with_name("trainmover")
 
 
 def test_check_of_the_local_provider_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,6 +35,7 @@ def test_check_of_the_local_provider_passes_and_writes_json(tmp_path: Path, caps
 
 
 def test_the_installed_command_checks_the_local_provider() -> None:
+    assert TRAINMOVER.is_file(), f"no trainmover entry point next to {sys.executable}: pip install -e . first"
     result = subprocess.run(
         [str(TRAINMOVER), "cloud", "check", "--provider", "local"], capture_output=True, text=True, timeout=60
     )
@@ -74,6 +78,75 @@ def test_azure_without_a_subscription_names_every_missing_setting(
     assert err.count("\n") == 1
     assert "--subscription (or AZURE_SUBSCRIPTION_ID)" in err and "--resource-group" in err
     assert "--location" not in err
+
+
+def test_azure_without_credentials_is_one_line_saying_what_to_set(tmp_path: Path) -> None:
+    # A fresh process, as a user runs it: azure-identity logs every credential it tried before raising, which only
+    # shows up outside pytest's log capture. HOME is empty so that no token cache of this machine is found.
+    env = {"PATH": os.defpath, "HOME": str(tmp_path), "AZURE_CONFIG_DIR": str(tmp_path / "az")}
+    azure = ["--subscription", "00000000-0000-0000-0000-000000000000", "--resource-group", "rg", "--location", "eastus"]
+    result = subprocess.run(
+        [str(TRAINMOVER), "cloud", "describe", "--provider", "azure", *azure, "--job", "j1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("trainmover cloud describe: error: azure: no usable credentials")
+    assert "az login" in line and "AZURE_CLIENT_ID" in line and "managed identity" in line
+
+
+@pytest.mark.parametrize("provider", ["aws", "azure"])
+def test_an_invalid_endpoint_url_is_one_line(provider: str, capsys: pytest.CaptureFixture[str]) -> None:
+    where = ["--region", "us-east-1"] if provider == "aws" else ["--subscription", "s", "--resource-group", "rg"]
+    argv = ["cloud", "describe", "--provider", provider, *where, "--location", "eastus", "--job", "j1"]
+    assert main([*argv, "--endpoint-url", "not a url"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err
+    assert lines[0].startswith(f"trainmover cloud describe: error: {provider}: invalid endpoint URL 'not a url': ")
+    assert lines[0].endswith(
+        "give an absolute http(s) URL such as "
+        + (
+            "https://ec2.us-east-1.amazonaws.com or http://127.0.0.1:5000"
+            if provider == "aws"
+            else "https://management.azure.com"
+        )
+        + ", or leave it out to use the cloud's own endpoint"
+    )
+
+
+@pytest.mark.parametrize("provider", PROVIDER_NAMES)
+@pytest.mark.parametrize("action", ["describe", "release"])
+def test_a_job_pattern_is_refused_before_any_provider_is_made(
+    provider: str, action: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # No region, subscription or credentials: the job id is refused first.
+    assert main(["cloud", action, "--provider", provider, "--job", "llm-?b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "invalid job id 'llm-?b': use 1-63 letters, digits, '.', '_' or '-'" in err and "matched exactly" in err
+
+
+def test_the_policy_command_prints_the_per_job_policy_and_the_azure_role(capsys: pytest.CaptureFixture[str]) -> None:
+    scope = AWS_EXAMPLE
+    argv = ["cloud", "policy", "--provider", "aws", "--job", scope.job_id, "--account", scope.account_id]
+    argv += [f"--region={r}" for r in scope.regions] + [f"--image={i}" for i in scope.images]
+    argv += [f"--instance-type={t}" for t in scope.instance_types] + [f"--kms-key={k}" for k in scope.kms_key_arns]
+    assert main([*argv, "--node-role", str(scope.node_role_arn)]) == 0
+    assert json.loads(capsys.readouterr().out) == aws_job_policy(scope)
+
+    assert main(["cloud", "policy", "--provider", "aws", "--job", "llm-7b", "--region", "us-east-1"]) == 2
+    assert "the policy needs at least one of images" in capsys.readouterr().err
+
+    sub = "00000000-0000-0000-0000-00000000cafe"
+    assert main(["cloud", "policy", "--provider", "azure", "--subscription", sub, "--resource-group", "rg-tm"]) == 0
+    role = json.loads(capsys.readouterr().out)
+    assert role == azure_job_role(sub, "rg-tm")
+    assert role["AssignableScopes"] == [f"/subscriptions/{sub}/resourceGroups/rg-tm"]
 
 
 def test_an_unwritable_json_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -219,6 +292,27 @@ def test_aws_check_without_an_image_fails_the_launch_check_with_exit_1(
     assert main(["cloud", "check", "--provider", "aws", "--region", "us-east-1", "--endpoint-url", moto_url]) == 1
     verdict = capsys.readouterr().out.splitlines()[-1]
     assert verdict.startswith("aws: 1 of ") and verdict.endswith("checks failed: ec2:RunInstances")
+
+
+def test_release_of_a_wildcard_job_terminates_nothing(
+    moto_url: str, aws_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    provider = make_provider("aws", region="us-east-1", endpoint_url=moto_url, image=_an_ami(moto_url))
+    jobs = ["llm-7b", "llm-8b"]
+    try:
+        for job in jobs:
+            provider.launch(LaunchRequest(job_id=job, role="worker", instance_type="m5.large"))
+        aws = ["--provider", "aws", "--region", "us-east-1", "--endpoint-url", moto_url]
+
+        for pattern in ("llm-?b", "*"):  # both match both jobs as EC2 tag filters
+            assert main(["cloud", "release", *aws, "--job", pattern]) == 2
+            captured = capsys.readouterr()
+            assert captured.out == "" and captured.err.count("\n") == 1 and "matched exactly" in captured.err
+
+        assert [len(provider.describe(job_id=job)) for job in jobs] == [1, 1]
+    finally:
+        for job in jobs:
+            provider.release_job(job)
 
 
 def test_missing_aws_credentials_fail_check_and_stop_describe_with_one_line(

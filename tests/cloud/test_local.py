@@ -371,3 +371,18 @@ def test_bad_settings_and_injections_are_refused() -> None:
         cloud.inject_notice(inst.instance_id, "eviction", lead_s=-5.0)
     assert cloud.slots == 1 and LocalProvider().slots >= 8
     assert_nothing_left(cloud)
+
+
+def test_a_promoted_standby_is_retagged_worker(cloud: LocalProvider) -> None:
+    (standby,) = cloud.launch(LaunchRequest(job_id=JOB, role="standby", instance_type="g5.xlarge", tags={"t": "1"}))
+
+    promoted = cloud.set_role(standby.instance_id, "worker")
+
+    assert promoted.role == "worker" and [i.role for i in cloud.describe(job_id=JOB)] == ["worker"]
+    assert cloud.tags(standby.instance_id) == {"t": "1", JOB_TAG: JOB, ROLE_TAG: "worker"}
+    with pytest.raises(InvalidRequestError, match="invalid role 'boss'"):
+        cloud.set_role(standby.instance_id, "boss")  # type: ignore[arg-type]
+    cloud.terminate([standby.instance_id])
+    with pytest.raises(InvalidRequestError, match="cannot retag terminated"):
+        cloud.set_role(standby.instance_id, "standby")
+    assert_nothing_left(cloud)

@@ -30,6 +30,7 @@ from flows.models import TrainingRun
 from tests.flows.prefect_server import POOL, ROOT, PrefectStack, chromium, chromium_or_fail, poll
 
 JOB = "e2e"
+LOCAL_DEPLOYMENT = "local-drill"
 E2E_PARAMS: dict[str, Any] = {
     "run": {
         "job_id": JOB,
@@ -56,13 +57,18 @@ def prefect_yaml() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "prefect.yaml").read_text())
 
 
-def commented_variant(name: str) -> dict[str, Any]:
-    """The deployment between `# --- NAME ---` and `# --- end NAME ---` in prefect.yaml, as it reads uncommented."""
+def commented_block(name: str) -> Any:
+    """The YAML between `# --- NAME ---` and `# --- end NAME ---` in prefect.yaml, as it reads uncommented."""
     text = (ROOT / "prefect.yaml").read_text()
     block = re.search(rf"^# --- {name} ---\n(.*?)^# --- end {name} ---", text, re.M | re.S)
-    assert block, f"prefect.yaml has no commented {name} variant"
+    assert block, f"prefect.yaml has no commented {name} block"
     lines = [line.removeprefix("# ").removeprefix("#") for line in block.group(1).splitlines()]
-    (deployment,) = yaml.safe_load("\n".join(lines))
+    return yaml.safe_load("\n".join(lines))
+
+
+def commented_variant(name: str) -> dict[str, Any]:
+    """The commented deployment `name` of prefect.yaml, as it reads uncommented."""
+    (deployment,) = commented_block(name)
     return dict(deployment)
 
 
@@ -118,7 +124,9 @@ def stack(prefect_stack: PrefectStack) -> PrefectStack:
 
 
 def trigger(stack: PrefectStack, params: dict[str, Any], check: bool = True) -> tuple[str | None, str]:
-    done = stack.cli("deployment", "run", "resilient-training/local", "--params", json.dumps(params), check=check)
+    done = stack.cli(
+        "deployment", "run", f"resilient-training/{LOCAL_DEPLOYMENT}", "--params", json.dumps(params), check=check
+    )
     found = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
     return (found.group(1) if found else None), done.stdout + done.stderr
 

@@ -40,10 +40,19 @@ def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
         ({"policy_model": "/nonexistent/model.skops"}, "train one with `trainmover policy train`"),
         ({"hazard_multiplier": 0}, "hazard_multiplier"),
         ({"surprise": 1}, "surprise: Extra inputs are not permitted"),
+        ({"faults": "explode:rank=1"}, "faults: fault 'explode:rank=1': action must be one of kill"),
+        ({"faults": "kill:rank=1,step=soon"}, "faults: fault 'kill:rank=1,step=soon'"),
+        ({"faults": "kill:rank=1;corrupt:phase=exchange"}, "corrupt applies to phase=handoff_send only"),
+        ({"faults": "kill:rank=2,step=5"}, "faults name rank(s) [2], but the job has ranks 0-1 only"),
     ],
 )
 def test_bad_parameters_are_refused_with_the_field_named(fields: dict[str, object], needle: str) -> None:
     assert needle in refused(**fields)
+
+
+def test_a_faults_plan_the_runtime_accepts_is_kept_and_a_blank_one_is_none() -> None:
+    assert TrainingRun(faults="kill:rank=1,step=40").faults == "kill:rank=1,step=40"
+    assert TrainingRun(faults="  ").faults is None
 
 
 def test_a_script_that_does_not_exist_is_refused_before_launch(tmp_path: Path) -> None:

@@ -20,19 +20,27 @@ def _artifact(key: str) -> Any:
     return found[0]
 
 
-def test_tune_standby_policy_recommends_a_setting_above_the_floor_from_a_variable(tmp_path: Path) -> None:
+def test_tune_standby_policy_recommends_a_setting_above_the_floor_from_a_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
     from prefect.variables import Variable
 
     from flows.policy_flows import MIN_ETTR_VARIABLE, tune_standby_policy
 
     Variable.set(MIN_ETTR_VARIABLE, 0.995, overwrite=True)
-    plot = tmp_path / "frontier.png"
-    out = tune_standby_policy(trace="infinitehbd", plot_path=str(plot))
+    cwd, scratch = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir(), scratch.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tune_standby_policy(trace="infinitehbd")
     assert out["recommended"]["ettr"] >= 0.995
-    assert plot.stat().st_size > 1000
     md = _artifact("standby-recommendation")
     assert "Standby policy recommendation" in md.data and "data:image/png;base64" in md.data
     assert _artifact("standby-frontier").type == "table"
+    # The plot lives in its artifact: nothing written where the worker runs, its temporary directory gone.
+    assert list(cwd.iterdir()) == [] and list(scratch.iterdir()) == []
 
 
 def test_tune_refuses_a_csv_trace_without_the_fleet_size(tmp_path: Path) -> None:
@@ -44,14 +52,23 @@ def test_tune_refuses_a_csv_trace_without_the_fleet_size(tmp_path: Path) -> None
         tune_standby_policy(trace=str(csv), plot_path=str(tmp_path / "p.png"))
 
 
-def test_train_failure_model_saves_a_loadable_model_and_scores_it(tmp_path: Path) -> None:
+def test_train_failure_model_saves_a_loadable_model_and_scores_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from flows.policy_flows import TrainingData, train_failure_model
     from policy.features import FEATURE_NAMES
     from policy.predictor import FailurePredictor
 
-    path = tmp_path / "model.skops"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     data = TrainingData(seeds=(11,), eval_seed=12, nodes=24, days=30.0, max_iter=10)
-    out = train_failure_model(data=data, model_path=str(path))
+    out = train_failure_model(data=data)
+    # No path given: a new time-stamped file in the user's data directory, none in the working directory.
+    path = Path(out["model_path"])
+    assert path.parent == tmp_path / "data" / "trainmover" / "models" and path.name.startswith("failure-model-")
+    assert list(cwd.iterdir()) == []
     assert FailurePredictor.load(path).predict_proba([[0.0] * len(FEATURE_NAMES)]).shape == (1, 2)
     assert out["train"]["rows"] > 1000
     assert set(out["evaluation"]["verdict"]) >= {"cost_ratio", "best_static"}

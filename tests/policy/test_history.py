@@ -12,7 +12,7 @@ import pytest
 from policy.bursts import CompoundPoisson, burst_aware_learned
 from policy.cli import main
 from policy.decision import poisson_binomial_tails
-from policy.history import history_features
+from policy.history import has_edge, history_features
 from policy.pipeline import job_costs
 from policy.simulator import HazardPolicy, add_independent_count, job_view
 from policy.traces import FaultRecord, FaultTrace, write_csv
@@ -138,3 +138,20 @@ def test_the_burst_aware_learned_policy_holds_more_where_the_history_bursts() ->
     burst = burst_aware_learned(hazards, bursty, costs.lead_time_h).schedule(job).counts.sum(axis=1).max()
     assert calm == plain  # no cluster in the history: the same count as the per-node hazards alone
     assert burst > plain + 1  # four at a time: a pool for the burst
+
+
+@pytest.mark.parametrize(
+    ("ratios", "dominated", "kept"),
+    [
+        ((0.95, 0.97, 0.96), False, True),  # a steady 4% saving
+        ((0.988,), False, False),  # one split is no spread to compare with (bursty seed 9002 kept it and lost)
+        ((0.60, 0.99, 0.98), False, False),  # one lucky stretch: the mean saving is within the spread
+        ((0.50, 1.02, 0.60), False, False),  # dearer on one stretch
+        ((1.00, 0.24, 0.24), False, True),  # no better on the first stretch (too little to fit on), then far better
+        ((0.95, 0.97, 0.96), True, False),  # a static dominated it on a stretch
+    ],
+)
+def test_a_candidate_is_kept_only_with_an_edge_larger_than_its_spread(
+    ratios: tuple[float, ...], dominated: bool, kept: bool
+) -> None:
+    assert has_edge(ratios, dominated) is kept

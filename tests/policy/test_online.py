@@ -12,9 +12,19 @@ from policy.telemetry import TelemetrySample
 
 def sample(node: str, t_h: float, **kw: object) -> TelemetrySample:
     base: dict[str, object] = {
-        "node_id": node, "t_h": t_h, "gpu_temp_c": 45.0, "hbm_temp_c": 55.0, "power_w": 380.0,
-        "ecc_sbe_count": 0, "ecc_dbe_count": 0, "row_remaps": 0, "nvlink_errors": 0, "pcie_errors": 0,
-        "nic_errors": 0, "node_age_days": 300.0, "failures_last_30d": 0,
+        "node_id": node,
+        "t_h": t_h,
+        "gpu_temp_c": 45.0,
+        "hbm_temp_c": 55.0,
+        "power_w": 380.0,
+        "ecc_sbe_count": 0,
+        "ecc_dbe_count": 0,
+        "row_remaps": 0,
+        "nvlink_errors": 0,
+        "pcie_errors": 0,
+        "nic_errors": 0,
+        "node_age_days": 300.0,
+        "failures_last_30d": 0,
     }
     base.update(kw)
     return TelemetrySample.model_validate(base)
@@ -74,8 +84,9 @@ def test_a_fitted_model_scores_live_samples() -> None:
 
     model, _ = train_predictor([fleet_config(5, n_nodes=64, days=60.0)], predictor=FailurePredictor(max_iter=10))
     scorer = OnlineScorer(["a", "b"], model=model)
-    scorer.observe([sample("a", float(h), xid_codes=(48,) if h > 3 else (), ecc_sbe_count=40 * (h > 3))
-                    for h in range(1, 7)])
+    scorer.observe(
+        [sample("a", float(h), xid_codes=(48,) if h > 3 else (), ecc_sbe_count=40 * (h > 3)) for h in range(1, 7)]
+    )
     scorer.observe([sample("b", float(h)) for h in range(1, 7)])
     scores = {s.node_id: s.p_horizon for s in scorer.scores(6.0)}
     assert 0.0 <= scores["b"] <= 1.0 and 0.0 <= scores["a"] <= 1.0

@@ -223,3 +223,42 @@ def test_an_agent_fences_itself_when_its_lease_runs_out_and_comes_back_as_new(tm
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # fenced: killed and reaped
     keep.close()
+
+
+def test_on_one_machine_the_coordinator_sees_an_exit_on_its_own_pidfd_before_the_agent_reports_it(
+        tmp_path: Path) -> None:
+    """The local pool (runtime.launcher) starts processes through its agent like any host, but hands the
+    coordinator each process's pidfd: the exit is known the moment the kernel reports it, the slot is free at once,
+    and the agent's report that follows changes nothing."""
+    import select
+    import signal
+
+    from runtime.launcher import LaunchConfig, LocalProcess, start_local_pool
+
+    script = tmp_path / "idle.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    cfg = LaunchConfig(script=str(script), nproc=1, standby=0, quiet=True)
+    token = new_token()
+    p = start_local_pool(cfg, 1, token, None)
+    try:
+        w = p.spawn("w0", "worker")
+        assert isinstance(w, LocalProcess) and w.pid > 0
+        fd = w.exit_fd()
+        assert fd is not None
+        os.kill(w.pid, signal.SIGKILL)  # from outside, as an OOM kill would
+        assert select.select([fd], [], [], 10)[0] == [fd]
+        assert w.poll() == -signal.SIGKILL, "the exit is read from the process itself, not from the agent's report"
+        assert not p.hosts[0].procs, "its slot is free for a replacement at once"
+        s = p.spawn("s0", "standby")
+        s.kill()  # killed directly, reaped whichever thread gets there first
+        assert s.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while p.agent.children["s0"].pidfd is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the agent thread's own reaping
+        assert w.poll() == -signal.SIGKILL and s.poll() == -signal.SIGKILL and w.exit_cause() is None
+    finally:
+        p.close()
+    for h in (w, s):
+        h.close()
+        with pytest.raises(ProcessLookupError):
+            os.kill(h.pid, 0)  # reaped: not even a zombie is left
