@@ -123,7 +123,18 @@ class SimHosts:
         self.sel.register(sock, selectors.EVENT_READ, i)
 
     def _serve(self) -> None:
-        from runtime.protocol import Beat, GenerationNotice, Signal, Spawn, Started, Welcome, session_key
+        from runtime.protocol import (
+            Beat,
+            GenerationNotice,
+            ProcessHello,
+            Signal,
+            Spawn,
+            StandbyReady,
+            Started,
+            Welcome,
+            session_key,
+        )
+        from runtime.store import k_hello, k_ready
 
         beat_due = time.monotonic()
         while not self.halt:
@@ -154,9 +165,9 @@ class SimHosts:
                             self.procs[msg.proc] = i
                             if msg.role == "worker" and i not in self.worker_hosts:
                                 self.worker_hosts.append(i)
-                        self.records.put(f"proc/{msg.proc}/hello", {"pid": pid, "role": msg.role})
+                        self.records.put(k_hello(msg.proc), ProcessHello(pid, msg.role))
                         if msg.role == "standby":
-                            self.records.put(f"proc/{msg.proc}/ready", {"warmup_s": 0.0})
+                            self.records.put(k_ready(msg.proc), StandbyReady(0.0))
                         link.send(Started(msg.proc, pid))
                     elif isinstance(msg, GenerationNotice):
                         now = time.monotonic()
@@ -200,11 +211,14 @@ class SimHosts:
 
     def write_reports(self, gen: int, members: int) -> None:
         """The members' final reports of a recovery, so the coordinator closes it (as real members do)."""
+        from runtime.protocol import RecoveryReport
+        from runtime.store import k_report
+
         now = time.time()
         for r in range(members):
-            self.records.put(f"gen/{gen}/report/{r}", {
-                "rank": r, "role": "source", "group_ready_at": now, "handoff_end_at": now, "handoff_s": 0.0,
-                "handoff_bytes": 0, "replay_step": 1, "replay_done_at": now, "final": True})
+            self.records.put(k_report(gen, r), RecoveryReport(
+                rank=r, role="source", group_ready_at=now, handoff_s=0.0, handoff_bytes=0, handoff_end_at=now,
+                replay_step=1, replay_done_at=now, final=True))
 
     def close(self) -> None:
         self.halt = True

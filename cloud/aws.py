@@ -15,12 +15,21 @@ import re
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from cloud.aws_notices import HEALTH_EVENT, REBALANCE_RECOMMENDATION, SPOT_INTERRUPTION, notices_from_event
+from cloud.aws_network import AwsJobNetwork
+from cloud.aws_notices import (
+    HEALTH_EVENT,
+    REBALANCE_RECOMMENDATION,
+    SPOT_INTERRUPTION,
+    NoticeEvent,
+    Refusal,
+    event_refusal,
+    parse_event,
+)
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
@@ -107,6 +116,7 @@ _LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 # EC2 instance ids: "i-" and 8 (older) or 17 hex digits. AWS refuses a whole TerminateInstances call when one id
 # is malformed (InvalidInstanceID.Malformed), so ids are checked before any call.
 _INSTANCE_ID = re.compile(r"i-(?:[0-9a-f]{8}|[0-9a-f]{17})")
+_ACCOUNT_ID = re.compile(r"\d{12}")
 # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/Using_Tags.html#tag-restrictions
 TAG_LIMITS = TagLimits(
     "aws",
@@ -402,9 +412,24 @@ class AwsProvider(Provider):
         prices_usd_per_h: Mapping[str, float] | None = None,
         mutate_budget: RetryBudget = MUTATE,
         describe_budget: RetryBudget = DESCRIBE,
+        notice_job_id: str | None = None,
+        account_id: str | None = None,
+        network_release_timeout_s: float = 600.0,
     ) -> None:
+        if notice_job_id is not None:
+            validate_job_id(notice_job_id, provider="aws")
+        if account_id is not None and not _ACCOUNT_ID.fullmatch(account_id):
+            raise InvalidRequestError(f"aws: account_id {account_id!r} is not 12 digits", provider="aws")
+        if not network_release_timeout_s >= 0:
+            raise InvalidRequestError(
+                f"aws: network_release_timeout_s must be >= 0, got {network_release_timeout_s}", provider="aws"
+            )
         self.region = region
         self.notice_queue_url = notice_queue_url
+        # The job whose queue `notice_queue_url` is: only notices for its own instances are returned.
+        self.notice_job_id = notice_job_id
+        self.account_id = account_id  # the job's account; asked of STS on the first poll when not given
+        self.network_release_timeout_s = network_release_timeout_s
         self.image = image
         self.subnet = subnet
         self.security_groups = tuple(security_groups)
@@ -414,9 +439,12 @@ class AwsProvider(Provider):
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
         self._api = _AwsApi(region, session, endpoint_url)
+        self._network = AwsJobNetwork(self._api, mutate_budget=mutate_budget, describe_budget=describe_budget)
         self._known_types: set[str] = set()
         self._seen_events: deque[str] = deque(maxlen=4096)
         self._warned_no_queue = False
+        self._dropped: Counter[str] = Counter()
+        self._dropped_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"AwsProvider(region={self.region!r}, notice_queue_url={self.notice_queue_url!r})"
@@ -431,6 +459,7 @@ class AwsProvider(Provider):
             capacity_reservations=True,
             notice_kinds=frozenset({"spot_interruption", "rebalance_recommendation", "scheduled_maintenance"}),
             spot_notice_s=120.0,
+            job_network=True,
         )
 
     # launch -------------------------------------------------------------------------------------------------
@@ -489,8 +518,16 @@ class AwsProvider(Provider):
         subnet = request.subnet or self.subnet
         if subnet:
             params["SubnetId"] = subnet
-        if self.security_groups:
-            params["SecurityGroupIds"] = list(self.security_groups)
+        security_groups = list(self.security_groups)
+        if request.network is not None:
+            # Created on the job's first launch, found by tag afterwards: replacements join the same group and
+            # placement group as the hosts they replace.
+            job_placement = self._network.ensure(request.job_id, request.network, subnet=subnet)
+            security_groups.append(job_placement.security_group_id)
+            if job_placement.placement_group is not None:
+                params["Placement"] = {**params.get("Placement", {}), "GroupName": job_placement.placement_group}
+        if security_groups:
+            params["SecurityGroupIds"] = security_groups
         if user_data:
             params["UserData"] = user_data  # boto3 base64-encodes it
         response = self._api.call("ec2", "run_instances", self.mutate_budget, **params)
@@ -594,6 +631,26 @@ class AwsProvider(Provider):
                 provider="aws",
                 code="InvalidInstanceID.Malformed",
             )
+
+    def release_job(self, job_id: str) -> list[str]:
+        """Terminate the job's instances, then delete its security group and placement group (`LaunchRequest.network`)
+        once EC2 shows none of its instances (EC2 refuses to delete a group still in use): waits at most
+        `network_release_timeout_s`; what is still there then is logged, and a later `release_job` deletes it."""
+        ids = super().release_job(job_id)
+        left = self._network.release(
+            job_id,
+            instances_gone=lambda: not self.describe(job_id=job_id),
+            timeout_s=self.network_release_timeout_s,
+        )
+        if left:
+            log.warning(
+                "aws: job %s: %s still in use after %.0f s (EC2 has not let go of its instances yet); run release "
+                "again to delete them",
+                job_id,
+                ", ".join(left),
+                self.network_release_timeout_s,
+            )
+        return ids
 
     def _terminate(self, ids: list[str]) -> None:
         if not ids:
@@ -723,17 +780,30 @@ class AwsProvider(Provider):
     # notices ------------------------------------------------------------------------------------------------
 
     def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
+        """The job's notices from its queue. Every message is checked before it can move anything (`event_refusal`:
+        the AWS service that sends that kind of event, the job's account, this region; then the instance must carry
+        the job's tag); one that fails is deleted, logged once (its id and why, never its body) and counted in
+        `dropped_notice_counts`."""
         if not self.notice_queue_url:
             if not self._warned_no_queue:
                 log.warning("aws: no notice_queue_url, so no fleet-wide notices; create one with ensure_notice_queue()")
                 self._warned_no_queue = True
             return []
+        if self.notice_job_id is None:
+            raise InvalidRequestError(
+                "aws: pass notice_job_id=<the job> with notice_queue_url: a notice moves a host only once its "
+                "instance is checked to be the job's",
+                provider="aws",
+            )
+        account_id = self._job_account()
         deadline = time.monotonic() + timeout_s
         notices: list[Notice] = []
+        received = False
         for _batch in range(20):  # bounds a call even when a busy queue never drains
             remaining = deadline - time.monotonic()
-            # SQS long polling waits whole seconds, 20 at most; once something arrived, only drain what is there.
-            wait_s = 0 if notices or remaining < 1 else min(20, int(remaining))
+            # SQS long polling waits whole seconds, 20 at most; once something arrived (even messages that were
+            # then dropped), only drain what is there.
+            wait_s = 0 if received or remaining < 1 else min(20, int(remaining))
             response = self._api.call(
                 "sqs",
                 "receive_message",
@@ -744,23 +814,51 @@ class AwsProvider(Provider):
             )
             messages = response.get("Messages", [])
             if not messages:
-                if notices or remaining < 1:
+                if received or remaining < 1:
                     break
                 continue
-            notices += self._parse_messages(messages)
+            received = True
+            notices += self._checked_notices(messages, self.notice_job_id, account_id)
             self._delete_messages(messages)
         return notices
 
-    def _parse_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[Notice]:
-        notices: list[Notice] = []
+    def dropped_notice_counts(self) -> dict[str, int]:
+        """Queue messages dropped so far, by the check they failed: malformed, kind, source, account, region,
+        instance."""
+        with self._dropped_lock:
+            return dict(self._dropped)
+
+    def _job_account(self) -> str:
+        if self.account_id is None:
+            identity = self._api.call("sts", "get_caller_identity", self.describe_budget)
+            self.account_id = str(identity["Account"])
+        return self.account_id
+
+    def _checked_notices(self, messages: Sequence[Mapping[str, Any]], job_id: str, account_id: str) -> list[Notice]:
         received_at = time.time()
+        passed: list[tuple[str, NoticeEvent]] = []
         for message in messages:
+            message_id = str(message.get("MessageId", "?"))
             try:
-                parsed = notices_from_event(str(message.get("Body", "")), received_at=received_at)
+                event = parse_event(str(message.get("Body", "")), received_at=received_at)
             except ValueError as err:
-                log.warning("aws: dropped a malformed notice message %s: %s", message.get("MessageId"), err)
+                self._drop(message_id, Refusal("malformed", str(err)))
                 continue
-            for notice in parsed:
+            refusal = event_refusal(event, account_id=account_id, region=self.region)
+            if refusal is not None:
+                self._drop(message_id, refusal)
+                continue
+            passed.append((message_id, event))
+        ours = self._instances_of_job({n.instance_id for _, event in passed for n in event.notices}, job_id)
+        notices: list[Notice] = []
+        for message_id, event in passed:
+            kept = [n for n in event.notices if n.instance_id in ours]
+            if not kept:
+                others = sorted({n.instance_id for n in event.notices})
+                shown = ", ".join(i[:24] for i in others[:5]) + (" ..." if len(others) > 5 else "")
+                self._drop(message_id, Refusal("instance", f"no instance of job {job_id} among {shown}"))
+                continue
+            for notice in kept:
                 # EventBridge delivers at least once: the same event may arrive twice.
                 if notice.event_id is not None and notice.event_id in self._seen_events:
                     continue
@@ -768,6 +866,37 @@ class AwsProvider(Provider):
                     self._seen_events.append(notice.event_id)
                 notices.append(notice)
         return notices
+
+    def _instances_of_job(self, instance_ids: set[str], job_id: str) -> set[str]:
+        """Which of `instance_ids` carry the job's tag (in any state). A filter, not InstanceIds: an id EC2 does not
+        know (another account's, a forged one) is simply not returned, instead of failing the whole call."""
+        wanted = sorted(i for i in instance_ids if _is_instance_id(i))
+        ours: set[str] = set()
+        for start in range(0, len(wanted), 100):
+            params: dict[str, Any] = {
+                "Filters": [
+                    {"Name": "instance-id", "Values": wanted[start : start + 100]},
+                    {"Name": f"tag:{JOB_TAG}", "Values": [job_id]},
+                ]
+            }
+            while True:
+                page = self._api.call("ec2", "describe_instances", self.describe_budget, **params)
+                ours |= {
+                    str(raw["InstanceId"])
+                    for reservation in page.get("Reservations", [])
+                    for raw in reservation.get("Instances", [])
+                    if _tags_of(raw).get(JOB_TAG) == job_id
+                }
+                if not page.get("NextToken"):
+                    break
+                params["NextToken"] = page["NextToken"]
+        return ours
+
+    def _drop(self, message_id: str, refusal: Refusal) -> None:
+        with self._dropped_lock:
+            self._dropped[refusal.check] += 1
+        detail = refusal.detail if len(refusal.detail) <= 300 else f"{refusal.detail[:297]}..."
+        log.warning("aws: dropped notice message %s (%s check): %s", message_id[:64], refusal.check, detail)
 
     def _delete_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
         entries = [{"Id": str(n), "ReceiptHandle": m["ReceiptHandle"]} for n, m in enumerate(messages)]

@@ -1,8 +1,10 @@
 """AWS early warnings as `Notice` records: on the node from instance metadata (IMDSv2), fleet-wide from EventBridge.
 
 `ImdsNoticeSource` runs on an instance and polls its own metadata service (stdlib `urllib` only, so the training
-image needs no SDK). `notices_from_event` turns one EventBridge event, as EventBridge delivers it to an SQS queue,
-into notices; `cloud.aws.AwsProvider.poll_notices` reads the queue and calls it.
+image needs no SDK; never through a proxy). `parse_event` turns one EventBridge event, as EventBridge delivers it to
+an SQS queue, into a `NoticeEvent`: its envelope (source, account, region) and its notices. `event_refusal` says why
+an event must not move anything (a source, account or region other than the job's). The AWS provider's
+`poll_notices` reads the queue, applies it, and keeps only the notices of the job's own instances.
 
 AWS documents the shapes parsed here:
 - spot interruption: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html
@@ -20,9 +22,10 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Literal
 
 from cloud.base import Notice, NoticeSource, ServiceUnavailableError, UnsupportedError
 
@@ -32,6 +35,14 @@ SPOT_NOTICE_S = 120.0  # AWS gives two minutes between the interruption warning 
 SPOT_INTERRUPTION = "EC2 Spot Instance Interruption Warning"
 REBALANCE_RECOMMENDATION = "EC2 Instance Rebalance Recommendation"
 HEALTH_EVENT = "AWS Health Event"
+
+# Which AWS service sends each event we act on. EventBridge refuses PutEvents with an "aws." source from anyone but
+# AWS, so a message whose source is right came from EventBridge's own delivery, not from a caller's put_events.
+SOURCE_OF: Mapping[str, str] = {
+    SPOT_INTERRUPTION: "aws.ec2",
+    REBALANCE_RECOMMENDATION: "aws.ec2",
+    HEALTH_EVENT: "aws.health",
+}
 
 _TOKEN_PATH = "/latest/api/token"
 SPOT_ACTION_PATH = "/latest/meta-data/spot/instance-action"
@@ -65,18 +76,32 @@ def _instance_id_of(resource: str) -> str:
 # ------------------------------------------------------------------------------------------------ EventBridge
 
 
-def notices_from_event(body: str, *, received_at: float) -> list[Notice]:
-    """The notices in one EventBridge event (an SQS message body). An event of another kind gives [] (the rule
-    matched more than we act on); a body that is not such an event raises ValueError."""
+@dataclass(frozen=True, slots=True)
+class NoticeEvent:
+    """One EventBridge event as it arrived: who sent it and from where (checked before it moves anything), and the
+    notices it carries (none for an event of a kind we do not act on)."""
+
+    event_id: str | None
+    source: str
+    account: str
+    region: str
+    detail_type: str
+    notices: tuple[Notice, ...]
+
+
+def parse_event(body: str, *, received_at: float) -> NoticeEvent:
+    """The event in one SQS message body. ValueError when the body is not such an event (the error names what is
+    wrong, never quotes the body: a body is not ours to log)."""
     try:
         event = json.loads(body)
     except json.JSONDecodeError as err:
-        raise ValueError(f"not JSON: {err}") from err
+        raise ValueError(f"not JSON: {err.msg} at character {err.pos}") from err
     if not isinstance(event, dict) or not isinstance(event.get("detail"), dict):
         raise ValueError("not an EventBridge event: no 'detail' object")
     detail_type = event.get("detail-type")
     detail: dict[str, Any] = event["detail"]
     event_id = str(event.get("id") or "")
+    notices: list[Notice] = []
     if detail_type in (SPOT_INTERRUPTION, REBALANCE_RECOMMENDATION):
         instance_id = detail.get("instance-id") or next(
             (_instance_id_of(r) for r in event.get("resources") or [] if isinstance(r, str)), None
@@ -84,21 +109,74 @@ def notices_from_event(body: str, *, received_at: float) -> list[Notice]:
         if not isinstance(instance_id, str) or not instance_id:
             raise ValueError(f"{detail_type} without an instance id")
         if detail_type == REBALANCE_RECOMMENDATION:
-            return [Notice("rebalance_recommendation", instance_id, received_at, "eventbridge", None, event_id or None)]
-        return [
-            Notice(
-                "spot_interruption",
-                instance_id,
-                received_at,
-                "eventbridge",
-                _spot_deadline(event, detail, received_at),
-                event_id or None,
-                f"instance-action={detail.get('instance-action', 'terminate')}",
-            )
-        ]
-    if detail_type == HEALTH_EVENT:
-        return _health_notices(event, detail, event_id, received_at)
-    return []
+            notices = [
+                Notice("rebalance_recommendation", instance_id, received_at, "eventbridge", None, event_id or None)
+            ]
+        else:
+            notices = [
+                Notice(
+                    "spot_interruption",
+                    instance_id,
+                    received_at,
+                    "eventbridge",
+                    _spot_deadline(event, detail, received_at),
+                    event_id or None,
+                    f"instance-action={detail.get('instance-action', 'terminate')}",
+                )
+            ]
+    elif detail_type == HEALTH_EVENT:
+        notices = _health_notices(event, detail, event_id, received_at)
+    return NoticeEvent(
+        event_id=event_id or None,
+        source=_text(event.get("source")),
+        account=_text(event.get("account")),
+        region=_text(event.get("region")),
+        detail_type=_text(detail_type),
+        notices=tuple(notices),
+    )
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _shown(value: str) -> str:
+    """A value from a message, short enough for a log line."""
+    return repr(value if len(value) <= 40 else f"{value[:37]}...")
+
+
+Check = Literal["malformed", "kind", "source", "account", "region", "instance"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a queue message moved nothing: the check it failed, and a detail fit for a log line (never the body)."""
+
+    check: Check
+    detail: str
+
+
+def event_refusal(event: NoticeEvent, *, account_id: str, region: str) -> Refusal | None:
+    """Why `event` must not move anything, or None when its envelope is the job's: a kind we act on, sent by the
+    AWS service that sends that kind, for `account_id`, in `region`. (Whether its instances are the job's is the
+    provider's check: it needs EC2.)"""
+    expected_source = SOURCE_OF.get(event.detail_type)
+    if expected_source is None or not event.notices:
+        return Refusal("kind", f"not a notice we act on (detail-type {_shown(event.detail_type)})")
+    if event.source != expected_source:
+        return Refusal("source", f"source {_shown(event.source)} is not {expected_source!r} for {event.detail_type}")
+    if event.account != account_id:
+        # Account ids are not secrets, but a log line needs only enough of one to tell accounts apart.
+        return Refusal("account", f"account ...{event.account[-4:]} is not the job's account ...{account_id[-4:]}")
+    if event.region != region:
+        return Refusal("region", f"region {_shown(event.region)} is not the provider's region {region!r}")
+    return None
+
+
+def notices_from_event(body: str, *, received_at: float) -> list[Notice]:
+    """The notices in one EventBridge event (an SQS message body), unchecked: an event of another kind gives []; a
+    body that is not such an event raises ValueError. Use `parse_event` and `event_refusal` to act on a queue."""
+    return list(parse_event(body, received_at=received_at).notices)
 
 
 def _spot_deadline(event: Mapping[str, Any], detail: Mapping[str, Any], received_at: float) -> float:
@@ -168,6 +246,8 @@ class ImdsNoticeSource(NoticeSource):
         self.token_ttl_s = token_ttl_s
         self._token: str | None = None
         self._token_expires_at = 0.0  # time.monotonic()
+        # IMDS is link-local: a proxy from HTTP(S)_PROXY cannot reach it, and must never see its token.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._seen: deque[str] = deque(maxlen=_SEEN_MAX)
 
     def __repr__(self) -> str:  # never show the token
@@ -232,7 +312,7 @@ class ImdsNoticeSource(NoticeSource):
                 self.endpoint + path, headers={"X-aws-ec2-metadata-token": self._current_token()}
             )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with self._opener.open(request, timeout=self.timeout_s) as response:
                     raw = response.read()
             except urllib.error.HTTPError as err:
                 if err.code == 404:
@@ -263,7 +343,7 @@ class ImdsNoticeSource(NoticeSource):
             headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
                 token: str = response.read().decode("ascii").strip()
         except urllib.error.HTTPError as err:
             if err.code == 403:

@@ -50,6 +50,7 @@ from cloud.base import (
     ServiceUnavailableError,
     TagLimits,
     ThrottledError,
+    UnsupportedError,
     validate_endpoint_url,
     validate_job_id,
     validate_role,
@@ -569,6 +570,15 @@ class AzureProvider(Provider):
 
     def launch(self, request: LaunchRequest) -> list[Instance]:
         validate_tags(request.tags, TAG_LIMITS)
+        if request.network is not None:
+            # Refused rather than ignored: a launch must never look protected when it is not.
+            raise UnsupportedError(
+                "azure: the provider does not create a per-job network security group or proximity placement group "
+                "yet (LaunchRequest.network): launch without it into a subnet whose NSG admits only the job's hosts, "
+                "and pass placement_group=<proximity placement group id> (docs/cloud-azure.md)",
+                provider=PROVIDER,
+                code="UnsupportedNetwork",
+            )
         if request.market == "spot" and request.capacity_reservation:
             raise InvalidRequestError(
                 "azure: spot VMs cannot use a capacity reservation group; launch on-demand or drop the reservation",

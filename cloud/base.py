@@ -139,6 +139,59 @@ def validate_tags(tags: Mapping[str, str], limits: TagLimits) -> None:
         )
 
 
+# The kernel's default ephemeral range (net.ipv4.ip_local_port_range): where Gloo/NCCL pairs and the TLS handoff
+# listen unless a host narrows it (docs/multihost.md, "Ports, for a security group").
+EPHEMERAL_PORTS = (32768, 60999)
+
+
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+
+
+@dataclass(frozen=True, slots=True)
+class JobNetwork:
+    """The job's own network boundary, created by the provider once per job and reused for every launch of it.
+
+    AWS: a security group tagged with the job whose only ingress rules admit, from the same group, TCP on
+    `store_port`, `agent_port` and `data_ports`; and, with `cluster_placement`, a cluster placement group. Both are
+    deleted by `release_job` once the job's instances are gone. See docs/cloud-aws.md.
+    """
+
+    store_port: int
+    """The coordinator's `--port` (the job's store): every training process and the orchestrator connect to it."""
+    agent_port: int
+    """The coordinator's `--agent-port`: every host's agent connects to it."""
+    data_ports: tuple[int, int] = EPHEMERAL_PORTS
+    """The first and last port (inclusive) of the runtime's data plane between hosts: Gloo/NCCL pairs and the TLS
+    handoff listen on ephemeral ports, so this is the hosts' `net.ipv4.ip_local_port_range`."""
+    cluster_placement: bool = True
+    """Also launch every instance of the job into one cluster placement group (low latency, one zone)."""
+
+    def __post_init__(self) -> None:
+        for label, port in (("store_port", self.store_port), ("agent_port", self.agent_port)):
+            if not _is_port(port):
+                raise InvalidRequestError(
+                    f"network: {label} must be a TCP port 1-65535, got {port!r}", code="InvalidPort"
+                )
+        ports = tuple(self.data_ports) if isinstance(self.data_ports, tuple | list) else ()
+        if len(ports) != 2 or not all(_is_port(p) for p in ports) or ports[0] > ports[1]:
+            raise InvalidRequestError(
+                f"network: data_ports must be (first, last) TCP ports with first <= last, got {self.data_ports!r}; "
+                f"the kernel's default ephemeral range is {EPHEMERAL_PORTS}",
+                code="InvalidPort",
+            )
+        object.__setattr__(self, "data_ports", (int(ports[0]), int(ports[1])))
+        if not isinstance(self.cluster_placement, bool):
+            raise InvalidRequestError(
+                f"network: cluster_placement must be True or False, got {self.cluster_placement!r}",
+                code="InvalidNetwork",
+            )
+
+    def tcp_port_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) TCP port ranges the job's hosts accept from each other, sorted, without duplicates."""
+        return tuple(sorted({(self.store_port, self.store_port), (self.agent_port, self.agent_port), self.data_ports}))
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchRequest:
     """What to launch. Tags `trainmover:job` and `trainmover:role` are always added by the provider."""
@@ -162,6 +215,10 @@ class LaunchRequest:
     into the instance's user-data (EC2) or `osProfile.customData` (Azure), with the identity that fetches the job's
     secret (the instance profile on AWS, a system-assigned managed identity on Azure). The document carries only
     the secret's `SecretRef`. Excludes `user_data`."""
+    network: JobNetwork | None = None
+    """Launch into the job's own security group (and cluster placement group), created on the job's first launch and
+    reused for replacements; deleted by `release_job`. AWS only (`Capabilities.job_network`); excludes
+    `placement_group` when `network.cluster_placement` is set."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -176,6 +233,17 @@ class LaunchRequest:
             )
         if self.bootstrap is not None:
             self._check_bootstrap(self.bootstrap)
+        if self.network is not None:
+            if not isinstance(self.network, JobNetwork):
+                raise InvalidRequestError(
+                    f"network must be a cloud.base.JobNetwork, got {type(self.network).__name__}", code="InvalidNetwork"
+                )
+            if self.network.cluster_placement and self.placement_group:
+                raise InvalidRequestError(
+                    f"give placement_group={self.placement_group!r} or network.cluster_placement, not both: the job's "
+                    "network already puts every instance into the job's own cluster placement group",
+                    code="InvalidNetwork",
+                )
 
     def _check_bootstrap(self, bootstrap: object) -> None:
         from cloud.bootstrap import AgentBootstrap  # cloud.bootstrap imports this module
@@ -260,6 +328,7 @@ class Capabilities:
     capacity_reservations: bool
     notice_kinds: frozenset[NoticeKind]
     spot_notice_s: float | None  # 120 on AWS, 30 on Azure, None where there is no spot
+    job_network: bool = False  # creates a per-job security group / placement group from `LaunchRequest.network`
 
     def can_park(self, market: Market) -> bool:
         return self.park_spot if market == "spot" else self.park_on_demand

@@ -5,10 +5,11 @@ what these functions return (so the documented policy is the generated one, neve
 
 AWS (`aws_job_policy`): every mutation is scoped to the job's own `trainmover:job` tag value (`aws:RequestTag` on
 create, `aws:ResourceTag` afterwards), to the given regions, images and instance types, and to launches that
-require IMDSv2; `iam:PassRole` is granted for the node role alone and only to EC2; the KMS grants that
-CMK-encrypted EBS volumes need are limited to use through EC2; the notice queue and rules are the job's own by
-name. Azure (`azure_job_role`): RBAC cannot condition VM writes on tags, so the boundary is the resource group the
-role is assigned on, which must hold nothing but TrainMover's VMs (docs/cloud-azure.md says why).
+require IMDSv2; so are its own security group and (cluster) placement group. `iam:PassRole` is granted for the
+node role alone and only to EC2; the KMS grants that CMK-encrypted EBS volumes need are limited to use through EC2;
+the notice queue and rules are the job's own by name. Azure (`azure_job_role`): RBAC cannot condition VM writes on
+tags, so the boundary is the resource group the role is assigned on, which must hold nothing but TrainMover's VMs
+(docs/cloud-azure.md says why).
 
 Pure functions of typed inputs: nothing here calls a cloud or imports an SDK.
 """
@@ -30,6 +31,13 @@ EC2_READS = (
     "ec2:DescribeSpotPriceHistory",
 )
 EC2_INSTANCE_MUTATIONS = ("ec2:StartInstances", "ec2:StopInstances", "ec2:TerminateInstances")
+# The job's own security group and placement group (cloud.aws_network): found by tag, created once, deleted on release.
+EC2_JOB_NETWORK_READS = ("ec2:DescribeSecurityGroups", "ec2:DescribePlacementGroups", "ec2:DescribeSubnets")
+EC2_JOB_NETWORK_MUTATIONS = (
+    "ec2:AuthorizeSecurityGroupIngress",
+    "ec2:DeleteSecurityGroup",
+    "ec2:DeletePlacementGroup",
+)
 # https://docs.aws.amazon.com/ebs/latest/userguide/ebs-encryption-requirements.html#ebs-encryption-permissions
 KMS_FOR_EBS_VOLUMES = (
     "kms:Decrypt",
@@ -124,14 +132,16 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
     queue_arns = arns("sqs", queue_name)
     rule_arns = [arn for name in rule_names.values() for arn in arns("events", f"rule/{name}")]
     instances, volumes = arns("ec2", "instance/*"), arns("ec2", "volume/*")
+    security_groups, placement_groups = arns("ec2", "security-group/*"), arns("ec2", "placement-group/*")
     this_job = {f"aws:ResourceTag/{JOB_TAG}": job}
+    tagged_for_this_job = {f"aws:RequestTag/{JOB_TAG}": job}
 
     statements: list[dict[str, Any]] = [
         {
             # EC2 describe calls have no resource-level permissions: a region is the only possible limit.
             "Sid": "ReadFleetAndPricesInTheseRegions",
             "Effect": "Allow",
-            "Action": list(EC2_READS),
+            "Action": [*EC2_READS, *EC2_JOB_NETWORK_READS],
             "Resource": "*",
             "Condition": {"StringEquals": {"aws:RequestedRegion": list(scope.regions)}},
         },
@@ -203,6 +213,46 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
             "Effect": "Allow",
             "Action": list(EC2_INSTANCE_MUTATIONS),
             "Resource": instances,
+            "Condition": {"StringEquals": this_job},
+        },
+        {
+            "Sid": "CreateOnlyThisJobsSecurityGroup",
+            "Effect": "Allow",
+            "Action": "ec2:CreateSecurityGroup",
+            "Resource": security_groups,
+            "Condition": {"StringEquals": tagged_for_this_job},
+        },
+        {
+            # CreateSecurityGroup also authorizes on the VPC it creates the group in: the job's network's VPC.
+            "Sid": "CreateSecurityGroupsInTheVpcs",
+            "Effect": "Allow",
+            "Action": "ec2:CreateSecurityGroup",
+            "Resource": arns("ec2", "vpc/*"),
+        },
+        {
+            "Sid": "CreateOnlyThisJobsClusterPlacementGroup",
+            "Effect": "Allow",
+            "Action": "ec2:CreatePlacementGroup",
+            "Resource": placement_groups,
+            "Condition": {"StringEquals": {**tagged_for_this_job, "ec2:PlacementGroupStrategy": "cluster"}},
+        },
+        {
+            "Sid": "TagTheJobsNetworkOnlyAtCreation",
+            "Effect": "Allow",
+            "Action": "ec2:CreateTags",
+            "Resource": security_groups + placement_groups,
+            "Condition": {
+                "StringEquals": {
+                    "ec2:CreateAction": ["CreateSecurityGroup", "CreatePlacementGroup"],
+                    **tagged_for_this_job,
+                }
+            },
+        },
+        {
+            "Sid": "RuleAndDeleteOnlyThisJobsNetwork",
+            "Effect": "Allow",
+            "Action": list(EC2_JOB_NETWORK_MUTATIONS),
+            "Resource": security_groups + placement_groups,
             "Condition": {"StringEquals": this_job},
         },
     ]

@@ -417,6 +417,11 @@ class LocalProvider(Provider):
                 "local: capacity reservations do not exist on this machine; launch without capacity_reservation",
                 provider=self.name,
             )
+        if request.network is not None:
+            raise UnsupportedError(
+                "local: security groups and placement groups do not exist on this machine; launch without network",
+                provider=self.name,
+            )
 
     def _resolve(self) -> float:
         now = self.clock()

@@ -14,6 +14,10 @@ A `Supervisor` owns one job's life, in the order the flow calls it:
    same failures priced under checkpoint-restart).
 5. `release`: stop the job and terminate every instance it launched; the flow calls it in `finally`.
 
+All along it keeps the job's holdings record (`flows.holdings`) in its work directory up to date: what it holds now
+(the launcher's pid and port, the instances), so that whoever finds the flow run dead without its `finally`
+(Prefect's crash and cancellation hooks, `flows.endings`) can say what was left running. A release removes it.
+
 Logic lives here, not in the flow body, so it is tested without a Prefect server.
 """
 
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cloud.base import CloudError, Instance, LaunchRequest, Provider
+from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.models import TrainingRun
 from policy.costs import TierName
 from policy.decision import FleetState, decide_standby
@@ -121,8 +126,10 @@ class Supervisor:
         policy_every_s: float = 60.0,
         time_scale: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
     ) -> None:
         self.run = run
+        self.owner = owner
         self.provider = provider
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +142,7 @@ class Supervisor:
         self.policy_every_s = policy_every_s
         self.time_scale = time_scale
         self.clock = clock
+        self._launched: set[str] = set()  # every instance launched and not terminated: what a crash would leave
         self.workers: dict[int, str] = {}  # rank -> instance id
         self.warm: list[str] = []  # running standby instances (warm processes)
         self.parked: list[str] = []  # stopped standby instances
@@ -156,6 +164,9 @@ class Supervisor:
         self._last_accrual: float | None = None
         self.steps_done = 0
         self._exit: int | None = None
+        self.holdings_path = self.workdir / HOLDINGS_FILE
+        self._recorded: Holdings | None = None
+        self._remember()
 
     # -- provisioning --------------------------------------------------------------------------------
     def provision(self) -> list[Happening]:
@@ -181,6 +192,7 @@ class Supervisor:
                 {"workers": list(self.workers.values()), "standbys": list(self.warm)},
             )
         )
+        self._remember()
         return out
 
     def _launch(self, role: str, count: int) -> list[Instance]:
@@ -193,7 +205,38 @@ class Supervisor:
             count=count,
             market=self.run.market,
         )
-        return self.provider.launch(req)
+        launched = self.provider.launch(req)
+        # Recorded before anyone keeps the ids: a crash between here and the next record still names them.
+        self._launched.update(i.instance_id for i in launched)
+        self._remember()
+        return launched
+
+    # -- the holdings record -------------------------------------------------------------------------
+    def holdings(self) -> Holdings:
+        """What this supervisor holds now: its launcher (while it runs) and every instance it launched and did
+        not terminate."""
+        running = self.proc is not None and self.proc.poll() is None
+        return Holdings(
+            job_id=self.run.job_id,
+            owner=self.owner,
+            host=socket.gethostname(),
+            workdir=str(self.workdir),
+            launcher_pid=self.proc.pid if self.proc is not None and running else None,
+            port=self.port,
+            instances=tuple(sorted(self._launched)),
+        )
+
+    def _remember(self) -> None:
+        """Rewrite the holdings record when what is held changed (atomically: a reader never sees half)."""
+        now = self.holdings()
+        if now == self._recorded:
+            return
+        try:
+            write_holdings(self.holdings_path, now)
+        except OSError as exc:  # the record is for a post-mortem; the job goes on without it
+            log.warning("could not write %s: %s", self.holdings_path, exc)
+            return
+        self._recorded = now
 
     # -- the job -------------------------------------------------------------------------------------
     def start(self, script: Path) -> None:
@@ -231,6 +274,7 @@ class Supervisor:
         self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, ENV_SECRET: secret})
         log_file.close()
+        self._remember()
         self._started_at = self.clock()
         self._last_accrual = self._started_at
         self.control = JobControl("127.0.0.1", self.port, timeout_s=60.0, secret=secret)
@@ -268,11 +312,13 @@ class Supervisor:
         if self.proc is not None and self.proc.poll() is not None and self._exit is None:
             out += self._read_events()  # the last lines, written before the launcher exited
             self._exit = self.proc.returncode
+            self._remember()
             return out
         out += self._notices()
         if now >= self._next_policy and self._started_at is not None:
             self._next_policy = now + self.policy_every_s
             out += self._decide(now)
+        self._remember()  # a replaced or released instance; written only when something changed
         return out
 
     def elapsed_h(self, now: float | None = None) -> float:
@@ -395,6 +441,7 @@ class Supervisor:
         if old is not None:
             try:
                 self.provider.terminate([old])
+                self._launched.discard(old)
             except CloudError as exc:
                 log.warning("could not release %s: %s", old, exc)
         if self.warm:
@@ -514,6 +561,7 @@ class Supervisor:
             self.warm = self.warm[:warm]
             if surplus:
                 self.provider.terminate(surplus)
+                self._launched.difference_update(surplus)
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.standby.released",
@@ -551,6 +599,8 @@ class Supervisor:
         ev = self.events
         start = next((e["time"] for e in ev if e.get("event") == "generation"), None)
         end = next((e["time"] for e in ev if e.get("event") in ("job_finished", "job_failed")), None)
+        if start is not None and end is None:
+            end = time.time()  # a report of a run stopped midway: what ran until now (event times are epoch)
         wall_s = float(end - start) if start is not None and end is not None else 0.0
         fin = next((e for e in ev if e.get("event") == "job_finished"), None)
         failed = next((e for e in ev if e.get("event") == "job_failed"), None)
@@ -598,4 +648,8 @@ class Supervisor:
                 self.proc.wait(timeout=10)
         released = self.provider.release_job(self.run.job_id)
         self.warm, self.parked = [], []
+        self._launched.clear()
+        # Nothing is held any more: no record, so a hook that runs after this finds nothing left running.
+        self.holdings_path.unlink(missing_ok=True)
+        self._recorded = None
         return released

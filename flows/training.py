@@ -10,6 +10,11 @@ flow announces each happening as a Prefect event named `trainmover.<resource>.<a
 them) and a line in the run's log, keeps a progress artifact, and ends with a table artifact of every
 interruption and a markdown cost report. Every instance the flow launched is released in `finally`, also when
 the run fails or is cancelled, and the run's temporary directory is removed.
+
+A run that does not finish still reports: after the release, the cost report of what ran until then, and a
+`trainmover.job.failed`, `.cancelled` or `.crashed` event with the reason (`flows.endings`); a flow-run process
+killed outright is reported by the crash and cancellation hooks, from the job's holdings record. A job has one owner:
+a second run of a running job id is refused before it launches anything (`flows.ownership`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,8 +41,11 @@ from pydantic import Field
 
 from cloud.base import Provider
 from flows.drill import DegradingFeed, FailureDrill, drill_refusal
+from flows.endings import Ending, ending_of, record_what_was_left, server_state
+from flows.holdings import workdir_prefix
 from flows.models import TrainingRun
-from flows.supervisor import Happening, RunReport, Supervisor
+from flows.ownership import owning
+from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
 from policy.online import OnlineScorer
 
 TICK_S = 0.2
@@ -111,14 +119,20 @@ def interruption_rows(report: RunReport) -> list[dict[str, Any]]:
     ]
 
 
-def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0) -> str:
+def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, ending: Ending | None = None) -> str:
     n = len(report.interruptions)
     saved = report.restart_cost_usd - report.downtime_cost_usd
     scaled = time_scale != 1.0
     clock = " (scaled clock)" if scaled else ""
-    lines = [
-        f"# Cost report: {report.job_id}",
-        "",
+    lines = [f"# Cost report: {report.job_id}", ""]
+    if ending is not None:
+        lines += [
+            f"**The run {ending.verb}** after {report.steps} committed step(s): {ending.reason}",
+            "",
+            "The figures cover what ran until then.",
+            "",
+        ]
+    lines += [
         f"{run.workers} workers on {run.provider} ({run.instance_type}), priced as "
         f"{run.job_nodes or run.workers} nodes at {run.node_price_usd_per_h:.2f} USD/h.",
         "",
@@ -186,16 +200,46 @@ def supervise(sup: Supervisor, chaos: FailureDrill | None, progress: UUID, max_w
 @task(name="report", cache_policy=NO_CACHE)
 def publish_report(report: RunReport, run: TrainingRun, time_scale: float) -> None:
     """The interruptions table and the cost report, as artifacts of the run."""
+    publish_artifacts(report, run, time_scale)
+
+
+def publish_artifacts(report: RunReport, run: TrainingRun, time_scale: float, ending: Ending | None = None) -> None:
     create_table_artifact(
         interruption_rows(report) or [{"cause": "none", "lost_time_s": 0.0}],
         key=f"{run.job_id}-interruptions",
         description="Every interruption: what failed, which tier covered it, and what it cost in seconds",
     )
     create_markdown_artifact(
-        cost_markdown(report, run, time_scale),
+        cost_markdown(report, run, time_scale, ending),
         key=f"{run.job_id}-cost-report",
-        description="Standby cost against downtime avoided" + (" (scaled clock)" if time_scale != 1.0 else ""),
+        description="Standby cost against downtime avoided"
+        + (" (scaled clock)" if time_scale != 1.0 else "")
+        + (f"; the run {ending.verb} midway" if ending is not None else ""),
     )
+
+
+def conclude(sup: Supervisor, run: TrainingRun, ending: Ending, time_scale: float, published: bool) -> None:
+    """A run that did not finish, after its release: the cost report of what ran until then (unless the job's own
+    report is out already) and the job's ending event. Called directly, not as tasks: while a cancellation is under
+    way no task may start. Never raises: the run's own error is what its state must show."""
+    logger = get_run_logger()
+    try:
+        report = replace(sup.report(), message=ending.reason)
+        if not published:
+            publish_artifacts(report, run, time_scale, ending)
+        # The job's own failure was announced as it happened (the coordinator's job_failed), with its reason.
+        if not (ending.kind == "failed" and any(e.get("event") == "job_failed" for e in sup.events)):
+            announce(
+                Happening(
+                    ending.event,
+                    f"{EVENT_PREFIX}.job.{run.job_id}",
+                    f"training {ending.kind}: {ending.reason}",
+                    {"reason": ending.reason, "steps": report.steps, "interruptions": len(report.interruptions)},
+                ),
+                run.job_id,
+            )
+    except Exception:
+        logger.warning("could not report what job %s did before the run %s", run.job_id, ending.verb, exc_info=True)
 
 
 @task(name="release", cache_policy=NO_CACHE)
@@ -223,7 +267,30 @@ def flow_run_name() -> str:
     return f"{job_id}-{flow_run.scheduled_start_time.astimezone(UTC):%Y%m%d-%H%M%S}"
 
 
-@flow(name="resilient-training", flow_run_name=flow_run_name, log_prints=False)
+def release_everything(sup: Supervisor) -> None:
+    """The release task, or, when it cannot run or fails (a cancellation under way), the supervisor's release
+    directly: the fleet must go either way."""
+    try:
+        release(sup)
+    except BaseException:
+        get_run_logger().warning("the release task did not finish; releasing job %s directly", sup.run.job_id)
+        sup.release()
+        raise
+
+
+def current_flow_run_id() -> UUID:
+    from prefect.runtime import flow_run
+
+    return UUID(flow_run.id)
+
+
+@flow(
+    name="resilient-training",
+    flow_run_name=flow_run_name,
+    log_prints=False,
+    on_crashed=[record_what_was_left],
+    on_cancellation=[record_what_was_left],
+)
 def resilient_training(
     run: TrainingRun = TrainingRun(),  # noqa: B008 - a pydantic default is how Prefect renders the form
     drill: bool = False,
@@ -234,7 +301,8 @@ def resilient_training(
     """Run `run.script` with standbys on `run.provider`, steer them by the failure policy, report what it cost.
 
     Args:
-        run: The job: where it runs, what it trains, its standby limits and prices, failures to inject.
+        run: The job: where it runs, what it trains, its standby limits and prices, failures to inject. One
+            run at a time per run.job_id: a second run of a job that is running is refused before it launches.
         drill: The demo's failure drill, on this machine only: one node's telemetry degrades, the policy
             pre-warms a standby, the drill SIGKILLs that worker, then another one unannounced. Needs
             run.provider 'local', 2 or more workers, run.standby.min_warm 0 and max_warm 1 or more, and a clock
@@ -251,40 +319,45 @@ def resilient_training(
     script = Path(check_run(run, drill, time_scale, policy_every_s))
     scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
     provider = make_provider(run)
-    workdir = Path(tempfile.mkdtemp(prefix=f"trainmover-{run.job_id}-"))
-    sup = Supervisor(
-        run,
-        provider,
-        workdir,
-        feed=DegradingFeed() if drill else None,
-        scorer=scorer,
-        policy_every_s=policy_every_s,
-        time_scale=time_scale,
-    )
-    chaos = FailureDrill() if drill else None
-    progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
-    assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
-    try:
-        provision(sup)
-        start(sup, script)
-        report = supervise(sup, chaos, progress, max_wall_s)
-        publish_report(report, run, time_scale)
-        if report.exit_code != 0:
-            raise RuntimeError(f"training failed: {report.message}")
-        summary = asdict(report)
-        summary["drill"] = chaos.log if chaos else []
-        return summary
-    except BaseException:
-        if tail := job_log_tail(workdir):
-            logger.warning("the job's last log lines:\n%s", tail)
-        raise
-    finally:
+    flow_run_id = current_flow_run_id()
+    with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
+        progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
+        assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
+        workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix(run.job_id)))
+        sup = Supervisor(
+            run,
+            provider,
+            workdir,
+            feed=DegradingFeed() if drill else None,
+            scorer=scorer,
+            policy_every_s=policy_every_s,
+            time_scale=time_scale,
+            owner=str(flow_run_id),
+        )
+        chaos = FailureDrill() if drill else None
+        ending: Ending | None = None
+        published = False
         try:
-            release(sup)
-        except BaseException:
-            # Whether the task failed or could not run at all (a cancellation under way), the fleet must go.
-            logger.warning("the release task did not finish; releasing job %s directly", run.job_id)
-            sup.release()
+            provision(sup)
+            start(sup, script)
+            report = supervise(sup, chaos, progress, max_wall_s)
+            publish_report(report, run, time_scale)
+            published = True
+            if report.exit_code != 0:
+                raise RuntimeError(f"training failed: {report.message}")
+            summary = asdict(report)
+            summary["drill"] = chaos.log if chaos else []
+            return summary
+        except BaseException as exc:
+            # Only the server tells Prefect's cancelling SIGTERM from another one.
+            ending = ending_of(exc, None if isinstance(exc, Exception) else server_state())
+            if tail := job_log_tail(workdir):
+                logger.warning("the job's last log lines:\n%s", tail)
             raise
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                release_everything(sup)
+            finally:
+                if ending is not None:  # after the release: the fleet goes before anything is reported
+                    conclude(sup, run, ending, time_scale, published)
+                shutil.rmtree(workdir, ignore_errors=True)

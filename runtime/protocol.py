@@ -318,7 +318,7 @@ class Link:
 # warned about once), never crashes on it.
 #
 # Version 1 was the plain JSON objects of before (the same field names, no "v"); a record without "v" is read as
-# version 1, so a writer that builds the object by hand still works (the simulated hosts of bench/scale.py).
+# version 1, so what a writer of the version before wrote is still read.
 # Three records are bare JSON numbers (`BARE`), because thousands of them are read per second (heartbeats) or
 # older readers take them as plain integers (`Records.get_int`).
 #
@@ -347,9 +347,10 @@ class Link:
 #   RecoveryReport    gen/<g>/report/<rank>                 member                  coordinator
 #   Finished          gen/<g>/done/<rank>                   member                  members, coordinator
 #   FinalDigest       proc/<name>/digest                    member                  coordinator
+#   TlsAddress        gen/<g>/tls/<rank>                    handoff source (TLS)    that handoff's receivers
 #
 # Plain counters kept with `add` (fault claims, failure counts, the control sequence dispenser) are not records:
-# none of them is believed without a sealed record. The TLS handoff's listening addresses are runtime.tls_transport's.
+# none of them is believed without a sealed record.
 # =================================================================================================================
 
 RECORD_VERSION = 2
@@ -701,8 +702,16 @@ class FinalDigest(StoreRecord):
     digest: str
 
 
+@dataclass(frozen=True, slots=True)
+class TlsAddress(StoreRecord):
+    """Where a handoff source listens for its receivers' TLS links (runtime.tls_transport)."""
+
+    host: str
+    port: int
+
+
 RECORDS: tuple[type[StoreRecord], ...] = (
     JobConfig, Generation, CurrentGeneration, Assignment, StopOrder, JobOver, ChaosDone, ControlCommand,
     MoveResult, ProcessHello, Heartbeat, Progress, FatalError, FaultFired, ModelSpec, StandbyReady, Joined,
-    StepStatus, HoldsState, FailureReport, RecoveryReport, Finished, FinalDigest,
+    StepStatus, HoldsState, FailureReport, RecoveryReport, Finished, FinalDigest, TlsAddress,
 )

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from runtime.handoff import HandoffPlan, Waiter
+from runtime.protocol import RecordError, TlsAddress
 from runtime.store import Records, StoreTimeout
 
 log = logging.getLogger("trainmover.tls")
@@ -89,7 +90,7 @@ class TlsLinkError(ConnectionError):
 
 
 def k_tls_address(gen: int, rank: int) -> str:
-    """Where source rank `rank` of generation `gen` publishes its TLS address: sealed `{"host": h, "port": p}`."""
+    """Where source rank `rank` of generation `gen` publishes its TLS address (a sealed `TlsAddress`)."""
     return f"gen/{gen}/tls/{rank}"
 
 
@@ -573,7 +574,7 @@ def open_tls_links(
         listener = _listen(cfg.host)
         try:
             address = (cfg.host, int(listener.getsockname()[1]))
-            records.put(k_tls_address(gen, rank), {"host": address[0], "port": address[1]})
+            records.put(k_tls_address(gen, rank), TlsAddress(address[0], address[1]))
             log.debug("handoff source rank %d listens for TLS on %s:%d", rank, *address)
             accepted = _accept(listener, ctx, rank, plan.receivers, deadline, timeout_s)
         finally:
@@ -605,11 +606,13 @@ def open_tls_links(
 
 
 def _address(value: Any, source: int) -> tuple[str, int]:
-    host = value.get("host") if isinstance(value, dict) else None
-    port = value.get("port") if isinstance(value, dict) else None
-    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+    try:
+        address = TlsAddress.from_json(value)
+    except RecordError:
+        address = TlsAddress("", 0)
+    if not address.host or not 0 < address.port < 65536:
         raise TlsLinkError(f"source rank {source} published no usable TLS address: {value!r}")
-    return host, port
+    return address.host, address.port
 
 
 def _listen(host: str) -> socket.socket:

@@ -4,7 +4,8 @@ fake instance metadata service (IMDSv2).
 moto answers the EC2/SQS/EventBridge/STS calls but never throttles or runs out of capacity, so `FaultProxy`
 answers chosen actions itself (with EC2's own XML error format and status code) a set number of times and
 forwards everything else. It also records each request's action and parameters, so a test can see what the
-provider actually sent.
+provider actually sent. moto 5.2.5 has no placement groups at all: `PlacementGroups` emulates the three calls the
+provider makes, behind the same proxy.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class FaultProxy:
     upstream: str
     _rules: list[_Rule] = field(default_factory=list)
     _seen: list[Seen] = field(default_factory=list)
+    # Actions the proxy always answers itself (what moto lacks); kept across `reset`.
+    _emulated: dict[str, Callable[[dict[str, Any]], tuple[int, bytes]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: LoopbackServer | None = None
 
@@ -117,6 +120,11 @@ class FaultProxy:
         """Answer the next `times` requests for `action` with `body` (HTTP 200)."""
         with self._lock:
             self._rules.append(_Rule(action, 200, body.encode(), times, None))
+
+    def emulate(self, action: str, handler: Callable[[dict[str, Any]], tuple[int, bytes]]) -> None:
+        """Answer every request for `action` with `handler(params)` -> (HTTP status, body), instead of moto."""
+        with self._lock:
+            self._emulated[action] = handler
 
     def seen(self, action: str | None = None) -> list[Seen]:
         with self._lock:
@@ -160,7 +168,12 @@ class FaultProxy:
         service, action, params = _describe_request(handler, body)
         rule = self._take_rule(action, params)
         with self._lock:
-            self._seen.append(Seen(service, action, params, rule is not None))
+            emulated = self._emulated.get(action) if rule is None else None
+            self._seen.append(Seen(service, action, params, rule is not None or emulated is not None))
+        if emulated is not None:
+            status, payload = emulated(params)
+            self._reply(handler, status, {"Content-Type": "text/xml"}, payload)
+            return
         if rule is not None:
             payload = rule.body
             if rule.status >= 400 and service != "ec2":
@@ -230,6 +243,93 @@ def _describe_request(handler: BaseHTTPRequestHandler, body: bytes) -> tuple[str
     query.update(parse_qs(urlsplit(handler.path).query, keep_blank_values=True))
     params = {key: values[-1] for key, values in query.items()}
     return service, str(params.get("Action", "")), params
+
+
+_EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
+
+
+def _numbered(params: dict[str, Any], prefix: str) -> list[str]:
+    """The values of `prefix.1`, `prefix.2`, ... in a flattened query."""
+    values, n = [], 1
+    while f"{prefix}.{n}" in params:
+        values.append(str(params[f"{prefix}.{n}"]))
+        n += 1
+    return values
+
+
+class PlacementGroups:
+    """EC2 placement groups as CreatePlacementGroup, DescribePlacementGroups (GroupName.N, Filter group-name and
+    tag:KEY) and DeletePlacementGroup answer, in EC2's XML; moto 5.2.5 implements none of them. Like moto, it does
+    not refuse to delete a group that instances are still in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.groups: dict[str, dict[str, Any]] = {}  # name -> {"id", "strategy", "tags"}
+
+    def install(self, proxy: FaultProxy) -> None:
+        proxy.emulate("CreatePlacementGroup", self._create)
+        proxy.emulate("DescribePlacementGroups", self._describe)
+        proxy.emulate("DeletePlacementGroup", self._delete)
+
+    def _item(self, name: str) -> str:
+        group = self.groups[name]
+        tags = "".join(f"<item><key>{k}</key><value>{v}</value></item>" for k, v in group["tags"].items())
+        return (
+            f"<groupName>{name}</groupName><state>available</state><strategy>{group['strategy']}</strategy>"
+            f"<groupId>{group['id']}</groupId><tagSet>{tags}</tagSet>"
+        )
+
+    def _create(self, params: dict[str, Any]) -> tuple[int, bytes]:
+        name = str(params.get("GroupName", ""))
+        tags: dict[str, str] = {}
+        for n in range(1, 10):
+            if params.get(f"TagSpecification.{n}.ResourceType") == "placement-group":
+                m = 1
+                while f"TagSpecification.{n}.Tag.{m}.Key" in params:
+                    tags[params[f"TagSpecification.{n}.Tag.{m}.Key"]] = params[f"TagSpecification.{n}.Tag.{m}.Value"]
+                    m += 1
+        with self._lock:
+            if name in self.groups:
+                return 400, ec2_error_xml("InvalidPlacementGroup.Duplicate", f"The group '{name}' already exists.")
+            self.groups[name] = {"id": f"pg-{uuid.uuid4().hex[:17]}", "strategy": params.get("Strategy"), "tags": tags}
+            item = self._item(name)
+        return 200, (
+            f'<CreatePlacementGroupResponse xmlns="{_EC2_NS}"><requestId>{uuid.uuid4()}</requestId>'
+            f"<placementGroup>{item}</placementGroup></CreatePlacementGroupResponse>"
+        ).encode()
+
+    def _describe(self, params: dict[str, Any]) -> tuple[int, bytes]:
+        wanted_names = set(_numbered(params, "GroupName"))
+        filters = {
+            str(params[f"Filter.{n}.Name"]): set(_numbered(params, f"Filter.{n}.Value"))
+            for n in range(1, 10)
+            if f"Filter.{n}.Name" in params
+        }
+        with self._lock:
+            items = []
+            for name, group in self.groups.items():
+                if wanted_names and name not in wanted_names:
+                    continue
+                if "group-name" in filters and name not in filters["group-name"]:
+                    continue
+                tag_filters = {k[len("tag:"):]: v for k, v in filters.items() if k.startswith("tag:")}
+                if any(group["tags"].get(key) not in values for key, values in tag_filters.items()):
+                    continue
+                items.append(f"<item>{self._item(name)}</item>")
+        return 200, (
+            f'<DescribePlacementGroupsResponse xmlns="{_EC2_NS}"><requestId>{uuid.uuid4()}</requestId>'
+            f"<placementGroupSet>{''.join(items)}</placementGroupSet></DescribePlacementGroupsResponse>"
+        ).encode()
+
+    def _delete(self, params: dict[str, Any]) -> tuple[int, bytes]:
+        name = str(params.get("GroupName", ""))
+        with self._lock:
+            if self.groups.pop(name, None) is None:
+                return 400, ec2_error_xml("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
+        return 200, (
+            f'<DeletePlacementGroupResponse xmlns="{_EC2_NS}"><requestId>{uuid.uuid4()}</requestId>'
+            "<return>true</return></DeletePlacementGroupResponse>"
+        ).encode()
 
 
 @contextmanager

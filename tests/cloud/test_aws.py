@@ -13,16 +13,27 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 
 from cloud.aws import AwsProvider, delete_notice_queue, ensure_notice_queue, notice_resource_names
-from cloud.aws_notices import REBALANCE_PATH, SPOT_ACTION_PATH, ImdsNoticeSource, notices_from_event, parse_time
+from cloud.aws_network import job_resource_name, rule_atoms
+from cloud.aws_notices import (
+    REBALANCE_PATH,
+    SPOT_ACTION_PATH,
+    ImdsNoticeSource,
+    event_refusal,
+    notices_from_event,
+    parse_event,
+    parse_time,
+)
 from cloud.base import (
     JOB_TAG,
     ROLE_TAG,
@@ -30,6 +41,7 @@ from cloud.base import (
     CloudError,
     CredentialsError,
     InvalidRequestError,
+    JobNetwork,
     LaunchRequest,
     NotFoundError,
     Notice,
@@ -43,7 +55,7 @@ from cloud.base import (
 from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init
 from cloud.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
 from cloud.secrets import AwsSecretsManagerStore, SecretRef
-from tests.cloud.aws_servers import FaultProxy, ImdsServer, fault_proxy, imds_server, moto_server
+from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server, moto_server
 
 REGION = "us-east-1"
 AMI = "ami-12c6146b"  # one of the AMIs moto ships
@@ -67,9 +79,24 @@ def moto_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def module_proxy(moto_url: str) -> Iterator[FaultProxy]:
+def placement_groups() -> PlacementGroups:
+    """The region's placement groups (moto has none), behind every proxy of this module."""
+    return PlacementGroups()
+
+
+@pytest.fixture(scope="module")
+def module_proxy(moto_url: str, placement_groups: PlacementGroups) -> Iterator[FaultProxy]:
     with fault_proxy(moto_url) as proxy:
+        placement_groups.install(proxy)
         yield proxy
+
+
+@pytest.fixture(scope="module")
+def clean_url(moto_url: str, placement_groups: PlacementGroups) -> Iterator[str]:
+    """moto behind a proxy that injects no fault: what fixtures clean up through."""
+    with fault_proxy(moto_url) as proxy:
+        placement_groups.install(proxy)
+        yield proxy.url
 
 
 @pytest.fixture
@@ -94,13 +121,13 @@ def aws(proxy: FaultProxy) -> AwsProvider:
 
 
 @pytest.fixture
-def job(moto_url: str) -> Iterator[str]:
-    """A fresh job id; whatever a test leaves of it is terminated afterwards (directly at moto, past any fault)."""
+def job(clean_url: str) -> Iterator[str]:
+    """A fresh job id; whatever a test leaves of it is released afterwards (past any injected fault)."""
     job_id = f"job-{uuid.uuid4().hex[:8]}"
     try:
         yield job_id
     finally:
-        AwsProvider(REGION, session=dummy_session(), endpoint_url=moto_url).release_job(job_id)
+        AwsProvider(REGION, session=dummy_session(), endpoint_url=clean_url).release_job(job_id)
 
 
 def assert_nothing_running(provider: AwsProvider, job_id: str) -> None:
@@ -184,6 +211,129 @@ def test_unknown_instance_type_is_refused_before_launching(aws: AwsProvider, pro
 
     assert proxy.seen("RunInstances") == []
     assert_nothing_running(aws, job)
+
+
+# ------------------------------------------------------------------------------------------------ job network
+
+NETWORK = JobNetwork(store_port=29400, agent_port=29401, data_ports=(40000, 40999))
+
+
+def job_groups(ec2: Any, job_id: str) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = ec2.describe_security_groups(
+        Filters=[{"Name": f"tag:{JOB_TAG}", "Values": [job_id]}]
+    )["SecurityGroups"]
+    return groups
+
+
+def test_a_job_network_is_made_once_reused_by_replacements_and_deleted_after_the_instances(
+    aws: AwsProvider, proxy: FaultProxy, job: str, moto_url: str, placement_groups: PlacementGroups
+) -> None:
+    ec2 = dummy_session().client("ec2", endpoint_url=moto_url)
+    first = aws.launch(LaunchRequest(job, "worker", "g5.xlarge", count=2, network=NETWORK))
+    # A replacement from a restarted orchestrator (a new provider finds the job's groups by tag), then one from the
+    # same provider (it remembers them).
+    restarted = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, image=AMI,
+                            mutate_budget=FAST_MUTATE, describe_budget=FAST_DESCRIBE)
+    [replacement] = restarted.launch(LaunchRequest(job, "standby", "g5.xlarge", network=NETWORK))
+    aws.launch(LaunchRequest(job, "standby", "g5.xlarge", network=NETWORK))
+
+    assert len(proxy.seen("CreateSecurityGroup")) == 1 and len(proxy.seen("CreatePlacementGroup")) == 1
+    [group] = job_groups(ec2, job)
+    group_id, name = str(group["GroupId"]), job_resource_name(job)
+    assert {t["Key"]: t["Value"] for t in group["Tags"]} == {JOB_TAG: job}
+    # Ingress: exactly the job's ports, each only from the group itself; nothing from any address range.
+    assert rule_atoms(group["IpPermissions"]) == {
+        ("tcp", 29400, 29400, f"sg:{group_id}"),
+        ("tcp", 29401, 29401, f"sg:{group_id}"),
+        ("tcp", 40000, 40999, f"sg:{group_id}"),
+    }
+    assert placement_groups.groups[name]["strategy"] == "cluster"
+    assert placement_groups.groups[name]["tags"] == {JOB_TAG: job}
+    runs = proxy.seen("RunInstances")
+    assert len(runs) == 3
+    assert {(r.params["SecurityGroupId.1"], r.params["Placement.GroupName"]) for r in runs} == {(group_id, name)}
+    assert all("SecurityGroupId.2" not in r.params for r in runs)
+    ids = [i.instance_id for i in [*first, replacement]]
+    reservations = ec2.describe_instances(InstanceIds=ids)["Reservations"]
+    assert {g["GroupId"] for r in reservations for i in r["Instances"] for g in i["SecurityGroups"]} == {group_id}
+
+    proxy.reset()
+    aws.release_job(job)
+
+    assert job_groups(ec2, job) == [] and name not in placement_groups.groups
+    order = [s.action for s in proxy.seen() if s.action in ("TerminateInstances", "DeleteSecurityGroup",
+                                                            "DeletePlacementGroup")]
+    assert order == ["TerminateInstances", "DeleteSecurityGroup", "DeletePlacementGroup"]
+    assert aws.release_job(job) == []  # nothing left: no group to delete, and no error
+    assert_nothing_running(aws, job)
+
+
+def test_a_job_group_opened_wider_than_the_network_is_refused_before_launching(
+    aws: AwsProvider, proxy: FaultProxy, job: str, moto_url: str
+) -> None:
+    aws.launch(LaunchRequest(job, "worker", "g5.xlarge", network=NETWORK))
+    ec2 = dummy_session().client("ec2", endpoint_url=moto_url)
+    [group] = job_groups(ec2, job)
+    ec2.authorize_security_group_ingress(  # someone opens SSH to the world
+        GroupId=group["GroupId"], IpPermissions=[{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
+                                                  "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
+    )
+    proxy.reset()
+    restarted = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, image=AMI)
+
+    with pytest.raises(InvalidRequestError, match=r"admits more than .*cidr:0\.0\.0\.0/0"):
+        restarted.launch(LaunchRequest(job, "standby", "g5.xlarge", network=NETWORK))
+
+    assert proxy.seen("RunInstances") == []
+    assert_nothing_running(aws, job)
+    assert job_groups(ec2, job) == []
+
+
+def test_network_release_waits_for_the_instances_and_for_ec2_to_free_the_group(
+    aws: AwsProvider, proxy: FaultProxy, job: str, placement_groups: PlacementGroups
+) -> None:
+    aws.launch(LaunchRequest(job, "worker", "g5.xlarge", network=NETWORK))
+    aws.terminate([i.instance_id for i in aws.describe(job_id=job)])
+    # Right after termination EC2 still holds the instance's network interface in the group.
+    proxy.fail("DeleteSecurityGroup", "DependencyViolation", status=400, times=2)
+    gone = iter([False, False, True])
+    sleeps: list[float] = []
+
+    # The provider's own wait, with a recorded clock instead of real sleeps.
+    left = aws._network.release(job, instances_gone=lambda: next(gone), timeout_s=30, poll_s=0.5,
+                                sleep=sleeps.append)
+
+    assert left == [] and sleeps == [0.5] * 4  # two polls for the instances, two refused deletions
+    assert len(proxy.seen("DeleteSecurityGroup")) == 3 and job_resource_name(job) not in placement_groups.groups
+
+
+def test_network_release_that_times_out_names_what_is_left_and_deletes_nothing(aws: AwsProvider, job: str) -> None:
+    aws.launch(LaunchRequest(job, "worker", "g5.xlarge", network=NETWORK))
+
+    left = aws._network.release(job, instances_gone=lambda: False, timeout_s=0, sleep=lambda _: None)
+
+    assert len(left) == 2 and left[1] == job_resource_name(job) and left[0].startswith("sg-")
+    assert_nothing_running(aws, job)  # a later release deletes them
+
+
+def test_a_job_network_is_validated_when_the_request_is_made(aws: AwsProvider, proxy: FaultProxy) -> None:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"store_port": 0}, "store_port must be a TCP port"),
+        ({"agent_port": 70000}, "agent_port must be a TCP port"),
+        ({"data_ports": (41000, 40000)}, "first <= last"),
+        ({"data_ports": (40000,)}, "data_ports must be"),
+    ]
+    for change, says in cases:
+        with pytest.raises(InvalidRequestError, match=says):
+            JobNetwork(**{"store_port": 29400, "agent_port": 29401, **change})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=re.escape("placement_group='pg-x' or network.cluster_placement")):
+        LaunchRequest("job-n", "worker", "g5.xlarge", placement_group="pg-x", network=NETWORK)
+    own = JobNetwork(29400, 29401, cluster_placement=False)
+    LaunchRequest("job-n", "worker", "g5.xlarge", placement_group="pg-x", network=own)  # a group of the user's
+    assert own.tcp_port_ranges() == ((29400, 29400), (29401, 29401), (32768, 60999))
+    assert JobNetwork(29400, 29400, (29400, 29400)).tcp_port_ranges() == ((29400, 29400),)
+    assert aws.capabilities().job_network
+    assert proxy.seen() == []
 
 
 # ------------------------------------------------------------------------------------------------ bootstrap
@@ -627,84 +777,162 @@ def _event(detail_type: str, source: str, detail: dict[str, object], **extra: ob
     return {"Source": source, "DetailType": detail_type, "Detail": json.dumps(detail), **extra}
 
 
-def test_eventbridge_notices_arrive_through_sqs(
-    proxy: FaultProxy, moto_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    job_id = f"job-{uuid.uuid4().hex[:8]}"
-    session = dummy_session()
-    queue_url = ensure_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url)
+ACCOUNT = "123456789012"  # moto's account: its STS answers it and its EventBridge stamps it on every event
+NOT_IN_LOGS = "do-not-log-this-body"
+
+
+def _envelope(detail_type: str, detail: dict[str, object], *, source: str = "aws.ec2", account: str = ACCOUNT,
+              region: str = REGION, event_id: str | None = None) -> str:
+    """An SQS message body as EventBridge writes it."""
+    return json.dumps({
+        "version": "0", "id": event_id or str(uuid.uuid4()), "detail-type": detail_type, "source": source,
+        "account": account, "time": "2026-03-01T12:00:00Z", "region": region, "resources": [],
+        "detail": {**detail, "note": NOT_IN_LOGS},
+    })
+
+
+@pytest.fixture
+def notice_job(proxy: FaultProxy, clean_url: str, job: str) -> Iterator[tuple[str, str]]:
+    """The job's notice queue (queue URL, job id), deleted afterwards."""
+    queue_url = ensure_notice_queue(job, region=REGION, session=dummy_session(), endpoint_url=proxy.url)
     try:
-        assert ensure_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url) == queue_url
-        events = session.client("events", endpoint_url=moto_url)
-        _, rules = notice_resource_names(job_id)
-        assert {r["Name"] for r in events.list_rules(NamePrefix=f"trainmover-{job_id}")["Rules"]} == set(rules.values())
-        provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, notice_queue_url=queue_url)
-        assert provider.poll_notices() == []
-
-        events.put_events(
-            Entries=[
-                _event(
-                    "EC2 Spot Instance Interruption Warning",
-                    "aws.ec2",
-                    {"instance-id": "i-0aaa", "instance-action": "stop"},
-                    Time=datetime(2026, 3, 1, 12, 0, tzinfo=UTC),
-                ),
-                _event("EC2 Instance Rebalance Recommendation", "aws.ec2", {"instance-id": "i-0bbb"}),
-                _event(
-                    "AWS Health Event",
-                    "aws.health",
-                    {
-                        "service": "EC2",
-                        "eventTypeCategory": "scheduledChange",
-                        "eventTypeCode": "AWS_EC2_INSTANCE_REBOOT_MAINTENANCE_SCHEDULED",
-                        "startTime": "Sat, 05 Jun 2027 15:10:09 GMT",
-                        "affectedEntities": [{"entityValue": "i-0ccc"}],
-                    },
-                ),
-                # Not for EC2: the rule does not match, so it never reaches the queue.
-                _event("AWS Health Event", "aws.health", {"service": "RDS", "eventTypeCategory": "scheduledChange"}),
-            ]
-        )
-        sqs = session.client("sqs", endpoint_url=moto_url)
-        sqs.send_message(QueueUrl=queue_url, MessageBody="{not json")
-
-        with caplog.at_level(logging.WARNING, logger="cloud.aws"):
-            notices = provider.poll_notices(timeout_s=5)
-
-        by_kind = {n.kind: n for n in notices}
-        assert sorted(by_kind) == ["rebalance_recommendation", "scheduled_maintenance", "spot_interruption"]
-        assert len(notices) == 3
-        spot = by_kind["spot_interruption"]
-        assert spot.instance_id == "i-0aaa" and spot.source == "eventbridge"
-        assert spot.deadline_at == datetime(2026, 3, 1, 12, 2, tzinfo=UTC).timestamp()
-        assert "instance-action=stop" in spot.detail
-        assert by_kind["rebalance_recommendation"].instance_id == "i-0bbb"
-        maintenance = by_kind["scheduled_maintenance"]
-        assert maintenance.instance_id == "i-0ccc"
-        assert maintenance.deadline_at == datetime(2027, 6, 5, 15, 10, 9, tzinfo=UTC).timestamp()
-        assert "malformed notice" in caplog.text
-        assert provider.poll_notices() == []  # parsed and malformed messages alike were deleted
-
-        # EventBridge delivers at least once: a second copy of an event is not a second notice.
-        copy = json.dumps(
-            {
-                "id": "evt-1",
-                "detail-type": "EC2 Instance Rebalance Recommendation",
-                "time": "2026-03-01T12:00:00Z",
-                "detail": {"instance-id": "i-0ddd"},
-            }
-        )
-        sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
-        sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
-        assert [n.instance_id for n in provider.poll_notices(timeout_s=2)] == ["i-0ddd"]
+        yield queue_url, job
     finally:
-        delete_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url)
-    assert (
-        session.client("sqs", endpoint_url=moto_url)
-        .list_queues(QueueNamePrefix=f"trainmover-notices-{job_id}")
-        .get("QueueUrls", [])
-        == []
+        delete_notice_queue(job, region=REGION, session=dummy_session(), endpoint_url=clean_url)
+
+
+def test_eventbridge_notices_of_the_jobs_instances_arrive_through_sqs(
+    aws: AwsProvider, proxy: FaultProxy, moto_url: str, notice_job: tuple[str, str]
+) -> None:
+    queue_url, job_id = notice_job
+    session = dummy_session()
+    events = session.client("events", endpoint_url=moto_url)
+    _, rules = notice_resource_names(job_id)
+    assert {r["Name"] for r in events.list_rules(NamePrefix=f"trainmover-{job_id}")["Rules"]} == set(rules.values())
+    assert ensure_notice_queue(job_id, region=REGION, session=session, endpoint_url=proxy.url) == queue_url
+    launched = aws.launch(LaunchRequest(job_id, "worker", "g5.xlarge", count=3))
+    spot, rebalance, maintained = (i.instance_id for i in launched)
+    provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, notice_queue_url=queue_url,
+                           notice_job_id=job_id)
+    assert provider.poll_notices() == []
+    spot_detail = {"instance-id": spot, "instance-action": "stop"}
+    health_detail = {
+        "service": "EC2",
+        "eventTypeCategory": "scheduledChange",
+        "eventTypeCode": "AWS_EC2_INSTANCE_REBOOT_MAINTENANCE_SCHEDULED",
+        "startTime": "Sat, 05 Jun 2027 15:10:09 GMT",
+        "affectedEntities": [{"entityValue": maintained}],
+    }
+
+    # The rules deliver: three events reach the queue, the RDS one does not. moto 5.2.5 delivers them without the
+    # envelope's `account` (its input-template parser drops it; EventBridge always sets it), so each is refused.
+    events.put_events(
+        Entries=[
+            _event("EC2 Spot Instance Interruption Warning", "aws.ec2", spot_detail),
+            _event("EC2 Instance Rebalance Recommendation", "aws.ec2", {"instance-id": rebalance}),
+            _event("AWS Health Event", "aws.health", health_detail),
+            _event("AWS Health Event", "aws.health", {"service": "RDS", "eventTypeCategory": "scheduledChange"}),
+        ]
     )
+    assert provider.poll_notices(timeout_s=5) == []
+    assert provider.dropped_notice_counts() == {"account": 3}
+
+    # The same events as EventBridge writes them, account included:
+    # https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-events-structure.html
+    sqs = session.client("sqs", endpoint_url=moto_url)
+    for body in (
+        _envelope("EC2 Spot Instance Interruption Warning", spot_detail),
+        _envelope("EC2 Instance Rebalance Recommendation", {"instance-id": rebalance}),
+        _envelope("AWS Health Event", health_detail, source="aws.health"),
+    ):
+        sqs.send_message(QueueUrl=queue_url, MessageBody=body)
+
+    notices = provider.poll_notices(timeout_s=5)
+
+    by_kind = {n.kind: n for n in notices}
+    assert sorted(by_kind) == ["rebalance_recommendation", "scheduled_maintenance", "spot_interruption"]
+    assert len(notices) == 3
+    assert by_kind["spot_interruption"].instance_id == spot and by_kind["spot_interruption"].source == "eventbridge"
+    assert by_kind["spot_interruption"].deadline_at == datetime(2026, 3, 1, 12, 2, tzinfo=UTC).timestamp()
+    assert "instance-action=stop" in by_kind["spot_interruption"].detail
+    assert by_kind["rebalance_recommendation"].instance_id == rebalance
+    assert by_kind["scheduled_maintenance"].instance_id == maintained
+    assert by_kind["scheduled_maintenance"].deadline_at == datetime(2027, 6, 5, 15, 10, 9, tzinfo=UTC).timestamp()
+    assert provider.dropped_notice_counts() == {"account": 3}
+
+    # EventBridge delivers at least once: a second copy of an event is not a second notice.
+    copy = _envelope("EC2 Instance Rebalance Recommendation", {"instance-id": spot}, event_id="evt-1")
+    sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
+    sqs.send_message(QueueUrl=queue_url, MessageBody=copy)
+    assert [n.instance_id for n in provider.poll_notices(timeout_s=2)] == [spot]
+    assert_nothing_running(aws, job_id)
+
+
+def test_a_queue_message_that_fails_a_check_moves_nothing_and_is_dropped_once(
+    aws: AwsProvider, proxy: FaultProxy, moto_url: str, notice_job: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    queue_url, job_id = notice_job
+    session = dummy_session()
+    [ours] = aws.launch(LaunchRequest(job_id, "worker", "g5.xlarge"))
+    other_job = f"{job_id}-other"
+    [theirs] = aws.launch(LaunchRequest(other_job, "worker", "g5.xlarge"))
+    spot = "EC2 Spot Instance Interruption Warning"
+    sqs = session.client("sqs", endpoint_url=moto_url)
+    # A genuine event for another job's instance (the rules match every instance of the account), then messages
+    # that anyone allowed sqs:SendMessage on the queue could write.
+    forged = {
+        "genuine, another job's": _envelope(spot, {"instance-id": theirs.instance_id}),
+        "source": _envelope(spot, {"instance-id": ours.instance_id}, source="custom.app"),
+        "account": _envelope(spot, {"instance-id": ours.instance_id}, account="210987654321"),
+        "region": _envelope(spot, {"instance-id": ours.instance_id}, region="eu-west-1"),
+        "kind": _envelope("EC2 Instance State-change Notification", {"instance-id": ours.instance_id}),
+        "instance": _envelope(spot, {"instance-id": "i-0123456789abcdef0"}),  # no such instance
+        "malformed": "{" + NOT_IN_LOGS,
+    }
+    for body in forged.values():
+        sqs.send_message(QueueUrl=queue_url, MessageBody=body)
+    provider = AwsProvider(REGION, session=session, endpoint_url=proxy.url, notice_queue_url=queue_url,
+                           notice_job_id=job_id, describe_budget=FAST_DESCRIBE)
+
+    with caplog.at_level(logging.WARNING, logger="cloud.aws"):
+        assert provider.poll_notices(timeout_s=5) == []
+
+    assert provider.dropped_notice_counts() == {"source": 1, "account": 1, "region": 1, "kind": 1, "instance": 2,
+                                                "malformed": 1}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cloud.aws"]
+    assert len(warnings) == 7 and all("dropped notice message" in w for w in warnings)
+    assert NOT_IN_LOGS not in caplog.text and "210987654321" not in caplog.text
+    assert provider.poll_notices() == []  # dropped messages were deleted, not left to come back
+    assert [i.state for i in aws.describe([ours.instance_id, theirs.instance_id])] == ["running", "running"]
+    assert_nothing_running(aws, other_job)
+    assert_nothing_running(aws, job_id)
+
+
+def test_a_notice_queue_without_its_job_is_refused_before_reading_it(aws: AwsProvider, proxy: FaultProxy) -> None:
+    provider = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, notice_queue_url="http://q")
+    with pytest.raises(InvalidRequestError, match="notice_job_id"):
+        provider.poll_notices()
+    assert proxy.seen() == []
+    with pytest.raises(InvalidRequestError, match="not 12 digits"):
+        AwsProvider(REGION, session=dummy_session(), account_id="1234")
+
+
+def test_event_envelopes_are_checked_before_their_notices_count() -> None:
+    body = _envelope("EC2 Spot Instance Interruption Warning", {"instance-id": "i-0123456789abcdef0"})
+    event = parse_event(body, received_at=0.0)
+    assert (event.source, event.account, event.region) == ("aws.ec2", ACCOUNT, REGION)
+    assert event_refusal(event, account_id=ACCOUNT, region=REGION) is None
+    refused = {
+        "account": event_refusal(event, account_id="210987654321", region=REGION),
+        "region": event_refusal(event, account_id=ACCOUNT, region="us-west-2"),
+        "source": event_refusal(
+            parse_event(body.replace('"aws.ec2"', '"aws.health"'), received_at=0.0), account_id=ACCOUNT, region=REGION
+        ),
+    }
+    assert {check: r.check if r else None for check, r in refused.items()} == {c: c for c in refused}
+    other_account = refused["account"]
+    assert other_account is not None and "...4321" in other_account.detail
+    assert "210987654321" not in other_account.detail
 
 
 def test_poll_notices_without_a_queue_returns_nothing(aws: AwsProvider) -> None:
@@ -805,6 +1033,20 @@ def test_imds_unreachable_is_service_unavailable() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_imds_is_never_asked_through_a_proxy(imds: ImdsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead_proxy = f"http://127.0.0.1:{free_closed_port()}"  # whatever goes through it fails
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead_proxy)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert urllib.request.getproxies()["http"] == dead_proxy  # plain urllib would use it
+    source = ImdsNoticeSource("i-0abc", endpoint=imds.url, timeout_s=2.0)
+    imds.post_rebalance("2026-03-01T11:00:00Z")
+
+    assert [n.kind for n in source.poll()] == ["rebalance_recommendation"]
+    assert len(imds.token_requests) == 1
+
+
 # ------------------------------------------------------------------------------------------------ packaging
 
 
@@ -827,6 +1069,8 @@ def test_importing_cloud_aws_needs_no_boto3_and_launching_says_how_to_install() 
 _PERMISSION_OF = {"sqs:DeleteMessageBatch": "sqs:DeleteMessage"}
 _IMPLIED = {
     "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole"},  # PassRole: it launches with the node's profile
+    "ec2:CreateSecurityGroup": {"ec2:CreateTags"},  # both tag what they create (TagSpecifications)
+    "ec2:CreatePlacementGroup": {"ec2:CreateTags"},
     "sqs:CreateQueue": {"sqs:TagQueue"},
     "events:PutRule": {"events:TagResource"},
 }
@@ -846,11 +1090,17 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
             endpoint_url=proxy.url,
             image=AMI,
             notice_queue_url=queue_url,
+            notice_job_id=job,
             instance_profile=profile,
         )
         # A bootstrapped launch needs nothing more than a plain one: the host reads its secret with its own role.
+        # Into a subnet and the job's network: the group is made in the subnet's VPC, and deleted on release.
         ref = SecretRef("aws-ssm", f"/trainmover/{job}/job-secret", REGION)
-        [standby] = provider.launch(LaunchRequest(job, "standby", "g5.xlarge", bootstrap=bootstrap_for(job, ref)))
+        subnet = session.client("ec2", endpoint_url=moto_url).describe_subnets()["Subnets"][0]["SubnetId"]
+        [standby] = provider.launch(
+            LaunchRequest(job, "standby", "g5.xlarge", bootstrap=bootstrap_for(job, ref), subnet=subnet,
+                          network=NETWORK)
+        )
         [run] = proxy.seen("RunInstances")
         assert run.params["MetadataOptions.HttpTokens"] == "required", "the policy allows only IMDSv2 launches"
         assert run.params["IamInstanceProfile.Name"] == profile
@@ -865,6 +1115,10 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
         assert_nothing_running(provider, job)
     finally:
         delete_notice_queue(job, region=REGION, session=session, endpoint_url=proxy.url)
+    network_calls = {s.action for s in proxy.seen()} & {"CreateSecurityGroup", "AuthorizeSecurityGroupIngress",
+                                                        "DeleteSecurityGroup", "DescribeSubnets",
+                                                        "CreatePlacementGroup", "DeletePlacementGroup"}
+    assert len(network_calls) == 6, "the scenario exercises the whole job network"
 
     called = {_PERMISSION_OF.get(f"{s.service}:{s.action}", f"{s.service}:{s.action}") for s in proxy.seen()}
     called |= {implied for action in list(called) for implied in _IMPLIED.get(action, set())}

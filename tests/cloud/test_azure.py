@@ -32,6 +32,7 @@ from cloud.base import (
     CapacityError,
     CredentialsError,
     InvalidRequestError,
+    JobNetwork,
     LaunchRequest,
     Notice,
     PermissionDeniedError,
@@ -39,6 +40,7 @@ from cloud.base import (
     RetryBudget,
     ServiceUnavailableError,
     ThrottledError,
+    UnsupportedError,
 )
 from cloud.bootstrap import AgentBootstrap, render_cloud_init
 from cloud.secrets import AzureKeyVaultStore, SecretRef
@@ -247,6 +249,13 @@ def test_launch_spot_asks_for_deallocate_on_eviction(provider: AzureProvider, ar
 def test_spot_with_capacity_reservation_is_refused_before_any_call(provider: AzureProvider, arm: ArmServer) -> None:
     with pytest.raises(InvalidRequestError, match="capacity reservation"):
         provider.launch(LaunchRequest("job-x", "standby", GPU, market="spot", capacity_reservation="/crg/id"))
+    assert arm.requests == []
+
+
+def test_a_job_network_is_refused_not_ignored(provider: AzureProvider, arm: ArmServer) -> None:
+    assert not provider.capabilities().job_network
+    with pytest.raises(UnsupportedError, match="network security group"):
+        provider.launch(LaunchRequest("job-x", "worker", GPU, network=JobNetwork(29400, 29401)))
     assert arm.requests == []
 
 

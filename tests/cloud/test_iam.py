@@ -19,6 +19,16 @@ READS = {
     "ec2:DescribeInstanceStatus",
     "ec2:DescribeInstanceTypes",
     "ec2:DescribeSpotPriceHistory",
+    "ec2:DescribeSecurityGroups",
+    "ec2:DescribePlacementGroups",
+    "ec2:DescribeSubnets",
+}
+NETWORK_MUTATIONS = {
+    "ec2:CreateSecurityGroup",
+    "ec2:AuthorizeSecurityGroupIngress",
+    "ec2:DeleteSecurityGroup",
+    "ec2:CreatePlacementGroup",
+    "ec2:DeletePlacementGroup",
 }
 
 
@@ -79,6 +89,27 @@ def test_launches_are_limited_to_images_types_regions_and_imdsv2() -> None:
     for sid, st in sts.items():
         for arn in resources(st):
             assert arn == "*" or arn.split(":")[3] in ("us-east-1", "eu-west-1"), f"{sid}: {arn} in another region"
+
+
+def test_the_jobs_network_is_created_tagged_changed_and_deleted_only_as_this_jobs() -> None:
+    job_tag = {f"aws:RequestTag/{JOB_TAG}": AWS_EXAMPLE.job_id}
+    sts = statements()
+    assert set(sts["ReadFleetAndPricesInTheseRegions"]["Action"]) == READS
+    assert sts["CreateOnlyThisJobsSecurityGroup"]["Condition"] == {"StringEquals": job_tag}
+    assert sts["CreateOnlyThisJobsClusterPlacementGroup"]["Condition"] == {
+        "StringEquals": {**job_tag, "ec2:PlacementGroupStrategy": "cluster"}
+    }
+    assert sts["TagTheJobsNetworkOnlyAtCreation"]["Condition"] == {
+        "StringEquals": {"ec2:CreateAction": ["CreateSecurityGroup", "CreatePlacementGroup"], **job_tag}
+    }
+    change = sts["RuleAndDeleteOnlyThisJobsNetwork"]
+    assert change["Condition"] == {"StringEquals": {f"aws:ResourceTag/{JOB_TAG}": AWS_EXAMPLE.job_id}}
+    assert all(":security-group/" in r or ":placement-group/" in r for r in resources(change))
+    # The only network grant without the job's tag: the VPC side of CreateSecurityGroup (a VPC is not the job's).
+    untagged = {sid for sid, st in sts.items() if actions(st) & NETWORK_MUTATIONS and "Condition" not in st}
+    assert untagged == {"CreateSecurityGroupsInTheVpcs"}
+    assert all(":vpc/" in r for r in resources(sts["CreateSecurityGroupsInTheVpcs"]))
+    assert {a for st in sts.values() for a in actions(st)} >= NETWORK_MUTATIONS
 
 
 def test_pass_role_only_for_the_node_role_and_kms_only_through_ec2() -> None:

@@ -16,6 +16,7 @@ from cloud.base import (
     CapacityError,
     CloudError,
     InvalidRequestError,
+    JobNetwork,
     LaunchRequest,
     NotFoundError,
     RetryBudget,
@@ -316,6 +317,7 @@ def test_capabilities_and_check_say_what_the_local_provider_can_do(cloud: LocalP
     [
         ({"placement_group": "pg-1"}, UnsupportedError, "placement groups"),
         ({"capacity_reservation": "cr-1"}, UnsupportedError, "capacity reservations"),
+        ({"network": JobNetwork(29400, 29401)}, UnsupportedError, "security groups"),
         ({"zone": "us-east-1a"}, InvalidRequestError, "one zone"),
         ({"market": "reserved"}, InvalidRequestError, "market"),
         ({"instance_type": " "}, InvalidRequestError, "instance_type"),
@@ -323,7 +325,7 @@ def test_capabilities_and_check_say_what_the_local_provider_can_do(cloud: LocalP
     ],
 )
 def test_a_bad_launch_request_is_one_clear_error(
-    cloud: LocalProvider, request_kw: dict[str, str], error: type[CloudError], message: str
+    cloud: LocalProvider, request_kw: dict[str, object], error: type[CloudError], message: str
 ) -> None:
     kw: dict[str, object] = {"job_id": JOB, "role": "worker", "instance_type": "g5.xlarge", **request_kw}
     with pytest.raises(error, match=message):

@@ -303,4 +303,17 @@ def test_a_cancelled_run_stops_its_job_and_releases_every_instance(stack: Prefec
         assert fr.state is not None and fr.state.is_cancelled(), fr.state
         poll("the release line", lambda: True if f"of job {job}" in flow_run_logs(flow_run_id) else None, 60.0)
         assert "released 3 instance(s)" in flow_run_logs(flow_run_id)
+
+        # A cancelled run still reports what ran until then, and says it was cancelled.
+        of_run = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
+        artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=of_run)}
+        report = str(artifacts[f"{job}-cost-report"].data) if f"{job}-cost-report" in artifacts else ""
+        assert "**The run was cancelled** after" in report, (sorted(artifacts), report)
+        cancelled = EventFilter(
+            event=EventNameFilter(name=["trainmover.job.cancelled"]),
+            related=EventRelatedFilter(id=[f"prefect.flow-run.{fr.id}"]),
+        )
+        event = poll("the trainmover.job.cancelled event",
+                     lambda: next(iter(client.read_events(filter=cancelled, limit=5).events), None), 30.0)
+        assert event.resource["trainmover.job"] == job and event.payload["reason"], event
     poll("the job's processes to exit", lambda: True if not _job_processes(job) else None, 60.0)

@@ -39,6 +39,7 @@ from runtime.protocol import (
     StepStatus,
     StopOrder,
     StoreRecord,
+    TlsAddress,
 )
 
 TOKEN = "r" * 64
@@ -69,6 +70,7 @@ SAMPLES: list[StoreRecord] = [
                    final=True),
     Finished(20),
     FinalDigest("ab" * 16),
+    TlsAddress("10.0.0.2", 40123),
 ]
 
 
