@@ -7,6 +7,7 @@
   `cloud.aws_network`: a job's own EC2 security group and cluster placement group; `cloud.aws_notices`: AWS notices
   from instance metadata and (checked) EventBridge events.
 - `cloud.iam`: the least-privilege AWS IAM policy and Azure custom role of one job (`trainmover cloud policy`).
+- `cloud.capacity`: the capacity fallback order for waking or launching a standby (other zone, type, on-demand).
 - `cloud.registry.make_provider(name, **options)`: a provider by name; `cloud.notices.NoticeWatcher`: polls every
   notice channel on a thread and de-duplicates.
 

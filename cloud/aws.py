@@ -283,7 +283,7 @@ class _AwsApi:
             return CredentialsError(
                 f"{where}: no usable AWS credentials ({type(err).__name__}). Provide them through the standard chain "
                 "(AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, an instance "
-                "role), or pass the boto3 session of a Prefect AwsCredentials block.",
+                "role), or name a Prefect Secret block in the flow's credentials_block (docs/flows.md).",
                 provider="aws",
                 code=type(err).__name__,
             )
@@ -295,7 +295,7 @@ class _AwsApi:
         if token_errors and isinstance(err, token_errors):
             return CredentialsError(
                 f"{where}: the AWS SSO token is missing or expired: run `aws sso login` (or refresh the credentials "
-                "of the AwsCredentials block).",
+                "of the flow's credentials block).",
                 provider="aws",
                 code=type(err).__name__,
             )
@@ -339,8 +339,8 @@ class _AwsApi:
             hint = "check this machine's clock" if code == "RequestExpired" else "refresh or replace them"
             return CredentialsError(
                 f"{where}: AWS refused the credentials ({code}): {hint}, through the standard chain (AWS_PROFILE, "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, instance role) or the Prefect "
-                "AwsCredentials block.",
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, instance role) or the flow's "
+                "credentials_block.",
                 provider="aws",
                 code=code,
             )

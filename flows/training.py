@@ -40,6 +40,7 @@ from prefect.events import emit_event
 from pydantic import Field
 
 from cloud.base import Provider
+from flows.credentials import BLOCK_NAME_PATTERN, CloudCredentials, load_credentials, provider_options
 from flows.drill import DegradingFeed, FailureDrill, drill_refusal
 from flows.endings import Ending, ending_of, record_what_was_left, server_state
 from flows.holdings import workdir_prefix
@@ -63,18 +64,21 @@ def check_run(
     return str(run.check_script(root))
 
 
-def make_provider(run: TrainingRun) -> Provider:
+def make_provider(run: TrainingRun, credentials: CloudCredentials | None = None) -> Provider:
+    """The run's provider; with `credentials` (from a block) its SDK uses them, else its standard chain."""
     from cloud.registry import make_provider as registry
 
     if run.provider == "local":
         return registry("local")
+    options = provider_options(credentials, run.region) if credentials is not None else {}
     if run.provider == "aws":
-        return registry("aws", region=run.region)
+        return registry("aws", region=run.region, **options)
     return registry(
         "azure",
         subscription_id=run.azure_subscription_id,
         resource_group=run.azure_resource_group,
         location=run.region,
+        **options,
     )
 
 
@@ -297,6 +301,7 @@ def resilient_training(
     time_scale: Annotated[float, Field(gt=0, le=86_400)] = 1.0,
     policy_every_s: Annotated[float, Field(ge=TICK_S, le=86_400)] = 60.0,
     max_wall_s: Annotated[float, Field(gt=0, le=MAX_WALL_S)] = 30 * 86400.0,
+    credentials_block: Annotated[str | None, Field(pattern=BLOCK_NAME_PATTERN, max_length=128)] = None,
 ) -> dict[str, Any]:
     """Run `run.script` with standbys on `run.provider`, steer them by the failure policy, report what it cost.
 
@@ -314,11 +319,18 @@ def resilient_training(
         policy_every_s: Wall seconds between standby-policy decisions, 0.2 to 86400.
         max_wall_s: Wall-clock limit of the run in seconds, up to 365 days; past it the job is stopped, the run
             fails and every instance is released.
+        credentials_block: Name of a Prefect Secret block holding the cloud credentials as a JSON object (AWS:
+            aws_access_key_id, aws_secret_access_key; Azure: tenant_id, client_id, client_secret), read when the
+            run starts and given to the cloud SDK only. Empty: the SDK's standard chain (the worker host's
+            instance profile or managed identity, ~/.aws, az login). See docs/flows.md.
     """
     logger = get_run_logger()
     script = Path(check_run(run, drill, time_scale, policy_every_s))
     scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
-    provider = make_provider(run)
+    # In the flow body, not a task: the values are no task's input; a missing block is refused before any launch.
+    credentials = load_credentials(credentials_block, run.provider) if credentials_block else None
+    provider = make_provider(run, credentials)
+    del credentials
     flow_run_id = current_flow_run_id()
     with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
         progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")

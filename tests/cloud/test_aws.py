@@ -53,6 +53,7 @@ from cloud.base import (
     UnsupportedError,
 )
 from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init
+from cloud.capacity import Fallbacks, wake_or_replace
 from cloud.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
 from cloud.secrets import AwsSecretsManagerStore, SecretRef
 from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server, moto_server
@@ -472,6 +473,36 @@ def test_insufficient_capacity_on_start_is_a_capacity_error_not_retried(
     assert raised.value.code == "InsufficientInstanceCapacity"
     assert len(proxy.seen("StartInstances")) == 1
     assert [i.state for i in aws.describe([standby.instance_id])] == ["stopped"]
+    assert_nothing_running(aws, job)
+
+
+def test_a_standby_with_no_capacity_to_wake_is_replaced_in_the_documented_order(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    request = LaunchRequest(job, "standby", "p5.48xlarge", zone="us-east-1a")
+    [standby] = aws.launch(request)
+    aws.stop([standby.instance_id])
+    proxy.fail("StartInstances", "InsufficientInstanceCapacity", status=500)
+    proxy.fail(  # the other zone is full too
+        "RunInstances",
+        "InsufficientInstanceCapacity",
+        status=500,
+        when=lambda p: p.get("Placement.AvailabilityZone") == "us-east-1b",
+    )
+
+    outcome = wake_or_replace(
+        aws, standby.instance_id, request, Fallbacks(zones=("us-east-1b",), instance_types=("p5e.48xlarge",))
+    )
+
+    assert [(a.candidate.step, a.error_code) for a in outcome.attempts] == [
+        ("wake", "InsufficientInstanceCapacity"),
+        ("zone", "InsufficientInstanceCapacity"),
+        ("type", None),
+    ]
+    [replacement] = outcome.instances
+    assert aws.describe([replacement.instance_id])[0].instance_type == "p5e.48xlarge"
+    assert outcome.released == (standby.instance_id,)
+    assert [i.state for i in aws.describe([standby.instance_id])] in ([], ["terminated"])
     assert_nothing_running(aws, job)
 
 

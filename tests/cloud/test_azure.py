@@ -43,6 +43,7 @@ from cloud.base import (
     UnsupportedError,
 )
 from cloud.bootstrap import AgentBootstrap, render_cloud_init
+from cloud.capacity import wake_or_replace
 from cloud.secrets import AzureKeyVaultStore, SecretRef
 from tests.cloud.arm_server import ArmServer, Fault, ImdsServer
 from tests.cloud.keyvault_server import key_vault
@@ -324,6 +325,24 @@ def test_allocation_failed_on_start_is_a_capacity_error(provider: AzureProvider,
     assert len(arm.calls("POST", r"/start$")) == 1, "capacity is an outcome, not retried"
     assert provider.describe([vm.instance_id])[0].parked
     release_and_assert_empty(provider, arm, "job-cap")
+
+
+def test_a_standby_that_cannot_be_allocated_is_replaced_on_demand(provider: AzureProvider, arm: ArmServer) -> None:
+    request = LaunchRequest("job-cap-fb", "standby", GPU, market="spot")
+    [vm] = provider.launch(request)
+    provider.stop([vm.instance_id])
+    arm.inject(Fault("start", "AllocationFailed", message="Allocation failed.", in_operation=True))
+
+    outcome = wake_or_replace(provider, vm.instance_id, request)
+
+    assert [(a.candidate.step, a.candidate.market, a.error_code) for a in outcome.attempts] == [
+        ("wake", "spot", "AllocationFailed"),
+        ("on-demand", "on-demand", None),
+    ]
+    [replacement] = outcome.instances
+    assert replacement.market == "on-demand" and outcome.released == (vm.instance_id,)
+    assert [i.instance_id for i in provider.describe(job_id="job-cap-fb")] == [replacement.instance_id]
+    release_and_assert_empty(provider, arm, "job-cap-fb")
 
 
 def test_throttling_is_retried_within_the_budget(provider: AzureProvider, arm: ArmServer) -> None:

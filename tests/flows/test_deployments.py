@@ -7,10 +7,12 @@ descriptions that the UI form shows and the API enforces.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prefect.cli.deploy._config import _load_deploy_configs_and_actions
 from prefect.cli.deploy._schedules import _schedule_config_to_deployment_schedule
 from prefect.cli.deploy._triggers import _initialize_deployment_triggers
@@ -24,7 +26,7 @@ from flows.drill import drill_refusal
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import RunReport
 from flows.training import cost_markdown
-from tests.flows.test_e2e import commented_block
+from tests.flows.test_e2e import commented_block, commented_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,3 +114,38 @@ def test_costs_on_the_demos_scaled_clock_are_labelled_so() -> None:
     assert "standby cost (scaled clock)" in scaled and "**Scaled clock**" in scaled and "3600 times" in scaled
     real = cost_markdown(report(), TrainingRun(), time_scale=1.0)
     assert "scaled" not in real.lower()
+
+
+SECRET_KEY = re.compile(r"secret|password|passwd|token|credential|access_key|api_key|private_key|client_id|tenant_id",
+                        re.I)
+
+
+def secret_job_variables(job_variables: Any, where: str = "job_variables") -> list[str]:
+    """Every key of `job_variables` (nested: `env`, ...) that looks like a secret and holds a value. A
+    `{{ prefect.blocks.* }}` reference counts: `prefect deploy` resolves it into the stored deployment."""
+    found: list[str] = []
+    if isinstance(job_variables, dict):
+        for key, value in job_variables.items():
+            if SECRET_KEY.search(str(key)) and value not in (None, ""):
+                found.append(f"{where}.{key}")
+            found += secret_job_variables(value, f"{where}.{key}")
+    elif isinstance(job_variables, list):
+        for i, value in enumerate(job_variables):
+            found += secret_job_variables(value, f"{where}[{i}]")
+    return found
+
+
+def test_the_scan_finds_a_client_secret_in_job_variables_as_the_old_azure_variant_had_it() -> None:
+    old = {"env": {"AZURE_CLIENT_ID": "{{ prefect.blocks.secret.azure-client-id }}", "AWS_DEFAULT_REGION": "x",
+                   "AZURE_CLIENT_SECRET": "{{ prefect.blocks.secret.azure-client-secret }}"}}
+    assert secret_job_variables(old) == ["job_variables.env.AZURE_CLIENT_ID", "job_variables.env.AZURE_CLIENT_SECRET"]
+
+
+def test_no_deployment_in_prefect_yaml_carries_a_secret_in_its_job_variables() -> None:
+    raw = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    deployments = [*deploy_configs(), commented_variant("aws"), commented_variant("azure")]
+    pools = [*raw["definitions"]["work_pools"].values(), *(d.get("work_pool") or {} for d in deployments)]
+    leaks = [f"{i}: {leak}" for i, pool in enumerate(pools) for leak in secret_job_variables(pool.get("job_variables"))]
+    assert not leaks, leaks
+    for variant in ("aws", "azure"):  # the cloud variants name a Secret block; the flow reads it when it runs
+        assert commented_variant(variant)["parameters"]["credentials_block"] == f"trainmover-{variant}"

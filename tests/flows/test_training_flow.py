@@ -118,7 +118,7 @@ def two_runs_of_one_job(prefect_harness: None) -> Iterator[TwoRuns]:
     )
     first: dict[str, Any] = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flows.training, "make_provider", lambda _run: cloud)
+        mp.setattr(flows.training, "make_provider", lambda _run, _credentials=None: cloud)
         owner = threading.Thread(
             target=lambda: first.update(state=resilient_training(run=run, max_wall_s=120.0, return_state=True)),
             name="owner-run",
