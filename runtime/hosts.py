@@ -342,6 +342,8 @@ class HostPool:
             return
         try:
             data = sock.recv(65536)
+        except ConnectionResetError:  # the agent died with our frames unread: its kernel answers with a reset
+            data, err = b"", "its agent's link closed"
         except (OSError, TimeoutError) as exc:
             data, err = b"", str(exc)
         else:

@@ -734,7 +734,7 @@ def test_missing_credentials_give_one_clear_message(proxy: FaultProxy) -> None:
         provider.describe(job_id="any")
 
     message = str(raised.value)
-    assert "AWS_PROFILE" in message and "AwsCredentials" in message
+    assert "AWS_PROFILE" in message and "credentials_block" in message
     assert "botocore" not in message and "Traceback" not in message
     assert type(raised.value.__cause__).__name__ == "NoCredentialsError"
     [credentials] = provider.check()
