@@ -11,9 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,72 +18,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from cloud.local_hosts import Bridge, namespaces_unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
 
 
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (a skip reason), or None."""
-    if shutil.which("ip") is None:
-        return "needs the `ip` command (iproute2) to make network namespaces"
-    if os.geteuid() != 0:
-        return "needs root to make network namespaces"
-    probe = f"tmprobe{os.getpid() % 100000}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"cannot make a network namespace: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
+    return namespaces_unavailable()
 
 
-class Cluster:
-    """A bridge with `count` host namespaces; `close()` removes every process, namespace and link it made."""
+class Cluster(Bridge):
+    """A bridge with `count` host namespaces (cloud.local_hosts.Bridge) and the agents a test starts in them;
+    `close()` removes every process, namespace and link it made."""
 
     def __init__(self, count: int, tmp: Path) -> None:
-        self.id = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
-        self.subnet = f"10.{random.randrange(200, 250)}.{random.randrange(1, 250)}"
-        self.bridge = f"tmb{self.id}"
-        self.coordinator_ip = f"{self.subnet}.1"
+        super().__init__()
         self.tmp = tmp
-        self.hosts: list[str] = []
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.coordinator_ip}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
             for _ in range(count):
                 self.add_host()
         except BaseException:
             self.close()
             raise
-
-    def ns(self, i: int) -> str:
-        return f"tm{self.id}h{i}"
-
-    def veth(self, i: int) -> str:
-        return f"tmv{self.id}{i}"
-
-    def address(self, i: int) -> str:
-        return f"{self.subnet}.{10 + i}"
-
-    def add_host(self) -> int:
-        i = len(self.hosts)
-        ns, veth, peer = self.ns(i), self.veth(i), f"tmp{self.id}{i}"
-        _ip("netns", "add", ns)
-        self.hosts.append(ns)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
-        _ip("link", "set", peer, "netns", ns)
-        _ip("link", "set", veth, "master", self.bridge)
-        _ip("link", "set", veth, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "link", "set", peer, "name", "eth0")
-        _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        return i
 
     def start_agent(self, i: int, port: int, secret: str, slots: int = 1, *extra: str,
                     env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -102,43 +58,13 @@ class Cluster:
         self.agents[f"h{i}"] = proc
         return proc
 
-    def pids(self, i: int) -> list[int]:
-        got = _ip("netns", "pids", self.ns(i), check=False)
-        return [int(p) for p in got.stdout.split()]
-
-    def kill_host(self, *hosts: int) -> float:
-        """SIGKILL every process in the namespaces of `hosts`, all at once (listed first); returns when."""
-        pids = [pid for i in hosts for pid in self.pids(i)]
-        at = time.time()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return at
-
-    def cut(self, i: int) -> None:
-        _ip("link", "set", self.veth(i), "down")
-
-    def reconnect(self, i: int) -> None:
-        _ip("link", "set", self.veth(i), "up")
-
     def close(self) -> None:
         for i in range(len(self.hosts)):
             self.kill_host(i)
         for proc in self.agents.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-        for i, ns in enumerate(self.hosts):
-            _ip("link", "del", self.veth(i), check=False)  # its peer goes with it, at once
-            _ip("netns", "del", ns, check=False)
-        _ip("link", "del", self.bridge, check=False)
-
-    def leftovers(self) -> list[str]:
-        """What close() failed to remove (a test asserts this is empty)."""
-        left = [ns for ns in _ip("netns", "list", check=False).stdout.split() if ns.startswith(f"tm{self.id}")]
-        links = _ip("-o", "link", check=False).stdout
-        left += [name for name in (self.bridge, *(self.veth(i) for i in range(len(self.hosts)))) if f" {name}:" in links
-                 or f" {name}@" in links]
-        return left
+        super().close()
 
 
 @contextlib.contextmanager

@@ -287,6 +287,16 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
         ]
     statements.append(
         {
+            # The flows store the job's secret for its hosts (cloud.secrets.AwsParameterStore, a SecureString) and
+            # delete it at the release: this job's parameter path only.
+            "Sid": "KeepOnlyThisJobsSecretParameter",
+            "Effect": "Allow",
+            "Action": ["ssm:PutParameter", "ssm:AddTagsToResource", "ssm:DeleteParameter"],
+            "Resource": arns("ssm", f"parameter/trainmover/{job}/*"),
+        }
+    )
+    statements.append(
+        {
             "Sid": "ReadThisJobsNoticeQueue",
             "Effect": "Allow",
             "Action": list(NOTICE_QUEUE_READS),

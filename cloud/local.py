@@ -53,6 +53,8 @@ from cloud.base import (
     UnsupportedError,
     validate_role,
 )
+from cloud.bootstrap import AgentBootstrap
+from cloud.local_hosts import LocalHosts
 
 Operation = Literal["launch", "start", "stop", "terminate"]
 
@@ -99,6 +101,8 @@ class _Slot:
     tags: dict[str, str]
     running_at: float | None = None  # when a pending instance becomes running
     impaired: bool = False
+    bootstrap: AgentBootstrap | None = None  # what makes it a host of its job (with `hosts`)
+    powered: bool = False  # its host was booted and not powered off since
     interrupt_at: float | None = None  # an interrupting notice's deadline
 
     @property
@@ -137,6 +141,9 @@ class LocalProvider(Provider):
         prices_usd_per_h: prices by instance type (and `"TYPE:spot"`), over `LOCAL_PRICES_USD_PER_H`.
         start_delay_s: how long a launched or started instance stays `pending` before it is `running`.
         clock: epoch seconds; tests pass a fake one to move time without sleeping.
+        hosts: where instances launched with a bootstrap run their job's agent (`cloud.local_hosts`): each is
+            booted at launch and start, powered off at stop, terminate or interruption. None: instances are
+            bookkeeping only, and a bootstrap is refused.
     """
 
     name = "local"
@@ -148,6 +155,7 @@ class LocalProvider(Provider):
         prices_usd_per_h: Mapping[str, float] | None = None,
         start_delay_s: float = 0.0,
         clock: Callable[[], float] = time.time,
+        hosts: LocalHosts | None = None,
     ) -> None:
         if slots is None:
             slots = max(DEFAULT_SLOTS_MIN, os.cpu_count() or 1)
@@ -172,6 +180,15 @@ class LocalProvider(Provider):
         self._notice_ids = itertools.count(1)
         self._notices: list[Notice] = []
         self._failures = _Failures()
+        self.hosts = hosts
+
+    def attach_hosts(self, hosts: LocalHosts) -> None:
+        """Boot bootstrapped instances into `hosts` from now on (before the first such launch)."""
+        with self._cond:
+            if any(s.bootstrap is not None for s in self._instances.values()):
+                raise InvalidRequestError("local: attach hosts before launching bootstrapped instances",
+                                          provider=self.name)
+            self.hosts = hosts
 
     def __repr__(self) -> str:
         return f"LocalProvider(slots={self.slots}, start_delay_s={self.start_delay_s})"
@@ -216,11 +233,13 @@ class LocalProvider(Provider):
                     launched_at=now,
                     tags=dict(tags),
                     running_at=now + self.start_delay_s,
+                    bootstrap=request.bootstrap,
                 )
                 self._advance(slot, now)
                 self._instances[slot.instance_id] = slot
-                launched.append(self._record(slot))
-            return launched
+                launched.append(slot)
+            self._power()
+            return [self._record(slot) for slot in launched]
 
     def stop(self, instance_ids: Sequence[str]) -> list[Instance]:
         with self._cond:
@@ -231,6 +250,7 @@ class LocalProvider(Provider):
             for slot in slots:
                 slot.state = "stopped"
                 slot.running_at = None
+            self._power()
             return [self._record(s) for s in slots]
 
     def start(self, instance_ids: Sequence[str]) -> list[Instance]:
@@ -254,6 +274,7 @@ class LocalProvider(Provider):
                 slot.running_at = now + self.start_delay_s
                 slot.impaired = False  # a start lands on a fresh host, as a stop/start does on EC2
                 self._advance(slot, now)
+            self._power()
             return [self._record(s) for s in slots]
 
     def terminate(self, instance_ids: Sequence[str]) -> None:
@@ -264,6 +285,7 @@ class LocalProvider(Provider):
                 slot.state = "terminated"
                 slot.running_at = None
                 slot.interrupt_at = None
+            self._power()
 
     def describe(self, instance_ids: Sequence[str] | None = None, *, job_id: str | None = None) -> list[Instance]:
         with self._cond:
@@ -422,12 +444,44 @@ class LocalProvider(Provider):
                 "local: security groups and placement groups do not exist on this machine; launch without network",
                 provider=self.name,
             )
+        if request.bootstrap is not None and self.hosts is None:
+            raise UnsupportedError(
+                "local: this provider's instances run nothing: create it with hosts= (cloud.local_hosts) to boot "
+                "bootstrapped instances into hosts of their job, or launch without bootstrap",
+                provider=self.name,
+            )
+        if request.bootstrap is not None and request.bootstrap.secret.kind != "local-file":
+            raise UnsupportedError(
+                f"local: the bootstrap's secret is in {request.bootstrap.secret.kind}, which a local host cannot "
+                "read: store it with cloud.secrets.LocalFileStore",
+                provider=self.name,
+            )
 
     def _resolve(self) -> float:
         now = self.clock()
         for slot in self._instances.values():
             self._advance(slot, now)
+        if self.hosts is not None:
+            self._power()
         return now
+
+    def _power(self) -> None:
+        """Boot or power off the hosts of instances whose state changed: a launched or started instance with a
+        bootstrap boots its agent, a stopped one is powered off, a terminated one is gone with its host. A host that
+        dies on its own stays dead until its instance is stopped and started, as a crashed machine does."""
+        if self.hosts is None:
+            return
+        for slot in self._instances.values():
+            if slot.bootstrap is None or (slot.holds_capacity == slot.powered and slot.state != "terminated"):
+                continue
+            if slot.holds_capacity:
+                self.hosts.boot(slot.instance_id, slot.bootstrap)
+            elif slot.state == "terminated":
+                self.hosts.remove(slot.instance_id)
+                slot.bootstrap = None  # nothing left to power
+            else:
+                self.hosts.power_off(slot.instance_id)
+            slot.powered = slot.holds_capacity
 
     @staticmethod
     def _advance(slot: _Slot, now: float) -> None:
@@ -480,7 +534,8 @@ class LocalProvider(Provider):
             state=slot.state,
             health=health,
             zone=LOCAL_ZONE,
-            private_ip="127.0.0.1",
+            private_ip=self.hosts.address(slot.instance_id) if self.hosts is not None and slot.bootstrap is not None
+            else "127.0.0.1",
             launched_at=slot.launched_at,
         )
 

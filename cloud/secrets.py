@@ -57,7 +57,7 @@ from cloud.base import (
 
 log = logging.getLogger(__name__)
 
-SecretKind = Literal["aws-secretsmanager", "aws-ssm", "azure-keyvault"]
+SecretKind = Literal["aws-secretsmanager", "aws-ssm", "azure-keyvault", "local-file"]
 
 KEY_VAULT_API_VERSION = "7.4"
 KEY_VAULT_RESOURCE = "https://vault.azure.net"  # the token audience of every public-cloud vault
@@ -139,7 +139,8 @@ class SecretRef:
     kind: SecretKind
     name: str
     """Secrets Manager: the secret's ARN (or name); SSM: the parameter name (`/trainmover/JOB/job-secret`);
-    Key Vault: the secret's URL without a version (`https://VAULT.vault.azure.net/secrets/NAME`)."""
+    Key Vault: the secret's URL without a version (`https://VAULT.vault.azure.net/secrets/NAME`); local-file: the
+    absolute path of a file only its owner can read, on a filesystem every local host shares (the local provider)."""
     region: str | None = None
     """AWS: the region of the secret (taken from a Secrets Manager ARN when not given). Azure: unused."""
     identity_client_id: str | None = None
@@ -153,6 +154,14 @@ class SecretRef:
             )
         if self.kind == "azure-keyvault":
             self._check_key_vault()
+            return
+        if self.kind == "local-file":
+            if not os.path.isabs(self.name) or "\0" in self.name or self.region or self.identity_client_id:
+                raise InvalidRequestError(
+                    "a local-file secret is the absolute path of a file, with no region or identity; got "
+                    f"{self.name!r}",
+                    code="InvalidSecretRef",
+                )
             return
         if self.identity_client_id is not None:
             raise InvalidRequestError("identity_client_id is for Azure Key Vault only", code="InvalidSecretRef")
@@ -230,6 +239,8 @@ def secret_name_for(job_id: str, kind: SecretKind) -> str:
         return f"trainmover/{job_id}/job-secret"
     if kind == "aws-ssm":
         return f"/trainmover/{job_id}/job-secret"
+    if kind == "local-file":
+        return f"{job_id}.secret"
     # Key Vault names allow only letters, digits and '-': the job id's '.' and '_' are folded, and a digest of the
     # exact id keeps 'a.b' and 'a-b' apart.
     digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
@@ -767,6 +778,53 @@ def _key_vault_error(err: urllib.error.HTTPError, action: str) -> CloudError:
     return InvalidRequestError(f"azure: {action}: Key Vault refused the request ({code})", provider="azure", code=code)
 
 
+# ---------------------------------------------------------------------------------------------------- local
+
+
+class LocalFileStore(JobSecretStore):
+    """Job secrets as files in one directory, each readable by its owner only: the local provider's hosts share this
+    machine's filesystem and read the file where it is (`trainmover agent --secret-file`)."""
+
+    kind: SecretKind = "local-file"
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.path.abspath(directory)
+
+    def __repr__(self) -> str:
+        return f"LocalFileStore({self.directory!r})"
+
+    def put(self, job_id: str, secret: str) -> SecretRef:
+        _check_value(secret)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        ref = SecretRef(self.kind, os.path.join(self.directory, secret_name_for(job_id, self.kind)))
+        write_secret_file(ref.name, secret)
+        return ref
+
+    def get(self, ref: SecretRef) -> str:
+        self._check_ref(ref)
+        try:
+            st = os.stat(ref.name)
+            if st.st_mode & 0o077:
+                raise PermissionDeniedError(
+                    f"local: the secret file {ref.name} is readable by other users (mode {st.st_mode & 0o777:o}); "
+                    f"run `chmod 600 {ref.name}`",
+                    provider="local",
+                )
+            with open(ref.name, encoding="utf-8") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            raise NotFoundError(f"local: no secret file {ref.name}", provider="local") from None
+
+    def delete(self, ref: SecretRef) -> None:
+        self._check_ref(ref)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ref.name)
+
+    def _check_ref(self, ref: SecretRef) -> None:
+        if ref.kind != self.kind or os.path.dirname(ref.name) != self.directory:
+            raise InvalidRequestError(f"local: {ref.kind} secret {ref.name!r} is not in {self.directory}")
+
+
 # ---------------------------------------------------------------------------------------------------- on the host
 
 
@@ -782,6 +840,8 @@ def fetch_secret(
 ) -> str:
     """The secret `ref` points to, read with this host's own identity: the instance role (boto3's default chain) on
     AWS, the VM's managed identity (IMDS) on Azure. What a host runs at boot, before its agent starts."""
+    if ref.kind == "local-file":
+        return LocalFileStore(os.path.dirname(ref.name)).get(ref)
     if ref.kind == "azure-keyvault":
         store = AzureKeyVaultStore(
             ref.vault_url,

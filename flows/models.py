@@ -98,6 +98,47 @@ class TrainingRun(BaseModel):
         "launches.",
     )
 
+    hosts: Literal["orchestrator", "processes", "namespaces"] = Field(
+        default="orchestrator",
+        description="Local provider: where the job's processes run. 'orchestrator': one launcher on the flow's "
+        "machine, the instances are bookkeeping; 'processes': every instance runs `trainmover agent` as a process "
+        "of its own here; 'namespaces': every instance is a host of its own, a network namespace running the agent "
+        "(needs root). AWS and Azure instances always run the job: each boots the agent (cloud.bootstrap).",
+    )
+    hosts_wait_s: float = Field(
+        default=300.0, ge=5, le=3600,
+        description="Seconds the coordinator waits for every launched instance's agent to join before it gives up.",
+    )
+    coordinator_address: str | None = Field(
+        default=None,
+        description="AWS/Azure: the flow's machine's private address, which the instances reach it at (the "
+        "coordinator listens there; the job's security group admits only the job's hosts).",
+    )
+    image: str | None = Field(
+        default=None,
+        description="AWS: the AMI id; Azure: the image 'publisher:offer:sku:version'. Its stack must follow "
+        "cloud.bootstrap.IMAGE_CONTRACT (same driver, CUDA, NCCL, torch on every host).",
+    )
+    subnet: str | None = Field(default=None, description="AWS subnet id, or Azure subnet resource id.")
+    security_groups: tuple[str, ...] = Field(
+        default=(), description="AWS: extra security groups (the job's own group is created and added)."
+    )
+    instance_profile: str | None = Field(
+        default=None,
+        description="AWS: the instance profile (name or ARN) whose role may read the job's secret (docs/cloud-aws.md).",
+    )
+    cluster_placement: bool = Field(
+        default=True, description="AWS: launch every host into the job's cluster placement group."
+    )
+    key_vault_url: str | None = Field(
+        default=None, description="Azure: the Key Vault that holds the job's secret, https://VAULT.vault.azure.net."
+    )
+    trainmover_source: str | None = Field(
+        default=None,
+        description="The pinned TrainMover every host installs ('trainmover==0.1.0' or 'trainmover @ "
+        "git+https://...@<40-hex commit>'); default: this machine's version.",
+    )
+
     @field_validator("job_id")
     @classmethod
     def _job_id(cls, v: str) -> str:
@@ -130,6 +171,24 @@ class TrainingRun(BaseModel):
             raise ValueError(
                 "AWS cannot park (stop) one-time spot instances: set standby.max_stopped to 0 or use on-demand"
             )
+        if self.hosts != "orchestrator" and self.provider != "local":
+            raise ValueError(f"hosts={self.hosts!r} is for the local provider; {self.provider} instances always run "
+                             "the job (leave hosts at 'orchestrator')")
+        if self.provider in ("aws", "azure"):
+            needed = ["coordinator_address", "image"] + (
+                ["instance_profile"] if self.provider == "aws" else ["key_vault_url"])
+            missing = [name for name in needed if not getattr(self, name)]
+            if missing:
+                raise ValueError(f"provider {self.provider!r} launches instances that run the job and needs "
+                                 f"{', '.join(missing)} (see docs/cloud-{self.provider}.md)")
+        if self.trainmover_source is not None:
+            from cloud.base import CloudError
+            from cloud.bootstrap import validate_pinned_source
+
+            try:
+                validate_pinned_source(self.trainmover_source)
+            except CloudError as exc:
+                raise ValueError(f"trainmover_source: {exc}") from None
         if self.job_nodes is not None and self.job_nodes < self.workers:
             raise ValueError(f"job_nodes={self.job_nodes} is below workers={self.workers}; leave it unset or raise it")
         if self.faults is not None:
@@ -146,6 +205,11 @@ class TrainingRun(BaseModel):
                 f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"
             )
         return self
+
+    @property
+    def on_instances(self) -> bool:
+        """Whether the job's processes run on the instances it launches (each booted into a host of the job)."""
+        return self.provider != "local" or self.hosts != "orchestrator"
 
     def check_script(self, root: str | Path = ".") -> Path:
         """The training script as a path, or ValueError if it does not exist (checked before anything launches)."""

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from cloud.base import CloudError, Instance, LaunchRequest, Provider
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
+from flows.hosts import JobHosts
 from flows.models import TrainingRun
 from policy.costs import TierName
 from policy.decision import FleetState, decide_standby
@@ -127,8 +128,18 @@ class Supervisor:
         time_scale: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         owner: str | None = None,
+        hosts: JobHosts | None = None,
     ) -> None:
         self.run = run
+        self.hosts = hosts
+        """Set when the job runs on its instances (`TrainingRun.on_instances`, `flows.hosts`): the coordinator runs
+        here alone and each instance boots an agent; which instance holds which rank is then read from the
+        coordinator's events (`placed`, `generation`), and a lost host's instance is terminated and replaced."""
+        self._where: dict[str, str] = {}  # process -> instance (hosts mode)
+        self._members: dict[int, str] = {}  # rank -> process of the current generation (hosts mode)
+        self._secret: str | None = None
+        self._control_at: tuple[str, str] | None = None
+        self._roles: dict[str, str] = {}  # instance -> its role tag
         self.owner = owner
         self.provider = provider
         self.workdir = Path(workdir)
@@ -169,9 +180,18 @@ class Supervisor:
         self._remember()
 
     # -- provisioning --------------------------------------------------------------------------------
-    def provision(self) -> list[Happening]:
+    def provision(self, script: Path | None = None) -> list[Happening]:
+        """Launch the workers' and the warm standbys' instances. On instances (`hosts`), the job's secret is stored
+        for them first and every instance boots `script`'s job agent."""
         run = self.run
         out: list[Happening] = []
+        if self.hosts is not None:
+            from runtime.auth import new_token
+
+            if script is None:
+                raise ValueError("a job that runs on its instances needs its script at provisioning")
+            self._secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer
+            self.hosts.prepare(run, self._secret, script)
         workers = self._launch("worker", run.workers)
         self.workers = {rank: inst.instance_id for rank, inst in enumerate(workers)}
         self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
@@ -204,10 +224,12 @@ class Supervisor:
             instance_type=self.run.instance_type,
             count=count,
             market=self.run.market,
+            **(self.hosts.launch_options() if self.hosts is not None else {}),
         )
         launched = self.provider.launch(req)
         # Recorded before anyone keeps the ids: a crash between here and the next record still names them.
         self._launched.update(i.instance_id for i in launched)
+        self._roles.update((i.instance_id, role) for i in launched)
         self._remember()
         return launched
 
@@ -241,9 +263,15 @@ class Supervisor:
     # -- the job -------------------------------------------------------------------------------------
     def start(self, script: Path) -> None:
         """Start the runtime's launcher for this job; it hosts the coordinator (and, locally, every process)."""
-        from runtime.auth import ENV_SECRET, new_token
-        from runtime.control import JobControl
+        from runtime.auth import new_token
 
+        if self.hosts is not None:
+            assert self._secret is not None, "provision() first"
+            secret, host, self.port = self._secret, self.hosts.coordinator_host, self.hosts.store_port
+            cmd = self.hosts.coordinator_argv(self.run, hosts=len(self._launched), standby=self.warm_target,
+                                              events=self.events_path, script=script)
+            self._spawn(cmd, secret, host)
+            return
         self.port = _free_port()
         secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer of its store
         cmd = [
@@ -270,6 +298,12 @@ class Supervisor:
         cmd += [str(script), *self.run.script_args]
         if self.run.steps is not None:
             cmd += ["--steps", str(self.run.steps)]
+        self._spawn(cmd, secret, "127.0.0.1")
+
+    def _spawn(self, cmd: list[str], secret: str, host: str) -> None:
+        from runtime.auth import ENV_SECRET
+        from runtime.control import JobControl
+
         log_file = open(self.workdir / "job.log", "ab")  # noqa: SIM115 - held for the child's life
         self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, ENV_SECRET: secret})
@@ -277,7 +311,17 @@ class Supervisor:
         self._remember()
         self._started_at = self.clock()
         self._last_accrual = self._started_at
-        self.control = JobControl("127.0.0.1", self.port, timeout_s=60.0, secret=secret)
+        self._control_at = (host, secret)
+        if self.hosts is None:
+            self.control = JobControl(host, self.port, timeout_s=60.0, secret=secret)
+        # On instances the job starts once every host joined (up to hosts_wait_s): `tick` connects then.
+
+    def _connect(self) -> None:
+        from runtime.control import JobControl
+
+        if self.control is None and self._control_at is not None and self.proc is not None and self.proc.poll() is None:
+            host, secret = self._control_at
+            self.control = JobControl(host, self.port, timeout_s=60.0, secret=secret)
 
     def _steer(self, command: str, *args: Any) -> None:
         """Send a command to the job; one that ends meanwhile needs no steering (its end is read from events)."""
@@ -315,7 +359,7 @@ class Supervisor:
             self._remember()
             return out
         out += self._notices()
-        if now >= self._next_policy and self._started_at is not None:
+        if now >= self._next_policy and self._started_at is not None and self.control is not None:
             self._next_policy = now + self.policy_every_s
             out += self._decide(now)
         self._remember()  # a replaced or released instance; written only when something changed
@@ -355,54 +399,65 @@ class Supervisor:
     def _on_event(self, ev: dict[str, Any]) -> list[Happening]:
         kind = ev.get("event")
         job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
+        if self.hosts is not None and kind in ("placed", "generation", "host_lost", "recovered"):
+            # Recovery first: the table row names the rank's instance before the new holder replaces it.
+            out = self._on_recovered(ev) if kind == "recovered" else []
+            return out + self._on_host_event(ev)
+        if kind == "member_failed" and self.hosts is not None:
+            return [self._failure(ev)] + (self._wake_parked(int(ev["rank"])) if not self.warm else [])
         if kind == "member_failed":
-            rank = int(ev["rank"])
-            node = self.workers.get(rank, f"rank-{rank}")
-            self._failed[ev["proc"]] = {**ev, "node": node, "predicted": node in self._hot_nodes}
-            cause = str(ev.get("cause", "failed"))
-            planned = cause.startswith("planned_move")
-            happenings = [
-                Happening(
-                    f"{EVENT_PREFIX}.node.{'moved' if planned else 'failed'}",
-                    f"{EVENT_PREFIX}.node.{node}",
-                    f"worker {ev['proc']} (rank {rank}, node {node}) {cause}",
-                    {"rank": rank, "process": ev["proc"], "cause": cause, "node": node},
-                )
-            ]
-            happenings += self._replace_instance(rank)
-            return happenings
+            return [self._failure(ev), *self._replace_instance(int(ev["rank"]))]
         if kind == "recovered":
-            out = []
-            for r in ev.get("ranks", []):
-                rank = int(r["rank"])
-                lost = float(ev.get("recovery_s", 0.0)) + float(ev.get("warmup_penalty_s", 0.0))
-                self.interruptions.append(
-                    Interruption(
-                        cause=", ".join(ev.get("causes", [])),
-                        rank=rank,
-                        old_process=r["old"],
-                        new_process=r["new"],
-                        step=ev.get("step"),
-                        detect_s=float(ev.get("detect_s", 0.0)),
-                        reconfigure_s=float(ev.get("reconfigure_s", 0.0)),
-                        handoff_s=float(ev.get("handoff_s", 0.0)),
-                        replay_s=float(ev.get("replay_s", 0.0)),
-                        lost_time_s=lost,
-                        tier="stopped" if rank in self._cold_ranks else str(ev.get("tier", "warm")),
-                        predicted=bool(self._failed.get(r["old"], {}).get("predicted", False)),
-                    )
+            return self._on_recovered(ev)
+        return self._on_end(kind, ev, job)
+
+    def _failure(self, ev: dict[str, Any]) -> Happening:
+        rank = int(ev["rank"])
+        node = self.workers.get(rank, f"rank-{rank}")
+        self._failed[ev["proc"]] = {**ev, "node": node, "predicted": node in self._hot_nodes}
+        cause = str(ev.get("cause", "failed"))
+        planned = cause.startswith("planned_move")
+        return Happening(
+            f"{EVENT_PREFIX}.node.{'moved' if planned else 'failed'}",
+            f"{EVENT_PREFIX}.node.{node}",
+            f"worker {ev['proc']} (rank {rank}, node {node}) {cause}",
+            {"rank": rank, "process": ev["proc"], "cause": cause, "node": node},
+        )
+
+    def _on_recovered(self, ev: dict[str, Any]) -> list[Happening]:
+        out = []
+        for r in ev.get("ranks", []):
+            rank = int(r["rank"])
+            lost = float(ev.get("recovery_s", 0.0)) + float(ev.get("warmup_penalty_s", 0.0))
+            self.interruptions.append(
+                Interruption(
+                    cause=", ".join(ev.get("causes", [])),
+                    rank=rank,
+                    old_process=r["old"],
+                    new_process=r["new"],
+                    step=ev.get("step"),
+                    detect_s=float(ev.get("detect_s", 0.0)),
+                    reconfigure_s=float(ev.get("reconfigure_s", 0.0)),
+                    handoff_s=float(ev.get("handoff_s", 0.0)),
+                    replay_s=float(ev.get("replay_s", 0.0)),
+                    lost_time_s=lost,
+                    tier="stopped" if rank in self._cold_ranks else str(ev.get("tier", "warm")),
+                    predicted=bool(self._failed.get(r["old"], {}).get("predicted", False)),
                 )
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.promoted",
-                        f"{EVENT_PREFIX}.rank.{rank}",
-                        f"standby {r['new']} took rank {rank} from {r['old']} at step {ev.get('step')}: "
-                        f"{lost:.2f} s lost, no checkpoint reloaded",
-                        {"rank": rank, "old": r["old"], "new": r["new"], "lost_time_s": lost, "step": ev.get("step")},
-                    )
+            )
+            out.append(
+                Happening(
+                    f"{EVENT_PREFIX}.standby.promoted",
+                    f"{EVENT_PREFIX}.rank.{rank}",
+                    f"standby {r['new']} took rank {rank} from {r['old']} at step {ev.get('step')}: "
+                    f"{lost:.2f} s lost, no checkpoint reloaded",
+                    {"rank": rank, "old": r["old"], "new": r["new"], "lost_time_s": lost, "step": ev.get("step")},
                 )
-                self._cold_ranks.discard(rank)
-            return out
+            )
+            self._cold_ranks.discard(rank)
+        return out
+
+    def _on_end(self, kind: object, ev: dict[str, Any], job: str) -> list[Happening]:
         if kind == "standby_ready":
             return [
                 Happening(
@@ -447,59 +502,101 @@ class Supervisor:
         if self.warm:
             self.workers[rank] = self.warm.pop(0)
         elif self.parked:
-            woken = self.parked.pop(0)
-            try:
-                self.provider.start([woken])
-                self.workers[rank] = woken
-                self._cold_ranks.add(rank)
-                # The coordinator is waiting for a standby: one more process starts cold on the woken node.
-                # The next policy decision lowers the target again if the risk does not pay for it.
-                self.warm_target += 1
-                self._steer("set_standby_target", self.warm_target)
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.woken",
-                        f"{EVENT_PREFIX}.node.{woken}",
-                        f"woke parked standby {woken} for rank {rank} (cold start)",
-                        {"rank": rank},
-                    )
-                )
-            except CloudError as exc:
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.unavailable",
-                        f"{EVENT_PREFIX}.node.{woken}",
-                        f"could not wake {woken}: {exc}",
-                        {"rank": rank},
-                    )
-                )
+            out += self._wake_parked(rank)
         if self.scorer is not None and old is not None and rank in self.workers:
             self.scorer.replace_node(old, self.workers[rank])
         self._hot_nodes.discard(old or "")
         # Keep the warm count the plan asks for: order a replacement standby instance.
+        return out + self._order_standbys()
+
+    def _wake_parked(self, rank: int) -> list[Happening]:
+        """No warm standby is left for `rank`: wake a parked one (its process starts cold on the woken node)."""
+        if not self.parked:
+            return []
+        woken = self.parked.pop(0)
+        try:
+            self.provider.start([woken])
+        except CloudError as exc:
+            self.parked.insert(0, woken)
+            return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.node.{woken}",
+                              f"could not wake {woken}: {exc}", {"rank": rank})]
+        if self.hosts is None:
+            self.workers[rank] = woken
+        self._cold_ranks.add(rank)
+        # The coordinator is waiting for a standby: one more process starts cold on the woken node.
+        # The next policy decision lowers the target again if the risk does not pay for it.
+        self.warm_target += 1
+        self._steer("set_standby_target", self.warm_target)
+        return [Happening(f"{EVENT_PREFIX}.standby.woken", f"{EVENT_PREFIX}.node.{woken}",
+                          f"woke parked standby {woken} for rank {rank} (cold start)", {"rank": rank})]
+
+    def _order_standbys(self) -> list[Happening]:
+        """Launch the standby instances the warm target misses (replacements of lost or promoted ones)."""
         missing = self.warm_target - len(self.warm)
-        if missing > 0:
+        if missing <= 0:
+            return []
+        try:
+            new = [i.instance_id for i in self._launch("standby", missing)]
+        except CloudError as exc:
+            return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                              f"could not order a replacement standby: {exc}", {})]
+        self.warm += new
+        return [Happening(f"{EVENT_PREFIX}.standby.ordered", f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                          f"ordered {missing} replacement standby instance(s): {', '.join(new)}", {"instances": new})]
+
+    # -- hosts mode: the instances run the job -------------------------------------------------------
+    def _on_host_event(self, ev: dict[str, Any]) -> list[Happening]:
+        kind = ev.get("event")
+        out: list[Happening] = []
+        if kind == "placed":
+            self._where[str(ev["proc"])] = str(ev["host"])
+        elif kind == "generation":
+            self._members = {int(m["rank"]): str(m["proc"]) for m in ev.get("members", [])}
+            self._connect()  # the job runs: its store answers
+        elif kind == "host_lost":
+            lost = str(ev.get("host"))
+            if lost in self.parked or lost not in self._launched:
+                return out  # a parked instance powered off, or one released already
             try:
-                new = [i.instance_id for i in self._launch("standby", missing)]
-                self.warm += new
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.ordered",
-                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
-                        f"ordered {missing} replacement standby instance(s): {', '.join(new)}",
-                        {"instances": new},
-                    )
-                )
+                self.provider.terminate([lost])
+                self._launched.discard(lost)
             except CloudError as exc:
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.unavailable",
-                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
-                        f"could not order a replacement standby: {exc}",
-                        {},
-                    )
-                )
+                log.warning("could not release %s: %s", lost, exc)
+            out.append(Happening(f"{EVENT_PREFIX}.node.lost", f"{EVENT_PREFIX}.node.{lost}",
+                                 f"instance {lost} lost ({ev.get('cause')}): terminated, its ranks move to standbys",
+                                 {"node": lost, "cause": ev.get("cause"), "processes": ev.get("procs", [])}))
+        self._sync_hosts()
+        if kind in ("host_lost", "recovered"):
+            out += self._order_standbys()
         return out
+
+    def _sync_hosts(self) -> None:
+        """Which instance holds which rank, from the coordinator's placements; every other running instance of the
+        job is a standby host. Role tags follow (a promoted standby's instance becomes a worker)."""
+        workers = {rank: self._where[p] for rank, p in self._members.items() if p in self._where}
+        if workers and workers != self.workers:
+            for rank, node in workers.items():
+                old = self.workers.get(rank)
+                if old != node:
+                    self._retag(node, "worker")
+                    if self.scorer is not None and old is not None and node not in self.scorer.node_ids:
+                        self.scorer.replace_node(old, node)
+            self.workers = workers
+        busy = set(self.workers.values())
+        warm = [i for i in sorted(self._launched) if i not in busy and i not in self.parked]
+        for node in set(warm) - set(self.warm):
+            if node in self._roles and self._roles[node] == "worker":
+                self._retag(node, "standby")
+        self.warm = warm
+
+    def _retag(self, node: str, role: str) -> None:
+        if self._roles.get(node) == role or node not in self._launched:
+            return
+        try:
+            self.provider.set_role(node, role)  # type: ignore[arg-type]
+            self._roles[node] = role
+        except CloudError as exc:
+            log.warning("could not retag %s as %s: %s", node, role, exc)
 
     def _notices(self) -> list[Happening]:
         out: list[Happening] = []
@@ -614,10 +711,17 @@ class Supervisor:
         n = len(self.interruptions)
         restart_s = n * self.costs.restart_downtime_s
         scaled_wall = wall_s * self.time_scale
+        exit_code = self.proc.returncode if self.proc is not None and self.proc.returncode is not None else -1
+        if failed:
+            message = str(failed.get("reason"))
+        elif exit_code > 0:  # the launcher or coordinator stopped before the job ran: its own last word says why
+            message = self._last_log_line() or f"the job's coordinator exited with code {exit_code}"
+        else:
+            message = "finished"
         return RunReport(
             job_id=self.run.job_id,
-            exit_code=self.proc.returncode if self.proc is not None and self.proc.returncode is not None else -1,
-            message=str(failed.get("reason")) if failed else "finished",
+            exit_code=exit_code,
+            message=message,
             wall_s=wall_s,
             steps=self.steps_done,
             interruptions=list(self.interruptions),
@@ -631,6 +735,17 @@ class Supervisor:
             restart_ettr=max(0.0, 1.0 - restart_s / (scaled_wall + restart_s)) if scaled_wall > 0 else 0.0,
             final_digest=fin.get("final_digest") if fin else None,
         )
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = (self.workdir / "job.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        last = lines[-1].strip() if lines else ""
+        if last and self.hosts is not None and "agents joined" in last:
+            last += (" (the instances' agents never reached the coordinator: check each instance's console output, "
+                     "`journalctl -u trainmover-agent`, and that it reaches coordinator_address)")
+        return last
 
     def release(self) -> list[str]:
         """Stop the job if it still runs, then terminate every instance of the job. Safe to call twice."""
@@ -646,7 +761,11 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        released = self.provider.release_job(self.run.job_id)
+        try:
+            released = self.provider.release_job(self.run.job_id)
+        finally:
+            if self.hosts is not None:
+                self.hosts.close()  # the job's secret deleted, local hosts removed
         self.warm, self.parked = [], []
         self._launched.clear()
         # Nothing is held any more: no record, so a hook that runs after this finds nothing left running.

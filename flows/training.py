@@ -40,10 +40,11 @@ from prefect.events import emit_event
 from pydantic import Field
 
 from cloud.base import Provider
-from flows.credentials import BLOCK_NAME_PATTERN, CloudCredentials, load_credentials, provider_options
+from flows.credentials import BLOCK_NAME_PATTERN, load_credentials, provider_options
 from flows.drill import DegradingFeed, FailureDrill, drill_refusal
 from flows.endings import Ending, ending_of, record_what_was_left, server_state
 from flows.holdings import workdir_prefix
+from flows.hosts import job_hosts
 from flows.models import TrainingRun
 from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
@@ -64,20 +65,24 @@ def check_run(
     return str(run.check_script(root))
 
 
-def make_provider(run: TrainingRun, credentials: CloudCredentials | None = None) -> Provider:
-    """The run's provider; with `credentials` (from a block) its SDK uses them, else its standard chain."""
+def make_provider(run: TrainingRun, options: dict[str, Any] | None = None) -> Provider:
+    """The run's provider, with what its launches need (image, subnet, security groups, instance profile); with
+    `options` (`provider_options` of a credentials block) its SDK uses those credentials, else its standard chain."""
     from cloud.registry import make_provider as registry
 
     if run.provider == "local":
         return registry("local")
-    options = provider_options(credentials, run.region) if credentials is not None else {}
+    options = options or {}
     if run.provider == "aws":
-        return registry("aws", region=run.region, **options)
+        return registry("aws", region=run.region, image=run.image, subnet=run.subnet,
+                        security_groups=run.security_groups, instance_profile=run.instance_profile, **options)
     return registry(
         "azure",
         subscription_id=run.azure_subscription_id,
         resource_group=run.azure_resource_group,
         location=run.region,
+        image=run.image,
+        subnet_id=run.subnet,
         **options,
     )
 
@@ -164,9 +169,10 @@ def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, 
 
 
 @task(name="provision", cache_policy=NO_CACHE)
-def provision(sup: Supervisor) -> None:
-    """Launch the workers' instances and the standbys the limits hold from the start."""
-    for h in sup.provision():
+def provision(sup: Supervisor, script: Path) -> None:
+    """Launch the workers' instances and the standbys the limits hold from the start (on instances: each boots
+    the job's agent, and the job's secret is stored for them first)."""
+    for h in sup.provision(script):
         announce(h, sup.run.job_id)
 
 
@@ -329,13 +335,20 @@ def resilient_training(
     scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
     # In the flow body, not a task: the values are no task's input; a missing block is refused before any launch.
     credentials = load_credentials(credentials_block, run.provider) if credentials_block else None
-    provider = make_provider(run, credentials)
+    options = provider_options(credentials, run.region) if credentials is not None else {}
+    provider = make_provider(run, options)
     del credentials
     flow_run_id = current_flow_run_id()
     with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
         progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
         assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
         workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix(run.job_id)))
+        try:  # on instances: where the job's secret goes, where the coordinator listens, what each instance boots
+            hosts = job_hosts(run, provider, workdir, options)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        del options
         sup = Supervisor(
             run,
             provider,
@@ -345,12 +358,13 @@ def resilient_training(
             policy_every_s=policy_every_s,
             time_scale=time_scale,
             owner=str(flow_run_id),
+            hosts=hosts,
         )
         chaos = FailureDrill() if drill else None
         ending: Ending | None = None
         published = False
         try:
-            provision(sup)
+            provision(sup, script)
             start(sup, script)
             report = supervise(sup, chaos, progress, max_wall_s)
             publish_report(report, run, time_scale)

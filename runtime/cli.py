@@ -30,6 +30,8 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    help="an agent silent this long loses its host and every process on it (default 3 s)")
     p.add_argument("--agents-wait", type=float, default=120.0, metavar="S",
                    help="how long to wait for the agents to join (default 120 s)")
+    p.add_argument("--job-id", default=None, help="the job's id, which agents started with --job-id must name "
+                                                  "(default: a fresh random one)")
     _add_job_options(p)
 
 
@@ -137,6 +139,7 @@ def run_command(ns: argparse.Namespace) -> int:
             wait_for_standbys=ns.wait_for_standbys, fork_server=not ns.no_fork_server,
             **({"agents": ns.agents, "agent_port": ns.agent_port, "host_timeout_s": ns.host_timeout,
                 "agents_wait_s": ns.agents_wait} if getattr(ns, "agents", None) else {}),
+            **({"job_id": ns.job_id} if getattr(ns, "job_id", None) else {}),
         )
         result = launch(cfg)
     except ConfigError as exc:

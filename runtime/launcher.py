@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -122,6 +123,8 @@ class LaunchConfig:
     def validate(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.job_id):
+            raise ConfigError(f"--job-id must be 1-64 letters, digits, '.', '_' or '-', got {self.job_id!r}")
         if self.standby < 0:
             raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
         if self.backend not in ("gloo", "nccl"):
@@ -400,11 +403,12 @@ def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[s
     env = _process_env(cfg, store_port, tls)
     pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing())
     log.info("waiting for %d agents on %s:%d", cfg.agents, cfg.host, pool.port)
+    port = pool.port  # named in the error below, after the listener is closed
     try:
         pool.wait_for_hosts(cfg.agents, cfg.agents_wait_s)
     except TimeoutError as exc:
         pool.close(2)
-        raise ConfigError(f"{exc}: start `trainmover agent --coordinator {cfg.host}:{pool.port} --slots G` on each "
+        raise ConfigError(f"{exc}: start `trainmover agent --coordinator {cfg.host}:{port} --slots G` on each "
                           "host, with the job's secret in --secret-file or $TRAINMOVER_JOB_SECRET") from None
     slots = sum(h.slots for h in pool.live_hosts())
     if slots < cfg.nproc:

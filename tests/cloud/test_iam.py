@@ -179,3 +179,9 @@ def test_the_azure_role_is_assignable_on_one_resource_group_only() -> None:
         azure_job_role("sub", "rg")
     with pytest.raises(InvalidRequestError, match="not a valid name"):
         azure_job_role("00000000-0000-0000-0000-00000000cafe", "rg/*")
+
+
+def test_the_orchestrator_may_keep_only_its_own_jobs_secret_parameter() -> None:
+    st = statements(AWS_EXAMPLE)["KeepOnlyThisJobsSecretParameter"]
+    assert actions(st) == {"ssm:PutParameter", "ssm:AddTagsToResource", "ssm:DeleteParameter"}
+    assert resources(st) == ["arn:aws:ssm:us-east-1:123456789012:parameter/trainmover/llm-7b/*"]

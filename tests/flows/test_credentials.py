@@ -12,10 +12,11 @@ import pytest
 
 from flows.credentials import AwsKeys, AzureServicePrincipal, CredentialsBlockError, load_credentials, provider_options
 from flows.models import TrainingRun
+from tests.flows.cloud_runs import AWS_LAUNCH
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness")]
 
-AWS_RUN = TrainingRun(job_id="creds-aws", provider="aws", region="us-east-1")
+AWS_RUN = TrainingRun(job_id="creds-aws", provider="aws", region="us-east-1", **AWS_LAUNCH)
 
 
 class Provisioned(Exception):

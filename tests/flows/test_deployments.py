@@ -26,6 +26,7 @@ from flows.drill import drill_refusal
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import RunReport
 from flows.training import cost_markdown
+from tests.flows.cloud_runs import AWS_LAUNCH
 from tests.flows.test_e2e import commented_block, commented_variant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ DEMO = dict(time_scale=3600.0, policy_every_s=0.5)
 @pytest.mark.parametrize(
     ("run", "scale", "needle"),
     [
-        (TrainingRun(provider="aws", region="us-east-1", standby=StandbyLimits(min_warm=0)), DEMO,
+        (TrainingRun(provider="aws", region="us-east-1", standby=StandbyLimits(min_warm=0), **AWS_LAUNCH), DEMO,
          "runs with run.provider 'local' only"),
         (TrainingRun(workers=1, standby=StandbyLimits(min_warm=0)), DEMO, "set run.workers to at least 2"),
         (TrainingRun(standby=StandbyLimits(min_warm=1)), DEMO, "set run.standby.min_warm to 0"),

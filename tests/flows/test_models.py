@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.models import StandbyLimits, TrainingRun, describe_error
+from tests.flows.cloud_runs import AWS_LAUNCH
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,14 @@ def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
         ({"standby": {"min_warm": 3, "max_warm": 1}}, "min_warm=3 exceeds max_warm=1"),
         ({"provider": "aws"}, "needs a region"),
         ({"provider": "azure", "region": "eastus"}, "azure_subscription_id and azure_resource_group"),
-        ({"provider": "aws", "region": "us-east-1", "market": "spot"}, "cannot park (stop) one-time spot"),
+        ({"provider": "aws", "region": "us-east-1", "market": "spot", **AWS_LAUNCH},
+         "cannot park (stop) one-time spot"),
+        ({"provider": "aws", "region": "us-east-1"}, "needs coordinator_address, image, instance_profile"),
+        ({"provider": "azure", "region": "eastus", "azure_subscription_id": "s", "azure_resource_group": "g",
+          "image": "a:b:c:d"}, "needs coordinator_address, key_vault_url"),
+        ({"provider": "aws", "region": "us-east-1", "hosts": "namespaces", **AWS_LAUNCH}, "is for the local provider"),
+        ({"trainmover_source": "trainmover>=0.1"}, "trainmover_source: "),
+        ({"hosts_wait_s": 1}, "hosts_wait_s"),
         ({"job_id": "Bad_Name"}, "job_id 'Bad_Name' must be"),
         ({"policy_model": "/nonexistent/model.skops"}, "train one with `trainmover policy train`"),
         ({"hazard_multiplier": 0}, "hazard_multiplier"),

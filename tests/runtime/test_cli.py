@@ -141,6 +141,14 @@ def test_a_missing_script_is_one_clear_line_without_a_traceback() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_coordinator_whose_agents_never_join_says_so_in_one_line_and_a_bad_job_id_is_refused() -> None:
+    result = trainmover("coordinator", "--agents", "2", "--agents-wait", "1", "--job-id", "job-7", str(TINY_JOB))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "0 of 2 agents joined within 1 s: start `trainmover agent --coordinator 127.0.0.1:" in result.stderr
+    result = trainmover("coordinator", "--agents", "1", "--job-id", "job 7; rm", str(TINY_JOB))
+    assert result.returncode == 2 and "--job-id must be 1-64 letters" in result.stderr, result.stderr
+
+
 def test_a_bad_fault_plan_is_refused_before_anything_starts() -> None:
     result = trainmover("run", "--faults", "kill:rank=1,phase=lunch", str(TINY_JOB))
     assert result.returncode == 2 and "phase must be one of" in result.stderr

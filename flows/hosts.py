@@ -1,0 +1,162 @@
+"""How a job's instances become its hosts (`TrainingRun.on_instances`): the flow's machine runs the coordinator
+alone (`trainmover coordinator`), and every instance the job launches boots `trainmover agent` and joins it.
+
+`JobHosts` holds what that takes, made once per run by `job_hosts`:
+
+- where the job's secret goes, for the hosts to fetch with their own identity (never in user-data): SSM Parameter
+  Store (SecureString) on AWS, Key Vault on Azure, a mode-600 file on this machine for local hosts;
+- the address the coordinator listens on, which the hosts reach: `TrainingRun.coordinator_address` in the cloud,
+  the local hosts' own (127.0.0.1, or the namespaces' bridge);
+- the pinned TrainMover source the hosts install, and (AWS) the job's own security group and cluster placement
+  group (`cloud.base.JobNetwork`).
+
+`JobHosts.prepare` stores the secret and fixes the ports; `launch_options` is what every `LaunchRequest` of the job
+then carries (the bootstrap, the network); `coordinator_argv` is the coordinator's command line; `close` deletes
+the secret and removes local hosts. The supervisor (`flows.supervisor`) calls them in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cloud.base import CloudError, JobNetwork, Provider
+from cloud.bootstrap import AgentBootstrap
+from cloud.local_hosts import LocalHosts, NamespaceHosts, ProcessHosts
+from cloud.secrets import JobSecretStore, LocalFileStore, SecretRef
+from flows.models import TrainingRun
+
+log = logging.getLogger("trainmover.flows")
+
+
+def installed_source() -> str:
+    """This machine's TrainMover, pinned: what every host installs unless the run names another."""
+    try:
+        return f"trainmover=={importlib.metadata.version('trainmover')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "trainmover==0.1.0"
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on `address` now (the coordinator binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class JobHosts:
+    """What makes a job's instances its hosts (see the module docstring)."""
+
+    store: JobSecretStore
+    coordinator_host: str
+    source: str
+    job_network: bool = False
+    local_hosts: LocalHosts | None = None
+    secret_ref: SecretRef | None = None
+    store_port: int = 0
+    agent_port: int = 0
+    bootstrap: AgentBootstrap | None = None
+    network: JobNetwork | None = field(default=None)
+
+    def prepare(self, run: TrainingRun, secret: str, script: Path) -> None:
+        """Store the job's secret where its hosts fetch it and fix the coordinator's ports (before any launch)."""
+        self.secret_ref = self.store.put(run.job_id, secret)
+        self.store_port = free_port(self.coordinator_host)  # the coordinator listens on this machine's address
+        self.agent_port = free_port(self.coordinator_host)
+        self.bootstrap = AgentBootstrap(
+            job_id=run.job_id,
+            coordinator_host=self.coordinator_host,
+            agent_port=self.agent_port,
+            slots=1,
+            source=self.source,
+            secret=self.secret_ref,
+            script=str(script.resolve()),
+            script_args=tuple(run.script_args),
+        )
+        if self.job_network:
+            self.network = JobNetwork(
+                store_port=self.store_port, agent_port=self.agent_port, cluster_placement=run.cluster_placement
+            )
+
+    def launch_options(self) -> dict[str, Any]:
+        """The `LaunchRequest` fields every launch of the job carries."""
+        assert self.bootstrap is not None, "prepare() first"
+        return {"bootstrap": self.bootstrap, "network": self.network}
+
+    def coordinator_argv(
+        self, run: TrainingRun, *, hosts: int, standby: int, events: Path, script: Path
+    ) -> list[str]:
+        """`trainmover coordinator` for the job: it waits for `hosts` agents, then places the workers and standbys."""
+        argv = [
+            sys.executable, "-m", "trainmover.cli", "coordinator",
+            "--agents", str(hosts), "--job-id", run.job_id, "--agent-port", str(self.agent_port),
+            "--agents-wait", f"{run.hosts_wait_s:g}",
+            "--host", self.coordinator_host, "--port", str(self.store_port),
+            "--nproc", str(run.workers), "--standby", str(standby), "--backend", run.backend,
+            "--events", str(events), "--threads", "1", "--quiet",
+        ]
+        if run.faults:
+            argv += ["--faults", run.faults]
+        argv += [str(script.resolve()), *run.script_args]
+        if run.steps is not None:
+            argv += ["--steps", str(run.steps)]
+        return argv
+
+    def close(self) -> None:
+        """Delete the job's secret and remove local hosts. Never raises: it runs while a job is released."""
+        ref = self.secret_ref
+        if ref is not None:
+            try:
+                self.store.delete(ref)
+                self.secret_ref = None
+            except CloudError as exc:
+                log.warning("could not delete the job's secret (%s): %s", ref.kind, exc)
+        if self.local_hosts is not None:
+            with contextlib.suppress(Exception):
+                self.local_hosts.close()
+
+
+def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_options: dict[str, Any] | None = None
+              ) -> JobHosts | None:
+    """The run's `JobHosts`, or None when the job runs on the flow's machine (`hosts='orchestrator'`). For local
+    hosts it attaches them to the provider (which then boots every bootstrapped instance into one)."""
+    if not run.on_instances:
+        return None
+    options = provider_options or {}
+    if run.provider == "local":
+        from cloud.local import LocalProvider
+
+        assert isinstance(provider, LocalProvider)
+        logs = Path(workdir) / "hosts"
+        hosts: LocalHosts = NamespaceHosts(logs) if run.hosts == "namespaces" else ProcessHosts(logs)
+        provider.attach_hosts(hosts)
+        return JobHosts(LocalFileStore(Path(workdir) / "secrets"), hosts.coordinator_host,
+                        run.trainmover_source or installed_source(), local_hosts=hosts)
+    assert run.coordinator_address is not None  # TrainingRun checks it for the clouds
+    source = run.trainmover_source or installed_source()
+    if run.provider == "aws":
+        from cloud.secrets import AwsParameterStore
+
+        assert run.region is not None
+        store: JobSecretStore = AwsParameterStore(run.region, session=options.get("session"))
+        return JobHosts(store, run.coordinator_address, source, job_network=True)
+    from cloud.secrets import AzureKeyVaultStore
+
+    assert run.key_vault_url is not None
+    credential = options.get("credential")
+    if credential is None:
+        from azure.identity import DefaultAzureCredential
+
+        credential = DefaultAzureCredential()
+    return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source)
+
+
+__all__ = ["JobHosts", "free_port", "installed_source", "job_hosts"]
