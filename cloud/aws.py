@@ -440,7 +440,7 @@ class AwsProvider(Provider):
         self.describe_budget = describe_budget
         self._api = _AwsApi(region, session, endpoint_url)
         self._network = AwsJobNetwork(self._api, mutate_budget=mutate_budget, describe_budget=describe_budget)
-        self._known_types: set[str] = set()
+        self._known_types: dict[str, int] = {}  # type -> EFA interfaces it takes (0: no EFA)
         self._seen_events: deque[str] = deque(maxlen=4096)
         self._warned_no_queue = False
         self._dropped: Counter[str] = Counter()
@@ -468,6 +468,13 @@ class AwsProvider(Provider):
         validate_tags(request.tags, TAG_LIMITS)
         user_data = self._user_data(request)
         self._check_instance_type(request.instance_type)
+        if request.efa and not self._known_types[request.instance_type]:
+            raise InvalidRequestError(
+                f"aws: {request.instance_type} has no Elastic Fabric Adapter: launch without efa, or use a type that "
+                "has one (p5.48xlarge, p4d.24xlarge, g6.48xlarge; `aws ec2 describe-instance-types --filters "
+                "Name=network-info.efa-supported,Values=true`)",
+                provider="aws", code="InvalidEfa",
+            )
         image = request.image or self.image
         if not image:
             raise InvalidRequestError(
@@ -526,7 +533,20 @@ class AwsProvider(Provider):
             security_groups.append(job_placement.security_group_id)
             if job_placement.placement_group is not None:
                 params["Placement"] = {**params.get("Placement", {}), "GroupName": job_placement.placement_group}
-        if security_groups:
+        if request.efa:
+            # One EFA per network card: card 0's is the primary interface, the others attach at device index 1.
+            # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html
+            if not subnet:
+                raise InvalidRequestError("aws: EFA interfaces need a subnet: pass subnet= to AwsProvider",
+                                          provider="aws", code="InvalidEfa")
+            params.pop("SubnetId", None)
+            params["NetworkInterfaces"] = [
+                {"DeviceIndex": 0 if card == 0 else 1, "NetworkCardIndex": card, "InterfaceType": "efa",
+                 "SubnetId": subnet, "DeleteOnTermination": True, **({"Groups": security_groups} if security_groups
+                                                                      else {})}
+                for card in range(self._known_types[request.instance_type])
+            ]
+        elif security_groups:
             params["SecurityGroupIds"] = security_groups
         if user_data:
             params["UserData"] = user_data  # boto3 base64-encodes it
@@ -570,7 +590,8 @@ class AwsProvider(Provider):
         if instance_type in self._known_types:
             return
         try:
-            self._api.call("ec2", "describe_instance_types", self.describe_budget, InstanceTypes=[instance_type])
+            found = self._api.call("ec2", "describe_instance_types", self.describe_budget,
+                                   InstanceTypes=[instance_type])
         except InvalidRequestError as err:
             close = difflib.get_close_matches(instance_type, list(ON_DEMAND_USD_PER_H), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -580,7 +601,10 @@ class AwsProvider(Provider):
                 provider="aws",
                 code=err.code,
             ) from err
-        self._known_types.add(instance_type)
+        described: list[dict[str, Any]] = found.get("InstanceTypes", [])
+        network: dict[str, Any] = (described[0] if described else {}).get("NetworkInfo", {})
+        efa = network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0) if network.get("EfaSupported") else 0
+        self._known_types[instance_type] = min(int(efa), int(network.get("MaximumNetworkCards", efa) or efa))
 
     # park / wake / release --------------------------------------------------------------------------------------
 

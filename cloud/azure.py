@@ -579,6 +579,14 @@ class AzureProvider(Provider):
                 provider=PROVIDER,
                 code="UnsupportedNetwork",
             )
+        if request.efa:
+            raise UnsupportedError(
+                "azure: EFA is AWS's adapter; Azure's RDMA is InfiniBand on ND/HB sizes, which needs the VMs in one "
+                "scale set or availability set, and the provider creates standalone VMs (docs/cloud-azure.md): "
+                "launch without efa",
+                provider=PROVIDER,
+                code="UnsupportedEfa",
+            )
         if request.market == "spot" and request.capacity_reservation:
             raise InvalidRequestError(
                 "azure: spot VMs cannot use a capacity reservation group; launch on-demand or drop the reservation",

@@ -219,10 +219,16 @@ class LaunchRequest:
     """Launch into the job's own security group (and cluster placement group), created on the job's first launch and
     reused for replacements; deleted by `release_job`. AWS only (`Capabilities.job_network`); excludes
     `placement_group` when `network.cluster_placement` is set."""
+    efa: bool = False
+    """AWS: give each instance an Elastic Fabric Adapter on every network card its type has (p5.48xlarge: 32,
+    p4d.24xlarge: 4), for NCCL over libfabric (the bootstrap's agent then runs with FI_PROVIDER=efa). A type without
+    EFA is refused before anything launches; other providers refuse the flag."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise InvalidRequestError(f"count must be at least 1, got {self.count}")
+        if not isinstance(self.efa, bool):
+            raise InvalidRequestError(f"efa must be True or False, got {self.efa!r}", code="InvalidEfa")
         if not self.job_id:
             raise InvalidRequestError("job_id must not be empty: it tags every instance so that none is leaked")
         validate_job_id(self.job_id)
@@ -262,6 +268,12 @@ class LaunchRequest:
         if self.user_data is not None:
             raise InvalidRequestError(
                 "give bootstrap or user_data, not both: the bootstrap is the instance's whole user-data",
+                code="InvalidBootstrap",
+            )
+        if bootstrap.efa != self.efa:
+            raise InvalidRequestError(
+                f"the launch asks efa={self.efa} but its bootstrap efa={bootstrap.efa}: set both, so that the agent "
+                "runs with FI_PROVIDER=efa exactly on hosts that have the adapter",
                 code="InvalidBootstrap",
             )
         if self.count > 1 and (bootstrap.address is not None or bootstrap.head is not None):

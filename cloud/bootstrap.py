@@ -240,6 +240,8 @@ class AgentBootstrap:
     """The job's image contract; when given, the agent starts only on a host whose versions equal it."""
     head: HeadCoordinator | None = None
     """Also run the coordinator here, bound to `coordinator_host`."""
+    efa: bool = False
+    """The host has Elastic Fabric Adapters (`LaunchRequest.efa`): its agent runs with `EFA_ENVIRONMENT`."""
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -259,6 +261,8 @@ class AgentBootstrap:
         object.__setattr__(self, "script_args", tuple(self.script_args))
         if any(not isinstance(a, str) or "\0" in a for a in self.script_args):
             raise InvalidRequestError("script arguments must be strings without NUL characters", code="InvalidScript")
+        if not isinstance(self.efa, bool):
+            raise InvalidRequestError(f"efa must be True or False, got {self.efa!r}", code="InvalidBootstrap")
         if self.address is not None and self.interface is not None:
             raise InvalidRequestError("give address or interface, not both", code="InvalidBind")
         if self.address is not None:
@@ -388,7 +392,12 @@ def render_install(spec: AgentBootstrap) -> str:
     ]) + "\n"
 
 
-def _unit(description: str, start: str, runtime_dir: str, *, restart: bool) -> str:
+EFA_ENVIRONMENT = ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1")
+"""What the agent (and every process it starts) runs with on an EFA host: NCCL's aws-ofi-nccl plugin takes libfabric's
+EFA provider, with GPUDirect RDMA."""
+
+
+def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, environment: Sequence[str] = ()) -> str:
     return "\n".join([
         "[Unit]",
         f"Description={description}",
@@ -398,6 +407,7 @@ def _unit(description: str, start: str, runtime_dir: str, *, restart: bool) -> s
         "",
         "[Service]",
         "Type=exec",
+        *(f"Environment={value}" for value in environment),
         f"ExecStart={start}",
         f"Restart={'on-failure' if restart else 'no'}",
         "RestartSec=5",
@@ -415,7 +425,7 @@ def render_units(spec: AgentBootstrap) -> dict[str, str]:
     coordinator is not restarted (a new coordinator would be a new job: docs/multihost.md)."""
     units = {
         AGENT_UNIT: _unit(f"TrainMover agent of job {spec.job_id}", f"{PREFIX}/bin/agent-start", "trainmover-agent",
-                          restart=True),
+                          restart=True, environment=EFA_ENVIRONMENT if spec.efa else ()),
     }
     if spec.head is not None:
         units[COORDINATOR_UNIT] = _unit(

@@ -128,9 +128,23 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
         acct = account if account_part is None else account_part
         return [f"arn:{_partition(r)}:{service}:{r}:{acct}:{resource}" for r in scope.regions]
 
+    def regional(service: str, resource: str) -> list[str]:
+        """The resource's ARN in each region; with several regions one ARN for any region, the statement then naming
+        them in `in_regions` (IAM's 6,144-character limit on a managed policy leaves no room for a copy each)."""
+        if len(scope.regions) == 1:
+            return arns(service, resource)
+        return [f"arn:{_partition(scope.regions[0])}:{service}:*:{account}:{resource}"]
+
+    def in_regions(condition: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`condition`, with the requested region limited to the scope's when `regional` left it open."""
+        condition = dict(condition or {})
+        if len(scope.regions) > 1:
+            condition["StringEquals"] = {"aws:RequestedRegion": list(scope.regions)}
+        return {"Condition": condition} if condition else {}
+
     queue_name, rule_names = notice_resource_names(job)
     queue_arns = arns("sqs", queue_name)
-    rule_arns = [arn for name in rule_names.values() for arn in arns("events", f"rule/{name}")]
+    rule_arns = [arn for name in rule_names.values() for arn in regional("events", f"rule/{name}")]
     instances, volumes = arns("ec2", "instance/*"), arns("ec2", "volume/*")
     security_groups, placement_groups = arns("ec2", "security-group/*"), arns("ec2", "placement-group/*")
     this_job = {f"aws:ResourceTag/{JOB_TAG}": job}
@@ -187,8 +201,9 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
                     "capacity-reservation/*",
                     "spot-instances-request/*",
                 )
-                for arn in arns("ec2", resource)
+                for arn in regional("ec2", resource)
             ],
+            **in_regions(),
         },
         {
             "Sid": "TagOnlyAtLaunchWithThisJob",
@@ -317,13 +332,14 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
                 "Effect": "Allow",
                 "Action": list(NOTICE_RULE_WIRING),
                 "Resource": rule_arns,
+                **in_regions(),
             },
             {
                 "Sid": "TargetOnlyThisJobsNoticeQueue",
                 "Effect": "Allow",
                 "Action": "events:PutTargets",
                 "Resource": rule_arns,
-                "Condition": {"ArnEquals": {"events:TargetArn": queue_arns}},
+                **in_regions({"ArnEquals": {"events:TargetArn": queue_arns}}),
             },
         ]
     return {"Version": "2012-10-17", "Statement": statements}

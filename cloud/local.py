@@ -444,6 +444,9 @@ class LocalProvider(Provider):
                 "local: security groups and placement groups do not exist on this machine; launch without network",
                 provider=self.name,
             )
+        if request.efa:
+            raise UnsupportedError("local: no Elastic Fabric Adapter on this machine; launch without efa",
+                                   provider=self.name)
         if request.bootstrap is not None and self.hosts is None:
             raise UnsupportedError(
                 "local: this provider's instances run nothing: create it with hosts= (cloud.local_hosts) to boot "

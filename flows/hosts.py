@@ -80,6 +80,7 @@ class JobHosts:
             secret=self.secret_ref,
             script=str(script.resolve()),
             script_args=tuple(run.script_args),
+            efa=run.efa,
         )
         if self.job_network:
             self.network = JobNetwork(
@@ -89,7 +90,7 @@ class JobHosts:
     def launch_options(self) -> dict[str, Any]:
         """The `LaunchRequest` fields every launch of the job carries."""
         assert self.bootstrap is not None, "prepare() first"
-        return {"bootstrap": self.bootstrap, "network": self.network}
+        return {"bootstrap": self.bootstrap, "network": self.network, "efa": self.bootstrap.efa}
 
     def coordinator_argv(
         self, run: TrainingRun, *, hosts: int, standby: int, events: Path, script: Path
@@ -159,4 +160,40 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
     return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source)
 
 
-__all__ = ["JobHosts", "free_port", "installed_source", "job_hosts"]
+@dataclass(slots=True)
+class NoticeWiring:
+    """AWS: the job's EventBridge rules and SQS queue (`cloud.aws.ensure_notice_queue`), given to the provider so that
+    its `poll_notices` reads them; `close` deletes them. Empty elsewhere (local notices come from the provider itself;
+    Azure announces evictions to each VM only, through its Scheduled Events)."""
+
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    job_id: str | None = None
+    region: str | None = None
+    session: Any = None
+
+    def close(self) -> None:
+        """Delete the rules and the queue. Never raises: it runs while a job is released."""
+        if self.job_id is None or self.region is None:
+            return
+        from cloud.aws import delete_notice_queue
+
+        try:
+            delete_notice_queue(self.job_id, region=self.region, session=self.session)
+            self.job_id = None
+        except CloudError as exc:
+            log.warning("could not delete the notice queue of job %s: %s", self.job_id, exc)
+
+
+def notice_wiring(run: TrainingRun, provider_options: dict[str, Any] | None = None) -> NoticeWiring:
+    """The run's notice wiring: on AWS with `notice_queue`, the queue and rules are made now (idempotent)."""
+    if run.provider != "aws" or not run.notice_queue:
+        return NoticeWiring()
+    from cloud.aws import ensure_notice_queue
+
+    assert run.region is not None
+    session = (provider_options or {}).get("session")
+    url = ensure_notice_queue(run.job_id, region=run.region, session=session)
+    return NoticeWiring({"notice_queue_url": url, "notice_job_id": run.job_id}, run.job_id, run.region, session)
+
+
+__all__ = ["JobHosts", "NoticeWiring", "free_port", "installed_source", "job_hosts", "notice_wiring"]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from cloud.capacity import Fallbacks
 
 from policy.costs import NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 
@@ -130,6 +133,29 @@ class TrainingRun(BaseModel):
     cluster_placement: bool = Field(
         default=True, description="AWS: launch every host into the job's cluster placement group."
     )
+    notice_queue: bool = Field(
+        default=True,
+        description="AWS: deliver spot interruptions, rebalance recommendations and scheduled maintenance to the flow "
+        "through EventBridge rules and an SQS queue of the job's own (made at the start, deleted at the release); "
+        "each becomes a planned move of that host's ranks.",
+    )
+    efa: bool = Field(
+        default=False,
+        description="AWS: an Elastic Fabric Adapter on every network card of each host (p5.48xlarge: 32), and the "
+        "agents run with FI_PROVIDER=efa; a type without EFA is refused before launching.",
+    )
+    fallback_zones: tuple[str, ...] = Field(
+        default=(),
+        description="When a launch or a wake-up finds no capacity: other zones of the region to try, in order "
+        "(leave empty with a cluster placement group, which holds one zone).",
+    )
+    fallback_instance_types: tuple[str, ...] = Field(
+        default=(),
+        description="Then: other instance types with the same accelerator, in order (e.g. p5e.48xlarge).",
+    )
+    fallback_on_demand: bool = Field(
+        default=True, description="Last: an on-demand launch of instance_type (spot ends on on-demand)."
+    )
     key_vault_url: str | None = Field(
         default=None, description="Azure: the Key Vault that holds the job's secret, https://VAULT.vault.azure.net."
     )
@@ -174,6 +200,9 @@ class TrainingRun(BaseModel):
         if self.hosts != "orchestrator" and self.provider != "local":
             raise ValueError(f"hosts={self.hosts!r} is for the local provider; {self.provider} instances always run "
                              "the job (leave hosts at 'orchestrator')")
+        if self.efa and self.provider != "aws":
+            raise ValueError("efa is an AWS adapter: set it only with provider 'aws' (docs/cloud-azure.md says what "
+                             "Azure's InfiniBand needs)")
         if self.provider in ("aws", "azure"):
             needed = ["coordinator_address", "image"] + (
                 ["instance_profile"] if self.provider == "aws" else ["key_vault_url"])
@@ -205,6 +234,13 @@ class TrainingRun(BaseModel):
                 f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"
             )
         return self
+
+    def fallbacks(self) -> Fallbacks:
+        """What the run allows when the cloud has no capacity for its first choice (cloud.capacity)."""
+        from cloud.capacity import Fallbacks
+
+        return Fallbacks(zones=self.fallback_zones, instance_types=self.fallback_instance_types,
+                         on_demand=self.fallback_on_demand)
 
     @property
     def on_instances(self) -> bool:

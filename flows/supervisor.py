@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from cloud.base import CloudError, Instance, LaunchRequest, Provider
+from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provider
+from cloud.capacity import launch_with_fallback, wake_or_replace
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.hosts import JobHosts
 from flows.models import TrainingRun
@@ -140,6 +141,7 @@ class Supervisor:
         self._secret: str | None = None
         self._control_at: tuple[str, str] | None = None
         self._roles: dict[str, str] = {}  # instance -> its role tag
+        self._fallback_notes: list[str] = []  # launches that needed a capacity fallback, announced at the next tick
         self.owner = owner
         self.provider = provider
         self.workdir = Path(workdir)
@@ -218,7 +220,21 @@ class Supervisor:
     def _launch(self, role: str, count: int) -> list[Instance]:
         if count <= 0:
             return []
-        req = LaunchRequest(
+        outcome = launch_with_fallback(self.provider, self._request(role, count), self.run.fallbacks())
+        if not outcome.succeeded:
+            raise CapacityError(f"no capacity for {count} {role} instance(s): {outcome.summary()}",
+                                provider=self.provider.name, code="InsufficientInstanceCapacity")
+        if outcome.step != "request":
+            self._fallback_notes.append(f"{role} launch fell back: {outcome.summary()}")
+        launched = list(outcome.instances)
+        # Recorded before anyone keeps the ids: a crash between here and the next record still names them.
+        self._launched.update(i.instance_id for i in launched)
+        self._roles.update((i.instance_id, role) for i in launched)
+        self._remember()
+        return launched
+
+    def _request(self, role: str, count: int) -> LaunchRequest:
+        return LaunchRequest(
             job_id=self.run.job_id,
             role=role,  # type: ignore[arg-type]
             instance_type=self.run.instance_type,
@@ -226,12 +242,6 @@ class Supervisor:
             market=self.run.market,
             **(self.hosts.launch_options() if self.hosts is not None else {}),
         )
-        launched = self.provider.launch(req)
-        # Recorded before anyone keeps the ids: a crash between here and the next record still names them.
-        self._launched.update(i.instance_id for i in launched)
-        self._roles.update((i.instance_id, role) for i in launched)
-        self._remember()
-        return launched
 
     # -- the holdings record -------------------------------------------------------------------------
     def holdings(self) -> Holdings:
@@ -359,6 +369,10 @@ class Supervisor:
             self._remember()
             return out
         out += self._notices()
+        while self._fallback_notes:
+            note = self._fallback_notes.pop(0)
+            out.append(Happening(f"{EVENT_PREFIX}.fleet.fallback", f"{EVENT_PREFIX}.job.{self.run.job_id}", note,
+                                 {"attempts": note}))
         if now >= self._next_policy and self._started_at is not None and self.control is not None:
             self._next_policy = now + self.policy_every_s
             out += self._decide(now)
@@ -513,13 +527,25 @@ class Supervisor:
         """No warm standby is left for `rank`: wake a parked one (its process starts cold on the woken node)."""
         if not self.parked:
             return []
-        woken = self.parked.pop(0)
+        parked = self.parked.pop(0)
+        # No capacity to wake it: another zone, another type of the same accelerator, then on-demand (cloud.capacity).
+        error = ""
         try:
-            self.provider.start([woken])
+            outcome = wake_or_replace(self.provider, parked, self._request("standby", 1), self.run.fallbacks())
         except CloudError as exc:
-            self.parked.insert(0, woken)
-            return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.node.{woken}",
-                              f"could not wake {woken}: {exc}", {"rank": rank})]
+            outcome, error = None, str(exc)
+        if outcome is None or not outcome.succeeded:
+            self.parked.insert(0, parked)
+            why = error if outcome is None else outcome.summary()
+            return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.node.{parked}",
+                              f"could not wake {parked} nor replace it: {why}", {"rank": rank})]
+        woken = outcome.instances[0].instance_id
+        if woken != parked:  # a replacement was launched; the parked one was released
+            self._launched.add(woken)
+            self._roles[woken] = "standby"
+            self._launched.difference_update(outcome.released)
+            if outcome.release_error is not None:  # still parked (and billing its disk): kept for a later wake-up
+                self.parked.insert(0, parked)
         if self.hosts is None:
             self.workers[rank] = woken
         self._cold_ranks.add(rank)
@@ -527,8 +553,11 @@ class Supervisor:
         # The next policy decision lowers the target again if the risk does not pay for it.
         self.warm_target += 1
         self._steer("set_standby_target", self.warm_target)
+        how = (f"woke parked standby {woken}" if woken == parked
+               else f"no capacity to wake {parked} ({outcome.summary()}): launched {woken} instead")
         return [Happening(f"{EVENT_PREFIX}.standby.woken", f"{EVENT_PREFIX}.node.{woken}",
-                          f"woke parked standby {woken} for rank {rank} (cold start)", {"rank": rank})]
+                          f"{how} for rank {rank} (cold start)",
+                          {"rank": rank, "parked": parked, "step": outcome.step, "attempts": outcome.summary()})]
 
     def _order_standbys(self) -> list[Happening]:
         """Launch the standby instances the warm target misses (replacements of lost or promoted ones)."""

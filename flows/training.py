@@ -44,7 +44,7 @@ from flows.credentials import BLOCK_NAME_PATTERN, load_credentials, provider_opt
 from flows.drill import DegradingFeed, FailureDrill, drill_refusal
 from flows.endings import Ending, ending_of, record_what_was_left, server_state
 from flows.holdings import workdir_prefix
-from flows.hosts import job_hosts
+from flows.hosts import job_hosts, notice_wiring
 from flows.models import TrainingRun
 from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
@@ -336,16 +336,22 @@ def resilient_training(
     # In the flow body, not a task: the values are no task's input; a missing block is refused before any launch.
     credentials = load_credentials(credentials_block, run.provider) if credentials_block else None
     options = provider_options(credentials, run.region) if credentials is not None else {}
-    provider = make_provider(run, options)
     del credentials
     flow_run_id = current_flow_run_id()
     with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
+        notices = notice_wiring(run, options)  # AWS: the job's EventBridge rules and SQS queue
+        try:
+            provider = make_provider(run, {**options, **notices.provider_options})
+        except BaseException:
+            notices.close()
+            raise
         progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
         assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
         workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix(run.job_id)))
         try:  # on instances: where the job's secret goes, where the coordinator listens, what each instance boots
             hosts = job_hosts(run, provider, workdir, options)
         except BaseException:
+            notices.close()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         del options
@@ -383,6 +389,7 @@ def resilient_training(
         finally:
             try:
                 release_everything(sup)
+                notices.close()
             finally:
                 if ending is not None:  # after the release: the fleet goes before anything is reported
                     conclude(sup, run, ending, time_scale, published)

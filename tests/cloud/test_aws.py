@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import re
@@ -52,10 +53,11 @@ from cloud.base import (
     ThrottledError,
     UnsupportedError,
 )
-from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init
+from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init, render_units
 from cloud.capacity import Fallbacks, wake_or_replace
 from cloud.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
-from cloud.secrets import AwsSecretsManagerStore, SecretRef
+from cloud.local import LocalProvider
+from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, SecretRef
 from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server, moto_server
 
 REGION = "us-east-1"
@@ -267,6 +269,48 @@ def test_a_job_network_is_made_once_reused_by_replacements_and_deleted_after_the
     assert order == ["TerminateInstances", "DeleteSecurityGroup", "DeletePlacementGroup"]
     assert aws.release_job(job) == []  # nothing left: no group to delete, and no error
     assert_nothing_running(aws, job)
+
+
+def test_efa_interfaces_on_every_network_card_in_the_jobs_group_and_refused_where_the_type_has_none(
+    proxy: FaultProxy, job: str, moto_url: str
+) -> None:
+    subnet = dummy_session().client("ec2", endpoint_url=moto_url).describe_subnets()["Subnets"][0]["SubnetId"]
+    aws = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, image=AMI, subnet=subnet,
+                      mutate_budget=FAST_MUTATE, describe_budget=FAST_DESCRIBE)
+    aws.launch(LaunchRequest(job, "worker", "p4d.24xlarge", network=NETWORK, efa=True))
+    (run,) = proxy.seen("RunInstances")
+    cards = [run.params[f"NetworkInterface.{n}.NetworkCardIndex"] for n in range(1, 5)]
+    assert cards == ["0", "1", "2", "3"] and "NetworkInterface.5.NetworkCardIndex" not in run.params
+    assert [run.params[f"NetworkInterface.{n}.DeviceIndex"] for n in range(1, 5)] == ["0", "1", "1", "1"]
+    assert {run.params[f"NetworkInterface.{n}.InterfaceType"] for n in range(1, 5)} == {"efa"}
+    assert {run.params[f"NetworkInterface.{n}.SubnetId"] for n in range(1, 5)} == {subnet}
+    groups = {run.params[f"NetworkInterface.{n}.SecurityGroupId.1"] for n in range(1, 5)}
+    (authorize,) = proxy.seen("AuthorizeSecurityGroupIngress")
+    assert groups == {authorize.params["GroupId"]}, "every adapter sits in the job's own group"
+    assert "SubnetId" not in run.params and "SecurityGroupId.1" not in run.params
+
+    proxy.reset()
+    with pytest.raises(InvalidRequestError, match=r"g5\.xlarge has no Elastic Fabric Adapter"):
+        aws.launch(LaunchRequest(job, "worker", "g5.xlarge", efa=True))
+    no_subnet = AwsProvider(REGION, session=dummy_session(), endpoint_url=proxy.url, image=AMI,
+                            mutate_budget=FAST_MUTATE, describe_budget=FAST_DESCRIBE)
+    with pytest.raises(InvalidRequestError, match="EFA interfaces need a subnet"):
+        no_subnet.launch(LaunchRequest(job, "worker", "p5.48xlarge", efa=True))
+    assert proxy.seen("RunInstances") == []
+    assert_nothing_running(aws, job)
+
+
+def test_an_efa_launch_and_its_bootstrap_agree_and_the_agent_then_runs_with_the_efa_provider(job: str) -> None:
+    ref = SecretRef("aws-ssm", f"/trainmover/{job}/job-secret", REGION)
+    with pytest.raises(InvalidRequestError, match="efa=True but its bootstrap efa=False"):
+        LaunchRequest(job, "worker", "p5.48xlarge", efa=True, bootstrap=bootstrap_for(job, ref))
+    spec = dataclasses.replace(bootstrap_for(job, ref), efa=True)
+    LaunchRequest(job, "worker", "p5.48xlarge", efa=True, bootstrap=spec)
+    unit = render_units(spec)[AGENT_UNIT]
+    assert "Environment=FI_PROVIDER=efa" in unit and "Environment=FI_EFA_USE_DEVICE_RDMA=1" in unit
+    assert "FI_PROVIDER" not in render_units(bootstrap_for(job, ref))[AGENT_UNIT]
+    with pytest.raises(UnsupportedError, match="no Elastic Fabric Adapter on this machine"):
+        LocalProvider(slots=1).launch(LaunchRequest(job, "worker", "p5.48xlarge", efa=True))
 
 
 def test_a_job_group_opened_wider_than_the_network_is_refused_before_launching(
@@ -1104,6 +1148,7 @@ _IMPLIED = {
     "ec2:CreatePlacementGroup": {"ec2:CreateTags"},
     "sqs:CreateQueue": {"sqs:TagQueue"},
     "events:PutRule": {"events:TagResource"},
+    "ssm:PutParameter": {"ssm:AddTagsToResource"},  # it tags the parameter it creates
 }
 
 
@@ -1126,7 +1171,10 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
         )
         # A bootstrapped launch needs nothing more than a plain one: the host reads its secret with its own role.
         # Into a subnet and the job's network: the group is made in the subnet's VPC, and deleted on release.
-        ref = SecretRef("aws-ssm", f"/trainmover/{job}/job-secret", REGION)
+        # The flows store the job's secret for its hosts and delete it at the release.
+        store = AwsParameterStore(REGION, session=session, endpoint_url=proxy.url)
+        ref = store.put(job, secrets.token_hex(32))
+        store.delete(ref)
         subnet = session.client("ec2", endpoint_url=moto_url).describe_subnets()["Subnets"][0]["SubnetId"]
         [standby] = provider.launch(
             LaunchRequest(job, "standby", "g5.xlarge", bootstrap=bootstrap_for(job, ref), subnet=subnet,

@@ -1,11 +1,12 @@
 """`resilient_training` on `provider: aws`, against moto's server over HTTP: the launch requests a real run sends.
 
 moto runs no instance, so no agent ever joins and the run fails once `hosts_wait_s` is over; what is checked is
-what EC2, SSM and the coordinator were asked for on the way, and that the release leaves nothing: every instance
+what EC2, SSM, SQS and EventBridge were asked for on the way, and that the release leaves nothing: every instance
 launched boots the job's agent (the cloud-init document is in its user-data) and names where its secret lives,
 never the secret; the secret is a SecureString in SSM Parameter Store, deleted at the release; the job has its own
 security group, open only to itself on the coordinator's ports and the data ports, and its own cluster placement
-group; the coordinator listens on `coordinator_address` and waits for exactly the hosts launched.
+group; the job's notices come through EventBridge rules into an SQS queue of its own, read while it runs and
+deleted at the release; the coordinator waits for exactly the hosts launched and says why the run failed.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ SECRET = "f" * 64  # what runtime.auth.new_token gives the job in this test, to 
 
 @pytest.fixture
 def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FaultProxy, PlacementGroups]]:
-    """moto's server; EC2 through a proxy that records every request (and answers the placement-group calls moto
-    lacks); the SDK's standard chain pointed at them by the environment, as a worker host would be configured."""
+    """moto's server behind a proxy that records every request (and answers the placement-group calls moto lacks);
+    the SDK's standard chain pointed at the proxy by the environment, as a worker host would be configured."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     with moto_server() as url, fault_proxy(url) as proxy:
         groups = PlacementGroups()
         groups.install(proxy)
         for name, value in {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret",
-            "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_EC2": proxy.url,
+            "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": proxy.url,
         }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.setattr("runtime.auth.new_token", lambda: SECRET)
@@ -108,3 +109,14 @@ def test_an_aws_run_launches_hosts_that_boot_the_agent_with_the_secret_in_ssm_an
               if {"Key": "trainmover:job", "Value": job} in i.get("Tags", [])]
     assert len(states) == 3 and set(states) <= {"terminated", "shutting-down"}, states
     assert proxy.seen("DeleteSecurityGroup") and groups.groups == {}
+    # The job's notice wiring (EventBridge rules into an SQS queue of its own) was made, read, and deleted.
+    sqs = boto3.client("sqs", endpoint_url=url, region_name=REGION)
+    events = boto3.client("events", endpoint_url=url, region_name=REGION)
+    assert sqs.list_queues().get("QueueUrls", []) == []
+    assert events.list_rules()["Rules"] == []
+    calls = [seen.action for seen in proxy.seen()]
+    for made, used, deleted in (("CreateQueue", "ReceiveMessage", "DeleteQueue"), ("PutRule", "PutTargets",
+                                                                                  "DeleteRule")):
+        assert made in calls and used in calls and deleted in calls, calls
+        assert calls.index(made) < calls.index("RunInstances") < calls.index(deleted)
+    assert calls.index("PutParameter") < calls.index("RunInstances") < calls.index("DeleteParameter")

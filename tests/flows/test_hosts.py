@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cloud.base import CapacityError
 from cloud.local import LocalProvider
 from cloud.local_hosts import NamespaceHosts, namespaces_unavailable
 from flows.hosts import job_hosts
@@ -92,15 +93,22 @@ def test_a_host_lost_whole_moves_its_rank_to_a_standby_host_and_the_job_ends_bit
     assert _processes_of(tmp_path) == []
 
 
-def test_a_parked_standby_host_is_woken_for_a_lost_worker_and_its_agent_warms_a_standby(tmp_path: Path) -> None:
+@pytest.mark.parametrize("capacity", ["available", "none"])
+def test_a_parked_standby_host_is_woken_for_a_lost_worker_and_its_agent_warms_a_standby(
+    tmp_path: Path, capacity: str
+) -> None:
     """No warm standby: the policy parks one (its host is powered off); rank 1's host dies, the supervisor wakes
-    the parked instance, its agent boots again and joins, the standby starts cold there and takes rank 1."""
+    the parked instance, its agent boots again and joins, the standby starts cold there and takes rank 1. With no
+    capacity to wake it, a replacement is launched instead (cloud.capacity's on-demand step) and the parked one is
+    released."""
     steps = 120
     run = TrainingRun(job_id="hosts-park", workers=2, steps=steps, script=str(TINY_JOB), script_args=ARGS,
                       job_nodes=512, hazard_multiplier=100.0,
                       standby=StandbyLimits(min_warm=0, max_warm=0, max_stopped=1), hosts="processes",
                       faults="host:rank=1,step=60")
     cloud = LocalProvider(slots=8)
+    if capacity == "none":
+        cloud.fail_next("start", CapacityError("local: no capacity", code="InsufficientInstanceCapacity"))
     hosts = job_hosts(run, cloud, tmp_path)
     assert hosts is not None and hosts.local_hosts is not None
     sup = Supervisor(run, cloud, tmp_path, hosts=hosts, policy_every_s=0.2, time_scale=3600.0)
@@ -108,6 +116,7 @@ def test_a_parked_standby_host_is_woken_for_a_lost_worker_and_its_agent_warms_a_
         sup.provision(TINY_JOB)
         seen = supervise(sup, timeout_s=180.0)
         report = sup.report()
+        left = {i.instance_id: i.state for i in cloud.describe(job_id=run.job_id)}
     finally:
         sup.release()
     events = [h.event for h in seen]
@@ -117,6 +126,14 @@ def test_a_parked_standby_host_is_woken_for_a_lost_worker_and_its_agent_warms_a_
     (row,) = report.interruptions
     assert row.rank == 1 and row.tier == "stopped", row
     boots = sorted(p.name for p in (tmp_path / "hosts").glob("*.log"))
-    assert woken.resource.endswith(sup.workers[1]) and f"{sup.workers[1]}.boot2.log" in boots, boots
+    holder = sup.workers[1]
+    assert woken.resource.endswith(holder)
+    if capacity == "available":
+        assert woken.payload["step"] == "wake" and woken.payload["parked"] == holder
+        assert f"{holder}.boot2.log" in boots, boots
+    else:
+        assert woken.payload["step"] == "on-demand" and woken.payload["parked"] != holder, woken.payload
+        assert "InsufficientInstanceCapacity" in woken.message and woken.payload["parked"] not in left
+        assert f"{holder}.boot1.log" in boots and f"{holder}.boot2.log" not in boots, boots
     assert report.final_digest == clean_digest(2, steps, TINY_JOB, ARGS)
     assert _processes_of(tmp_path) == []
