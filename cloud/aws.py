@@ -116,6 +116,8 @@ _LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 # EC2 instance ids: "i-" and 8 (older) or 17 hex digits. AWS refuses a whole TerminateInstances call when one id
 # is malformed (InvalidInstanceID.Malformed), so ids are checked before any call.
 _INSTANCE_ID = re.compile(r"i-(?:[0-9a-f]{8}|[0-9a-f]{17})")
+_CAPACITY_RESERVATION_ID = re.compile(r"cr-[0-9a-f]{8}(?:[0-9a-f]{9})?")
+_RESOURCE_GROUP_ARN = re.compile(r"arn:aws[a-z-]*:resource-groups:[a-z0-9-]+:\d{12}:group/[A-Za-z0-9_.-]{1,300}")
 _ACCOUNT_ID = re.compile(r"\d{12}")
 # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/Using_Tags.html#tag-restrictions
 TAG_LIMITS = TagLimits(
@@ -481,6 +483,19 @@ class AwsProvider(Provider):
                 "aws: no AMI to launch: pass image='ami-...' to AwsProvider or set LaunchRequest.image",
                 provider="aws",
             )
+        reservation = request.capacity_reservation
+        if reservation is not None and not (_CAPACITY_RESERVATION_ID.fullmatch(reservation)
+                                            or _RESOURCE_GROUP_ARN.fullmatch(reservation)):
+            raise InvalidRequestError(
+                f"aws: capacity_reservation {reservation!r} is neither a reservation id (cr-0123456789abcdef0) nor a "
+                "capacity reservation group's ARN (arn:aws:resource-groups:REGION:ACCOUNT:group/NAME)",
+                provider="aws", code="InvalidCapacityReservation",
+            )
+        if request.capacity_block and not (reservation or "").startswith("cr-"):
+            raise InvalidRequestError(
+                "aws: a Capacity Block is one reservation: give its id (cr-...), not a group", provider="aws",
+                code="InvalidCapacityReservation",
+            )
         if request.market == "spot" and request.capacity_reservation:
             raise InvalidRequestError(
                 "aws: a capacity reservation holds on-demand capacity; launch with market='on-demand' to use "
@@ -519,9 +534,14 @@ class AwsProvider(Provider):
                 "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
             }
         if request.capacity_reservation:
+            target = ("CapacityReservationResourceGroupArn" if request.capacity_reservation.startswith("arn:")
+                      else "CapacityReservationId")
             params["CapacityReservationSpecification"] = {
-                "CapacityReservationTarget": {"CapacityReservationId": request.capacity_reservation}
+                "CapacityReservationTarget": {target: request.capacity_reservation}
             }
+            if request.capacity_block:
+                # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html
+                params["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
         subnet = request.subnet or self.subnet
         if subnet:
             params["SubnetId"] = subnet

@@ -587,6 +587,13 @@ class AzureProvider(Provider):
                 provider=PROVIDER,
                 code="UnsupportedEfa",
             )
+        if request.capacity_block:
+            raise UnsupportedError(
+                "azure: Capacity Blocks are EC2's; reserve Azure capacity with a capacity reservation group "
+                "(capacity_reservation=<group id>)",
+                provider=PROVIDER,
+                code="UnsupportedCapacityBlock",
+            )
         if request.market == "spot" and request.capacity_reservation:
             raise InvalidRequestError(
                 "azure: spot VMs cannot use a capacity reservation group; launch on-demand or drop the reservation",

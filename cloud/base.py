@@ -203,7 +203,12 @@ class LaunchRequest:
     market: Market = "on-demand"
     image: str | None = None  # AMI id, Azure image reference "publisher:offer:sku:version", ignored locally
     placement_group: str | None = None  # AWS cluster placement group; Azure proximity placement group id
-    capacity_reservation: str | None = None  # AWS capacity reservation id; Azure capacity reservation group id
+    capacity_reservation: str | None = None
+    """AWS: a capacity reservation id (`cr-...`, a Capacity Block's included) or a capacity reservation resource
+    group's ARN (`arn:aws:resource-groups:REGION:ACCOUNT:group/NAME`); Azure: a capacity reservation group id."""
+    capacity_block: bool = False
+    """AWS: `capacity_reservation` is a Capacity Block for ML: launch into it with the `capacity-block` market
+    (on-demand requests only; the block's end time ends its instances, so plan replacements before it)."""
     zone: str | None = None
     subnet: str | None = None
     user_data: str | None = None
@@ -227,6 +232,11 @@ class LaunchRequest:
     def __post_init__(self) -> None:
         if self.count < 1:
             raise InvalidRequestError(f"count must be at least 1, got {self.count}")
+        if self.capacity_block and not self.capacity_reservation:
+            raise InvalidRequestError(
+                "capacity_block needs capacity_reservation=<the block's reservation id, cr-...>",
+                code="InvalidCapacityReservation",
+            )
         if not isinstance(self.efa, bool):
             raise InvalidRequestError(f"efa must be True or False, got {self.efa!r}", code="InvalidEfa")
         if not self.job_id:

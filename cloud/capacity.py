@@ -11,7 +11,8 @@ mapped by each provider). The order:
 4. a fresh on-demand launch of the request's type in its zone: a spot request, or a parked standby that would not
    wake, ends on on-demand (skipped when step 1 already was exactly that launch).
 
-Launches in steps 2-3 keep the request's market. Only a `CapacityError` moves on to the next step; any other error
+Launches in steps 2-3 keep the request's market; steps 2-4 launch outside the request's capacity reservation or
+Capacity Block, which holds one type in one zone. Only a `CapacityError` moves on to the next step; any other error
 (quota, permission, an invalid request) is raised at once, because the next step would meet it too. When a
 replacement runs, the parked standby is terminated (`Fallbacks.release_parked`), since it would keep billing its
 disk. `plan_fallback` is the order as a pure function; `wake_or_replace` and `launch_with_fallback` run it and
@@ -170,9 +171,13 @@ def _run(
             if candidate.step == "wake" and parked_id is not None:
                 instances = provider.start([parked_id])
             else:
+                # A reservation (or Capacity Block) holds one type in one zone: the fallbacks launch outside it.
+                kept = {} if candidate.step in ("wake", "request") else {"capacity_reservation": None,
+                                                                          "capacity_block": False}
                 instances = provider.launch(
                     dataclasses.replace(
-                        request, instance_type=candidate.instance_type, zone=candidate.zone, market=candidate.market
+                        request, instance_type=candidate.instance_type, zone=candidate.zone, market=candidate.market,
+                        **kept,  # type: ignore[arg-type]
                     )
                 )
         except CapacityError as err:  # an outcome: try the next candidate

@@ -144,6 +144,14 @@ class TrainingRun(BaseModel):
         description="AWS: an Elastic Fabric Adapter on every network card of each host (p5.48xlarge: 32), and the "
         "agents run with FI_PROVIDER=efa; a type without EFA is refused before launching.",
     )
+    capacity_reservation: str | None = Field(
+        default=None,
+        description="Launch into reserved capacity: AWS a reservation id (cr-...) or a capacity reservation group "
+        "ARN; Azure a capacity reservation group id. Fallbacks launch outside it.",
+    )
+    capacity_block: bool = Field(
+        default=False, description="AWS: capacity_reservation is a Capacity Block for ML (the capacity-block market)."
+    )
     fallback_zones: tuple[str, ...] = Field(
         default=(),
         description="When a launch or a wake-up finds no capacity: other zones of the region to try, in order "
@@ -200,6 +208,8 @@ class TrainingRun(BaseModel):
         if self.hosts != "orchestrator" and self.provider != "local":
             raise ValueError(f"hosts={self.hosts!r} is for the local provider; {self.provider} instances always run "
                              "the job (leave hosts at 'orchestrator')")
+        if self.capacity_block and (self.provider != "aws" or not self.capacity_reservation):
+            raise ValueError("capacity_block is for AWS, with capacity_reservation=<the block's cr-... id>")
         if self.efa and self.provider != "aws":
             raise ValueError("efa is an AWS adapter: set it only with provider 'aws' (docs/cloud-azure.md says what "
                              "Azure's InfiniBand needs)")

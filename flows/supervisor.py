@@ -240,6 +240,8 @@ class Supervisor:
             instance_type=self.run.instance_type,
             count=count,
             market=self.run.market,
+            capacity_reservation=self.run.capacity_reservation,
+            capacity_block=self.run.capacity_block,
             **(self.hosts.launch_options() if self.hosts is not None else {}),
         )
 

@@ -198,13 +198,42 @@ def test_spot_launch_goes_into_the_placement_group_and_zone(aws: AwsProvider, pr
 
 
 def test_capacity_reservation_is_targeted_and_refused_for_spot(aws: AwsProvider, proxy: FaultProxy, job: str) -> None:
+    reservation = "cr-0123456789abcdef0"
     with pytest.raises(InvalidRequestError, match="on-demand"):
-        aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", market="spot", capacity_reservation="cr-0abc"))
+        aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", market="spot", capacity_reservation=reservation))
     assert proxy.seen("RunInstances") == []
 
-    aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", capacity_reservation="cr-0abc"))
+    aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", capacity_reservation=reservation))
     [run] = proxy.seen("RunInstances")
-    assert run.params["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
+    target = "CapacityReservationSpecification.CapacityReservationTarget"
+    assert run.params[f"{target}.CapacityReservationId"] == reservation
+    assert "InstanceMarketOptions.MarketType" not in run.params
+    assert_nothing_running(aws, job)
+
+
+def test_a_capacity_block_and_a_reservation_group_are_targeted_as_ec2_wants(
+    aws: AwsProvider, proxy: FaultProxy, job: str
+) -> None:
+    """A Capacity Block for ML: its reservation id and the capacity-block market; a capacity reservation group: its
+    ARN as the target. Malformed targets and a block named by a group are refused before any launch."""
+    target = "CapacityReservationSpecification.CapacityReservationTarget"
+    aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", capacity_reservation="cr-0123456789abcdef0",
+                             capacity_block=True))
+    group = "arn:aws:resource-groups:us-east-1:123456789012:group/trainmover-p5"
+    aws.launch(LaunchRequest(job, "standby", "p5.48xlarge", capacity_reservation=group))
+    block, grouped = proxy.seen("RunInstances")
+    assert block.params[f"{target}.CapacityReservationId"] == "cr-0123456789abcdef0"
+    assert block.params["InstanceMarketOptions.MarketType"] == "capacity-block"
+    assert grouped.params[f"{target}.CapacityReservationResourceGroupArn"] == group
+    assert "InstanceMarketOptions.MarketType" not in grouped.params
+    proxy.reset()
+    for bad, needle in (({"capacity_reservation": "cr-x; rm"}, "neither a reservation id"),
+                        ({"capacity_reservation": group, "capacity_block": True}, "give its id")):
+        with pytest.raises(InvalidRequestError, match=needle):
+            aws.launch(LaunchRequest(job, "worker", "p5.48xlarge", **bad))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="capacity_block needs capacity_reservation"):
+        LaunchRequest(job, "worker", "p5.48xlarge", capacity_block=True)
+    assert proxy.seen("RunInstances") == []
     assert_nothing_running(aws, job)
 
 

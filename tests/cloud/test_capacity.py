@@ -161,3 +161,26 @@ def test_a_standby_is_replaced_by_one_instance_and_fallbacks_are_validated() -> 
         wake_or_replace(cloud, "i-1", LaunchRequest(JOB, "standby", P5, count=2))
     with pytest.raises(InvalidRequestError, match="zones"):
         Fallbacks(zones="us-east-1b")  # type: ignore[arg-type]
+
+
+class ReservedCloud(TightCloud):
+    """A TightCloud that records each launch's capacity reservation and places it without one (this machine has
+    none)."""
+
+    def __init__(self, full: Sequence[tuple[str, str | None, str]] = ()) -> None:
+        super().__init__(full)
+        self.reservations: list[tuple[str | None, bool]] = []
+
+    def launch(self, request: LaunchRequest) -> list[Instance]:
+        self.reservations.append((request.capacity_reservation, request.capacity_block))
+        return super().launch(dataclasses.replace(request, capacity_reservation=None, capacity_block=False))
+
+
+def test_a_full_capacity_block_falls_back_outside_it() -> None:
+    """The block (one type in one zone) is full: the fallbacks launch outside it, never into it with another type."""
+    cloud = ReservedCloud(full=[(P5, "us-east-1a", "on-demand")])
+    request = LaunchRequest(JOB, "worker", P5, zone="us-east-1a", capacity_reservation="cr-0123456789abcdef0",
+                            capacity_block=True)
+    outcome = launch_with_fallback(cloud, request, Fallbacks(instance_types=(P5E,)))
+    assert outcome.step == "type" and [i.instance_type for i in outcome.instances] == [P5E]
+    assert cloud.reservations == [("cr-0123456789abcdef0", True), (None, False)]
