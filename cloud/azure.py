@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import secrets
 import threading
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from cloud.azure_network import AzureJobNetwork, AzurePlacement
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
@@ -58,6 +60,8 @@ from cloud.base import (
     with_retries,
 )
 from cloud.bootstrap import azure_custom_data, render_cloud_init
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
@@ -119,6 +123,19 @@ REQUIRED_ACTIONS: tuple[str, ...] = (
     "Microsoft.Network/networkInterfaces/delete",
     "Microsoft.Network/networkInterfaces/join/action",
     "Microsoft.Network/virtualNetworks/subnets/join/action",
+    # The job's own network (LaunchRequest.network, cloud.azure_network): its NSG, its application security group
+    # and its proximity placement group, made, joined by its NICs and VMs, and deleted.
+    "Microsoft.Network/networkSecurityGroups/read",
+    "Microsoft.Network/networkSecurityGroups/write",
+    "Microsoft.Network/networkSecurityGroups/delete",
+    "Microsoft.Network/networkSecurityGroups/join/action",
+    "Microsoft.Network/applicationSecurityGroups/read",
+    "Microsoft.Network/applicationSecurityGroups/write",
+    "Microsoft.Network/applicationSecurityGroups/delete",
+    "Microsoft.Network/applicationSecurityGroups/joinIpConfiguration/action",
+    "Microsoft.Compute/proximityPlacementGroups/read",
+    "Microsoft.Compute/proximityPlacementGroups/write",
+    "Microsoft.Compute/proximityPlacementGroups/delete",
 )
 
 # On-demand list prices, USD per hour, Linux, pay-as-you-go, East US, as shown on
@@ -245,6 +262,13 @@ class AzureProvider(Provider):
         self._polling_interval_s = float(kwargs.get("polling_interval", DEFAULT_POLLING_INTERVAL_S))  # type: ignore[arg-type]
         self._arm_endpoint = base_url or _ARM_ENDPOINT
         self._client = self._make_client(credential, base_url, kwargs)
+        self._network_client: Any = None
+        self._network_lock = threading.Lock()
+        self._job_network = AzureJobNetwork(
+            resource_group=resource_group, location=location, subscription_id=subscription_id,
+            call=lambda action, fn: self._call(action, fn, self.mutate_budget),
+            network=self._network_sdk, compute=self._client, wait=self._wait,
+        )
 
     def __repr__(self) -> str:
         return f"AzureProvider(resource_group={self.resource_group!r}, location={self.location!r})"
@@ -264,12 +288,28 @@ class AzureProvider(Provider):
             except ImportError as err:
                 raise CloudError(f"azure: azure-identity is not installed: {INSTALL_HINT}", provider=PROVIDER) from err
             credential = DefaultAzureCredential()
+        self._credential, self._base_url, self._client_kwargs = credential, base_url, kwargs
         # The SDK retries 429/5xx on its own (up to 10 times by default, honouring Retry-After). With our named
         # RetryBudgets around every call that would multiply the attempts and hide throttling from the budget, so
         # it retries nothing: https://learn.microsoft.com/python/api/azure-core/azure.core.pipeline.policies.retrypolicy
         kwargs.setdefault("retry_total", 0)
         kwargs.setdefault("polling_interval", DEFAULT_POLLING_INTERVAL_S)
         return ComputeManagementClient(credential, self.subscription_id, base_url=base_url, **kwargs)  # type: ignore[arg-type]
+
+    def _network_sdk(self) -> Any:
+        """The azure-mgmt-network client (made on the first job network: a launch without one never needs it)."""
+        with self._network_lock:
+            if self._network_client is None:
+                try:
+                    from azure.mgmt.network import NetworkManagementClient
+                except ImportError as err:
+                    raise CloudError(f"azure: a job network needs azure-mgmt-network: {INSTALL_HINT}",
+                                     provider=PROVIDER) from err
+                self._network_client = NetworkManagementClient(
+                    self._credential, self.subscription_id, base_url=self._base_url,
+                    **self._client_kwargs,  # type: ignore[arg-type]
+                )
+            return self._network_client
 
     def _translate(self, err: Exception, action: str) -> CloudError | None:
         """The CloudError for an SDK exception, or None when `err` is not an SDK error (a programming error)."""
@@ -453,7 +493,8 @@ class AzureProvider(Provider):
         publisher, offer, sku, version = parts
         return {"publisher": publisher, "offer": offer, "sku": sku, "version": version}
 
-    def _vm_body(self, request: LaunchRequest, vm_name: str) -> dict[str, Any]:
+    def _vm_body(self, request: LaunchRequest, vm_name: str, placement: AzurePlacement | None = None
+                 ) -> dict[str, Any]:
         subnet = request.subnet or self.subnet_id
         if not subnet:
             raise InvalidRequestError(
@@ -514,8 +555,13 @@ class AzureProvider(Provider):
             properties["priority"] = "Spot"
             properties["evictionPolicy"] = "Deallocate"
             properties["billingProfile"] = {"maxPrice": -1}
-        if request.placement_group:
-            properties["proximityPlacementGroup"] = {"id": request.placement_group}
+        if placement is not None:
+            nic = properties["networkProfile"]["networkInterfaceConfigurations"][0]["properties"]
+            nic["networkSecurityGroup"] = {"id": placement.nsg_id}
+            nic["ipConfigurations"][0]["properties"]["applicationSecurityGroups"] = [{"id": placement.asg_id}]
+        placement_group = placement.ppg_id if placement is not None and placement.ppg_id else request.placement_group
+        if placement_group:
+            properties["proximityPlacementGroup"] = {"id": placement_group}
         if request.capacity_reservation:
             properties["capacityReservation"] = {"capacityReservationGroup": {"id": request.capacity_reservation}}
         document = self._cloud_init(request)
@@ -566,19 +612,11 @@ class AzureProvider(Provider):
             capacity_reservations=True,
             notice_kinds=frozenset({"eviction", "scheduled_maintenance"}),
             spot_notice_s=30.0,
+            job_network=True,
         )
 
     def launch(self, request: LaunchRequest) -> list[Instance]:
         validate_tags(request.tags, TAG_LIMITS)
-        if request.network is not None:
-            # Refused rather than ignored: a launch must never look protected when it is not.
-            raise UnsupportedError(
-                "azure: the provider does not create a per-job network security group or proximity placement group "
-                "yet (LaunchRequest.network): launch without it into a subnet whose NSG admits only the job's hosts, "
-                "and pass placement_group=<proximity placement group id> (docs/cloud-azure.md)",
-                provider=PROVIDER,
-                code="UnsupportedNetwork",
-            )
         if request.efa:
             raise UnsupportedError(
                 "azure: EFA is AWS's adapter; Azure's RDMA is InfiniBand on ND/HB sizes, which needs the VMs in one "
@@ -603,8 +641,11 @@ class AzureProvider(Provider):
         # name would silently update that VM instead of creating one.
         prefix = f"tm-{_slug(request.job_id, 30)}-{request.role}-{secrets.token_hex(3)}"
         names = [f"{prefix}-{index}" for index in range(request.count)]
-        bodies = {vm_name: self._vm_body(request, vm_name) for vm_name in names}
+        self._vm_body(request, names[0])  # every mistake the body can hold, refused before any call
         self._validate_size(request.instance_type)
+        # The job's NSG, ASG and proximity placement group: made on its first launch, reused by replacements.
+        placement = self._job_network.ensure(request.job_id, request.network) if request.network else None
+        bodies = {vm_name: self._vm_body(request, vm_name, placement) for vm_name in names}
 
         from azure.mgmt.compute.models import VirtualMachine
 
@@ -632,6 +673,15 @@ class AzureProvider(Provider):
             first = next(errors[n] for n in names if n in errors)
             raise first
         return self.describe(names)
+
+    def release_job(self, job_id: str) -> list[str]:
+        """Delete the job's VMs (with their disks and NICs), then its NSG, ASG and proximity placement group
+        (`LaunchRequest.network`); what ARM would not delete yet is logged, and a later `release_job` deletes it."""
+        ids = super().release_job(job_id)
+        left = self._job_network.release(job_id)
+        if left:
+            log.warning("azure: job %s: could not delete %s yet; run release again", job_id, "; ".join(left))
+        return ids
 
     def set_role(self, instance_id: str, role: Role) -> Instance:
         validate_role(role, provider=PROVIDER)

@@ -222,7 +222,7 @@ class LaunchRequest:
     the secret's `SecretRef`. Excludes `user_data`."""
     network: JobNetwork | None = None
     """Launch into the job's own security group (and cluster placement group), created on the job's first launch and
-    reused for replacements; deleted by `release_job`. AWS only (`Capabilities.job_network`); excludes
+    reused for replacements; deleted by `release_job`. AWS and Azure (`Capabilities.job_network`); excludes
     `placement_group` when `network.cluster_placement` is set."""
     efa: bool = False
     """AWS: give each instance an Elastic Fabric Adapter on every network card its type has (p5.48xlarge: 32,

@@ -385,7 +385,8 @@ def azure_job_role(
         "IsCustom": True,
         "Description": (
             "Least privilege for cloud.azure.AzureProvider: create, park (deallocate), start, read and delete VMs "
-            "with VM-managed NICs and OS disks, list VM sizes, and read the caller's own permissions (check). "
+            "with VM-managed NICs and OS disks, each job's own NSG, application security group and proximity "
+            "placement group, list VM sizes, and read the caller's own permissions (check). "
             "Assign it only on a resource group dedicated to TrainMover's VMs: Azure RBAC cannot limit these "
             "actions by tag, so the group is the boundary."
         ),

@@ -157,7 +157,8 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
         from azure.identity import DefaultAzureCredential
 
         credential = DefaultAzureCredential()
-    return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source)
+    return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source,
+                    job_network=True)
 
 
 @dataclass(slots=True)

@@ -131,7 +131,8 @@ class TrainingRun(BaseModel):
         description="AWS: the instance profile (name or ARN) whose role may read the job's secret (docs/cloud-aws.md).",
     )
     cluster_placement: bool = Field(
-        default=True, description="AWS: launch every host into the job's cluster placement group."
+        default=True, description="Launch every host into the job's own cluster placement group (AWS) or proximity "
+        "placement group (Azure), made with its security group and deleted at the release."
     )
     notice_queue: bool = Field(
         default=True,

@@ -185,6 +185,9 @@ class ArmServer:
         self.requests: list[Recorded] = []
         self.faults: list[Fault] = []
         self._vms: dict[tuple[str, str], _Vm] = {}  # (resource group, vm name), lower case
+        # Network security groups, application security groups, proximity placement groups:
+        # (resource group, type, name), lower case -> the resource as stored
+        self._resources: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._operations: dict[str, _Operation] = {}
         self._lock = threading.Lock()
         self.ca_path, cert_path, key_path = make_tls_files(tls_dir)
@@ -276,6 +279,9 @@ class ArmServer:
                 return _fault_reply(fault)
             vms = [self._vm_json(rg, vm, expand=False) for (g, _), vm in self._vms.items() if g == rg]
             return _Reply(200, {"value": vms})
+        m = re.fullmatch(_OTHER_RESOURCES, rest, re.I)
+        if m:
+            return self._resource(method, rg, m.group(1), m.group(2), body)
         m = re.fullmatch(r"Microsoft\.Compute/virtualMachines/([^/]+)(?:/(start|deallocate|powerOff))?", rest, re.I)
         if not m:
             return _error(404, "NoRouteInTestServer", f"{method} {path}")
@@ -298,6 +304,42 @@ class ArmServer:
         if not verb and method == "DELETE":
             return self._delete(key)
         return _error(405, "MethodNotAllowed", f"{method} {path}")
+
+    def resources(self, kind: str) -> dict[str, dict[str, Any]]:
+        """The stored resources of `kind` (e.g. "Microsoft.Network/networkSecurityGroups") by name."""
+        with self._lock:
+            return {name: json.loads(json.dumps(r)) for (_, t, name), r in self._resources.items()
+                    if t == kind.lower()}
+
+    def _resource(self, method: str, rg: str, kind: str, name: str, body: Any) -> _Reply:
+        """PUT (synchronous, as ARM answers a resource that provisions at once), GET and DELETE of an NSG, an ASG or
+        a proximity placement group; a DELETE of one that a VM still references is refused, as ARM does."""
+        key = (rg, kind.lower(), name.lower())
+        rid = f"/subscriptions/{self.subscription_id}/resourceGroups/{rg}/providers/{kind}/{name}"
+        if method == "PUT":
+            fault = self._fault(f"put:{kind.rsplit('/', 1)[-1]}")
+            if fault is not None:
+                return _fault_reply(fault)
+            if str((body or {}).get("location", "")).lower() not in self.locations:
+                return _error(400, "LocationNotAvailableForResourceType", str((body or {}).get("location")))
+            created = key not in self._resources
+            props = {**dict((body or {}).get("properties") or {}), "provisioningState": "Succeeded"}
+            self._resources[key] = {"id": rid, "name": name, "type": kind, "location": body["location"],
+                                    "tags": dict(body.get("tags") or {}), "properties": props}
+            return _Reply(201 if created else 200, self._resources[key])
+        if method == "GET":
+            found = self._resources.get(key)
+            return _Reply(200, found) if found is not None else _error(404, "ResourceNotFound", f"{kind}/{name}")
+        if method == "DELETE":
+            if key not in self._resources:
+                return _Reply(204, None)
+            users = [vm.name for vm in self._vms.values() if rid.lower() in json.dumps(vm.properties).lower()]
+            if users:
+                return _error(400, f"InUse{kind.rsplit('/', 1)[-1][:-1]}CannotBeDeleted",
+                              f"{kind}/{name} is in use by {', '.join(sorted(users))}")
+            del self._resources[key]
+            return _Reply(200, None)
+        return _error(405, "MethodNotAllowed", f"{method} {kind}/{name}")
 
     def _fault(self, op: str) -> Fault | None:
         for fault in self.faults:
@@ -460,6 +502,10 @@ class ArmServer:
         if vm.identity is not None:
             reply["identity"] = vm.identity
         return reply
+
+
+_OTHER_RESOURCES = (r"(Microsoft\.Network/networkSecurityGroups|Microsoft\.Network/applicationSecurityGroups|"
+                    r"Microsoft\.Compute/proximityPlacementGroups)/([^/]+)")
 
 
 def _identity(body: Any) -> dict[str, Any] | None:

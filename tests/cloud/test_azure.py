@@ -253,11 +253,57 @@ def test_spot_with_capacity_reservation_is_refused_before_any_call(provider: Azu
     assert arm.requests == []
 
 
-def test_a_job_network_is_refused_not_ignored(provider: AzureProvider, arm: ArmServer) -> None:
-    assert not provider.capabilities().job_network
-    with pytest.raises(UnsupportedError, match="network security group"):
-        provider.launch(LaunchRequest("job-x", "worker", GPU, network=JobNetwork(29400, 29401)))
-    assert arm.requests == []
+NSGS, ASGS = "Microsoft.Network/networkSecurityGroups", "Microsoft.Network/applicationSecurityGroups"
+PPGS = "Microsoft.Compute/proximityPlacementGroups"
+
+
+def test_a_job_network_is_made_once_reused_by_replacements_and_deleted_after_the_vms(
+    provider: AzureProvider, arm: ArmServer
+) -> None:
+    """The job's own NSG (its ports from its own hosts, the rest of the virtual network denied), its application
+    security group on every NIC, its proximity placement group; a replacement joins them; the release deletes the
+    VMs first (ARM refuses to delete what a NIC references), then the three."""
+    assert provider.capabilities().job_network
+    network = JobNetwork(29400, 29401, data_ports=(40000, 40999))
+    provider.launch(LaunchRequest("job-net", "worker", GPU, count=2, network=network))
+    provider.launch(LaunchRequest("job-net", "standby", GPU, network=network))  # a replacement
+    (nsg,) = arm.resources(NSGS).values()
+    (asg,) = arm.resources(ASGS).values()
+    (ppg,) = arm.resources(PPGS).values()
+    assert {nsg["tags"]["trainmover:job"], asg["tags"]["trainmover:job"], ppg["tags"]["trainmover:job"]} == {"job-net"}
+    rules = {r["name"]: r["properties"] for r in nsg["properties"]["securityRules"]}
+    allow, deny = rules["trainmover-job-ports"], rules["trainmover-deny-vnet-inbound"]
+    assert (allow["access"], allow["direction"], allow["protocol"]) == ("Allow", "Inbound", "Tcp")
+    assert allow["destinationPortRanges"] == ["29400-29401", "40000-40999"] or sorted(
+        allow["destinationPortRanges"]) == ["29400", "29401", "40000-40999"]
+    assert allow["sourceApplicationSecurityGroups"] == allow["destinationApplicationSecurityGroups"] == [
+        {"id": asg["id"]}]
+    assert "sourceAddressPrefix" not in allow, "only the job's hosts, never an address range"
+    assert (deny["access"], deny["sourceAddressPrefix"], deny["priority"] > allow["priority"]) == (
+        "Deny", "VirtualNetwork", True)
+    for name in arm.vm_names():
+        props = arm.vm(name, RG)["properties"]
+        nic = props["networkProfile"]["networkInterfaceConfigurations"][0]["properties"]
+        assert nic["networkSecurityGroup"] == {"id": nsg["id"]}
+        assert nic["ipConfigurations"][0]["properties"]["applicationSecurityGroups"] == [{"id": asg["id"]}]
+        assert props["proximityPlacementGroup"] == {"id": ppg["id"]}
+    assert len(arm.calls("PUT", "networkSecurityGroups/")) == 1, "made once, then reused"
+
+    # While a VM holds them they cannot go: ARM refuses, as the server does.
+    assert provider._job_network.release("job-net") and arm.resources(NSGS)
+    release_and_assert_empty(provider, arm, "job-net")
+    assert arm.resources(NSGS) == arm.resources(ASGS) == arm.resources(PPGS) == {}
+
+
+def test_a_job_network_without_cluster_placement_and_a_bad_launch_make_nothing(
+    provider: AzureProvider, arm: ArmServer
+) -> None:
+    provider.launch(LaunchRequest("job-np", "worker", GPU, network=JobNetwork(29400, 29401, cluster_placement=False)))
+    assert arm.resources(PPGS) == {} and len(arm.resources(NSGS)) == 1
+    release_and_assert_empty(provider, arm, "job-np")
+    with pytest.raises(InvalidRequestError, match="neither 'publisher:offer:sku:version'"):
+        provider.launch(LaunchRequest("job-nk", "worker", GPU, image="not-an-image", network=JobNetwork(29400, 29401)))
+    assert arm.resources(NSGS) == {}, "a launch refused for its own mistake leaves no network behind"
 
 
 def test_long_running_operations_are_polled_until_they_succeed(arm: ArmServer, tmp_path: Path) -> None:
@@ -565,6 +611,8 @@ def test_check_reports_what_is_missing(provider: AzureProvider, arm: ArmServer) 
         "Microsoft.Compute/virtualMachines/delete",
         "Microsoft.Compute/disks/write",
         "Microsoft.Compute/disks/delete",
+        "Microsoft.Compute/proximityPlacementGroups/write",  # the job network's (read is covered by */read)
+        "Microsoft.Compute/proximityPlacementGroups/delete",
     }
 
 
@@ -735,3 +783,14 @@ def test_custom_role_grants_exactly_what_the_provider_needs() -> None:
     assert role["IsCustom"] is True and role["NotActions"] == []
     assert sorted(role["Actions"]) == sorted([*REQUIRED_ACTIONS, "Microsoft.Authorization/permissions/read"])
     assert all("*" not in action for action in role["Actions"]), "least privilege: no wildcards"
+
+
+def test_efa_and_capacity_blocks_are_aws_only_and_refused_before_any_call(
+    provider: AzureProvider, arm: ArmServer
+) -> None:
+    with pytest.raises(UnsupportedError, match="InfiniBand"):
+        provider.launch(LaunchRequest("job-x", "worker", GPU, efa=True))
+    with pytest.raises(UnsupportedError, match="capacity reservation group"):
+        provider.launch(LaunchRequest("job-x", "worker", GPU, capacity_reservation="cr-0123456789abcdef0",
+                                      capacity_block=True))
+    assert arm.requests == []

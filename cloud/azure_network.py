@@ -1,0 +1,167 @@
+"""A job's own network boundary on Azure (`LaunchRequest.network`): what `cloud.azure.AzureProvider` makes once per
+job, reuses for every launch of it, and deletes after its VMs.
+
+- an **application security group** (ASG) `tm-<job>-asg`: every NIC of the job's VMs joins it, so "the job's hosts"
+  is one name in a rule, whatever their addresses;
+- a **network security group** (NSG) `tm-<job>-nsg` on every NIC of the job: inbound TCP on the coordinator's
+  store and agent ports and the data ports is allowed from the job's ASG to the job's ASG (priority 100); every
+  other inbound packet from the virtual network is denied (priority 4000), so neither another job nor another VM of
+  the network reaches the job's ports. Outbound is Azure's default (the agents reach the coordinator);
+- a **proximity placement group** `tm-<job>-ppg` (`JobNetwork.cluster_placement`): the job's VMs close together in
+  one datacenter, replacements included.
+
+All three carry the job's tag. `release` deletes them once the VMs are gone (ARM refuses to delete what a NIC still
+references). InfiniBand between VMs needs one scale set or availability set, which standalone VMs are not: the
+boundary above is Ethernet (accelerated networking).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cloud.base import JOB_TAG, CloudError, JobNetwork, NotFoundError
+
+log = logging.getLogger(__name__)
+
+JOB_PORTS_RULE = "trainmover-job-ports"
+JOB_PORTS_PRIORITY = 100
+DENY_VNET_RULE = "trainmover-deny-vnet-inbound"
+DENY_VNET_PRIORITY = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class AzurePlacement:
+    """The job's boundary as its VMs reference it (resource ids)."""
+
+    asg_id: str
+    nsg_id: str
+    ppg_id: str | None
+
+
+def job_network_names(job_id: str) -> dict[str, str]:
+    """The names of a job's ASG, NSG and proximity placement group (letters, digits, '-', within ARM's limits)."""
+    slug = re.sub(r"[^A-Za-z0-9-]", "-", job_id)[:60].strip("-") or "job"
+    return {"asg": f"tm-{slug}-asg", "nsg": f"tm-{slug}-nsg", "ppg": f"tm-{slug}-ppg"}
+
+
+def security_rules(asg_id: str, network: JobNetwork) -> list[dict[str, Any]]:
+    """The NSG's rules for `network` (ARM's JSON shape): the job's ports from the job's hosts, nothing else from
+    the virtual network."""
+    ports = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in network.tcp_port_ranges()]
+    return [
+        {
+            "name": JOB_PORTS_RULE,
+            "properties": {
+                "description": "TrainMover: the coordinator's and the data ports, between the job's hosts only",
+                "protocol": "Tcp", "access": "Allow", "direction": "Inbound", "priority": JOB_PORTS_PRIORITY,
+                "sourcePortRange": "*", "destinationPortRanges": ports,
+                "sourceApplicationSecurityGroups": [{"id": asg_id}],
+                "destinationApplicationSecurityGroups": [{"id": asg_id}],
+            },
+        },
+        {
+            "name": DENY_VNET_RULE,
+            "properties": {
+                "description": "TrainMover: nothing else of the virtual network reaches the job's hosts",
+                "protocol": "*", "access": "Deny", "direction": "Inbound", "priority": DENY_VNET_PRIORITY,
+                "sourceAddressPrefix": "VirtualNetwork", "sourcePortRange": "*",
+                "destinationAddressPrefix": "*", "destinationPortRange": "*",
+            },
+        },
+    ]
+
+
+class AzureJobNetwork:
+    """Makes, finds and deletes jobs' boundaries in one resource group (see the module docstring). `call(action,
+    fn)` runs one ARM call under the provider's retry budget with its error mapping; `network` is an
+    azure-mgmt-network client, `compute` an azure-mgmt-compute client; `wait(poller, action)` waits for a
+    long-running operation."""
+
+    def __init__(self, *, resource_group: str, location: str, call: Callable[[str, Callable[[], Any]], Any],
+                 network: Callable[[], Any], compute: Any, wait: Callable[[Any, str], Any], subscription_id: str
+                 ) -> None:
+        self.resource_group = resource_group
+        self.location = location
+        self._call = call
+        self._network = network
+        self._compute = compute
+        self._wait = wait
+        self._subscription_id = subscription_id
+        self._made: dict[str, AzurePlacement] = {}
+
+    def _id(self, provider_type: str, name: str) -> str:
+        return (f"/subscriptions/{self._subscription_id}/resourceGroups/{self.resource_group}/providers/"
+                f"{provider_type}/{name}")
+
+    def ensure(self, job_id: str, network: JobNetwork) -> AzurePlacement:
+        """The job's boundary, made on its first launch (idempotent PUTs: a restarted orchestrator reuses it)."""
+        made = self._made.get(job_id)
+        if made is not None and (made.ppg_id is not None) == network.cluster_placement:
+            return made
+        names = job_network_names(job_id)
+        tags = {JOB_TAG: job_id}
+        client = self._network()
+        asg_id = self._id("Microsoft.Network/applicationSecurityGroups", names["asg"])
+        self._wait(self._call(
+            f"Microsoft.Network/applicationSecurityGroups/write ({names['asg']})",
+            lambda: client.application_security_groups.begin_create_or_update(
+                self.resource_group, names["asg"], {"location": self.location, "tags": tags}),
+        ), f"create {names['asg']}")
+        self._wait(self._call(
+            f"Microsoft.Network/networkSecurityGroups/write ({names['nsg']})",
+            lambda: client.network_security_groups.begin_create_or_update(
+                self.resource_group, names["nsg"],
+                {"location": self.location, "tags": tags,
+                 "properties": {"securityRules": security_rules(asg_id, network)}}),
+        ), f"create {names['nsg']}")
+        ppg_id = None
+        if network.cluster_placement:
+            from azure.mgmt.compute.models import ProximityPlacementGroup
+
+            self._call(
+                f"Microsoft.Compute/proximityPlacementGroups/write ({names['ppg']})",
+                lambda: self._compute.proximity_placement_groups.create_or_update(
+                    self.resource_group, names["ppg"],
+                    ProximityPlacementGroup({"location": self.location, "tags": tags,
+                                             "properties": {"proximityPlacementGroupType": "Standard"}})),
+            )
+            ppg_id = self._id("Microsoft.Compute/proximityPlacementGroups", names["ppg"])
+        placement = AzurePlacement(asg_id, self._id("Microsoft.Network/networkSecurityGroups", names["nsg"]), ppg_id)
+        self._made[job_id] = placement
+        log.info("azure: job %s has its own NSG %s, ASG %s%s", job_id, names["nsg"], names["asg"],
+                 f" and proximity placement group {names['ppg']}" if ppg_id else "")
+        return placement
+
+    def release(self, job_id: str) -> list[str]:
+        """Delete the job's boundary (after its VMs: ARM refuses to delete what a NIC references); returns what
+        could not be deleted, each with why. What does not exist is no error."""
+        names = job_network_names(job_id)
+        left: list[str] = []
+        client = self._network()
+        steps: list[tuple[str, Callable[[], Any], bool]] = [
+            (names["nsg"], lambda: client.network_security_groups.begin_delete(self.resource_group, names["nsg"]),
+             True),
+            (names["asg"], lambda: client.application_security_groups.begin_delete(self.resource_group,
+                                                                                   names["asg"]), True),
+            (names["ppg"], lambda: self._compute.proximity_placement_groups.delete(self.resource_group,
+                                                                                   names["ppg"]), False),
+        ]
+        for name, delete, long_running in steps:
+            try:
+                result = self._call(f"delete {name}", delete)
+                if long_running:
+                    self._wait(result, f"delete {name}")
+            except NotFoundError:
+                continue
+            except CloudError as exc:
+                left.append(f"{name} ({exc})")
+        if not left:
+            self._made.pop(job_id, None)
+        return left
+
+
+__all__ = ["AzureJobNetwork", "AzurePlacement", "job_network_names", "security_rules"]
