@@ -242,6 +242,9 @@ class AgentBootstrap:
     """Also run the coordinator here, bound to `coordinator_host`."""
     efa: bool = False
     """The host has Elastic Fabric Adapters (`LaunchRequest.efa`): its agent runs with `EFA_ENVIRONMENT`."""
+    notices: Literal["aws", "azure"] | None = None
+    """The agent watches this cloud's instance metadata for the host's notices (`trainmover agent --notices`): a
+    spot interruption, an eviction or maintenance moves the host's ranks to standbys before the cloud acts."""
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -263,6 +266,9 @@ class AgentBootstrap:
             raise InvalidRequestError("script arguments must be strings without NUL characters", code="InvalidScript")
         if not isinstance(self.efa, bool):
             raise InvalidRequestError(f"efa must be True or False, got {self.efa!r}", code="InvalidBootstrap")
+        if self.notices not in (None, "aws", "azure"):
+            raise InvalidRequestError(f"notices must be 'aws', 'azure' or None, got {self.notices!r}",
+                                      code="InvalidBootstrap")
         if self.address is not None and self.interface is not None:
             raise InvalidRequestError("give address or interface, not both", code="InvalidBind")
         if self.address is not None:
@@ -347,6 +353,8 @@ def render_agent_start(spec: AgentBootstrap) -> str:
         "trainmover", "agent", "--coordinator", _q(spec.coordinator), "--slots", str(spec.slots),
         "--secret-file", '"$secret_file"', "--job-id", _q(spec.job_id),
     ]
+    if spec.notices is not None:
+        agent += ["--notices", spec.notices]
     if spec.address is not None:
         agent += ["--address", _q(spec.address)]
     elif spec.interface is not None:

@@ -81,6 +81,7 @@ class JobHosts:
             script=str(script.resolve()),
             script_args=tuple(run.script_args),
             efa=run.efa,
+            notices=run.provider if run.provider in ("aws", "azure") else None,
         )
         if self.job_network:
             self.network = JobNetwork(

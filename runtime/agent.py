@@ -33,17 +33,19 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from runtime.auth import ENV_SECRET
 from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN
 from runtime.netaddr import interface_of
 from runtime.protocol import (
+    NOTICE_KINDS,
     Beat,
     Exited,
     Fence,
     GenerationNotice,
     Hello,
+    HostNotice,
     Link,
     ProtocolError,
     Signal,
@@ -91,6 +93,9 @@ class AgentConfig:
     fork_server: bool = False
     """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
     milliseconds instead of seconds. Gloo only; when the zygote is not ready or fails, processes start as usual."""
+    notices: NoticeWatch | None = None
+    """This host's cloud notices (spot interruption, eviction, maintenance), forwarded to the coordinator, which
+    moves the host's ranks to standbys before the cloud acts."""
 
     def endpoint(self) -> tuple[str, int]:
         host, sep, port = self.coordinator.rpartition(":")
@@ -156,6 +161,69 @@ class Child:
 Outcome = Literal["stop", "fenced", "lease", "closed"]
 
 
+class NoticeSource(Protocol):
+    """This host's notice endpoint (cloud.aws_notices.ImdsNoticeSource, cloud.azure_notices.ScheduledEventsSource):
+    each notice once, with `kind`, `deadline_at` (epoch seconds or None) and `detail`."""
+
+    def poll(self) -> list[Any]: ...
+
+
+class NoticeWatch:
+    """Polls a `NoticeSource` every `every_s` on a thread of its own (a metadata call may take a second; the agent's
+    loop must not wait for it) and wakes the agent's loop through a pipe; `take()` returns what came since."""
+
+    def __init__(self, source: NoticeSource, every_s: float = 1.0) -> None:
+        self.source = source
+        self.every_s = every_s
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self._lock = threading.Lock()
+        self._pending: list[HostNotice] = []
+        self._stop = threading.Event()
+        self._failures = 0
+        self._thread = threading.Thread(target=self._run, name="notice-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                found = self.source.poll()
+            except Exception as exc:  # the metadata service is down or slow: say so now and then, keep watching
+                self._failures += 1
+                if self._failures in (1, 10) or self._failures % 600 == 0:
+                    log.warning("agent: cannot read this host's notices (%d time(s)): %s", self._failures, exc)
+                continue
+            notices = [HostNotice(str(n.kind), float(n.deadline_at or 0.0), str(n.detail or "")[:200])
+                       for n in found if str(n.kind) in NOTICE_KINDS]
+            if notices:
+                with self._lock:
+                    self._pending += notices
+                with contextlib.suppress(OSError):
+                    os.write(self._write_fd, b"n")
+
+    def take(self) -> list[HostNotice]:
+        with contextlib.suppress(OSError):
+            while os.read(self.read_fd, 512):
+                pass
+        with self._lock:
+            taken, self._pending = self._pending, []
+        return taken
+
+    def requeue(self, notices: list[HostNotice]) -> None:
+        """Notices a lost link could not carry: sent on the next one."""
+        with self._lock:
+            self._pending = notices + self._pending
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.every_s + 5.0)
+        for fd in (self.read_fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class Agent:
     """One host's agent; `run()` returns its exit status."""
 
@@ -181,12 +249,16 @@ class Agent:
 
     def close(self) -> None:
         """Stop the helpers; the training processes are gone by the time `run()` returns."""
+        if self.cfg.notices is not None:
+            self.cfg.notices.close()
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
 
     # -- the outer loop: connect, serve, fence, come back as new -------------------------------------
     def run(self) -> int:
+        if self.cfg.notices is not None:
+            self.cfg.notices.start()
         while True:
             sock = self._connect()
             if sock is None:
@@ -246,6 +318,10 @@ class Agent:
         beat_due = heard + welcome.heartbeat_s
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ, None)
+        watch = self.cfg.notices
+        if watch is not None:
+            sel.register(watch.read_fd, selectors.EVENT_READ, watch)
+            self._forward(watch, link)  # what came while this host had no link
         try:
             for msg, _ in link.feed(b""):  # orders that arrived with the welcome
                 outcome = self._handle(msg, link, sel, address)
@@ -258,7 +334,9 @@ class Agent:
                               self.cfg.name, now - heard, welcome.lease_s)
                     return "lease"
                 for key, _ in sel.select(max(0.0, min(beat_due, heard + welcome.lease_s) - now)):
-                    if key.data is None:
+                    if isinstance(key.data, NoticeWatch):
+                        self._forward(key.data, link)
+                    elif key.data is None:
                         data = sock.recv(65536)
                         if not data:
                             return "closed"
@@ -274,6 +352,17 @@ class Agent:
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
             sel.close()
+
+    def _forward(self, watch: NoticeWatch, link: Link) -> None:
+        notices = watch.take()
+        for i, notice in enumerate(notices):
+            try:
+                link.send(notice)
+            except OSError:
+                watch.requeue(notices[i:])
+                raise
+            log.warning("agent %s: this host's cloud announced %s (%s); told the coordinator", self.cfg.name,
+                        notice.kind, notice.detail or "no detail")
 
     def _handle(self, msg: object, link: Link, sel: selectors.BaseSelector, address: str) -> Outcome | None:
         if isinstance(msg, Spawn):

@@ -57,7 +57,28 @@ def add_agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--fork-server", action="store_true",
                    help="fork standbys from a process that imported torch once (Gloo; a standby starts in "
                         "milliseconds instead of seconds)")
+    p.add_argument("--notices", choices=["aws", "azure"],
+                   help="watch this host's cloud notices (EC2 instance metadata: spot interruption and rebalance; "
+                        "Azure Scheduled Events: eviction and maintenance) and have the coordinator move this host's "
+                        "ranks to standbys before the cloud acts")
+    p.add_argument("--metadata-url", default="http://169.254.169.254", metavar="URL",
+                   help="the instance metadata service (default: the clouds' link-local address)")
     p.add_argument("--quiet", action="store_true", help="log errors only")
+
+
+def _notice_watch(kind: str | None, name: str, url: str) -> object:
+    """The agent's notice watcher for `kind`'s metadata service; cloud/ is imported only when asked for."""
+    if kind is None:
+        return None
+    from runtime.agent import NoticeWatch
+
+    if kind == "aws":
+        from cloud.aws_notices import ImdsNoticeSource
+
+        return NoticeWatch(ImdsNoticeSource(name, endpoint=url))
+    from cloud.azure_notices import ScheduledEventsSource
+
+    return NoticeWatch(ScheduledEventsSource(name, endpoint=url))
 
 
 def agent_command(ns: argparse.Namespace) -> int:
@@ -78,7 +99,9 @@ def agent_command(ns: argparse.Namespace) -> int:
         agent = Agent(AgentConfig(
             coordinator=ns.coordinator, slots=ns.slots, secret=secret, name=ns.name or socket.gethostname(),
             address=ns.address, job_id=ns.job_id, connect_timeout_s=ns.connect_timeout, rejoin=not ns.no_rejoin,
-            fork_server=ns.fork_server))
+            fork_server=ns.fork_server,
+            notices=_notice_watch(ns.notices, ns.name or socket.gethostname(), ns.metadata_url),  # type: ignore[arg-type]
+        ))
         try:
             return agent.run()
         finally:

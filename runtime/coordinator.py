@@ -169,6 +169,8 @@ class Coordinator:
         self._control_last: dict[str, ControlCommand] = {}
         """The newest sequence number applied per control key: an older or equal one is a replay."""
         self._last_move_seq = 0
+        self._host_notices: dict[tuple[str, str], str] = {}
+        """(host, incarnation) -> the notice kind its agent sent, until its ranks moved (`_move_noticed_hosts`)."""
         self.started = False
         self._selector = selectors.DefaultSelector()
         self._exit_fds: dict[str, int] = {}
@@ -340,9 +342,42 @@ class Coordinator:
                 self._declare_dead(name, exit_cause(m.handle, code), code)
 
     def _pool_events(self) -> None:
-        """Hosts that joined or were lost, as the pool across hosts saw them."""
+        """Hosts that joined or were lost, as the pool across hosts saw them; notices their agents sent."""
         for kind, fields in getattr(self.pool, "take_events", list)():
             self.events.emit(kind, **fields)
+        for host, incarnation, kind in getattr(self.pool, "take_notices", list)():
+            self._host_notices.setdefault((host, incarnation), kind)
+
+    def _move_noticed_hosts(self) -> None:
+        """Move the ranks of hosts whose cloud announced they will go (spot interruption, eviction, maintenance) to
+        standbys, as a planned move: once training runs, no recovery is under way and enough standbys are ready;
+        until then the notice waits. A standby on such a host is retired now (a fresh one warms elsewhere)."""
+        if not self._host_notices or not self.started or self.completing_since is not None:
+            return
+        for (host, incarnation), kind in list(self._host_notices.items()):
+            procs = set(self.pool.procs_on(host, incarnation))  # type: ignore[attr-defined]
+            if not procs:
+                del self._host_notices[(host, incarnation)]  # lost already, or nothing of the job runs there
+                continue
+            ranks = [rank for rank, proc in enumerate(self.gen.members) if proc in procs]
+            standbys = sorted(p for p in procs if p not in self.gen.members and not self.procs[p].dead)
+            if len(ranks) == self.gen.world_size:
+                self._reject("host_notice", f"{kind} on host {host}, which holds every rank: nowhere to move them",
+                             host=host)
+                del self._host_notices[(host, incarnation)]
+                continue
+            ready = [p for p in self.standbys.ready() if p not in procs]
+            if ranks and (self.pending_deaths or self.recoveries or len(ready) < len(ranks)):
+                continue  # asked again on the next turn; the cloud's deadline is what bounds the wait
+            del self._host_notices[(host, incarnation)]
+            for proc in standbys:
+                self._fence(proc, f"host_notice:{kind}")
+            if ranks:
+                moving = [self.gen.members[r] for r in ranks]
+                self.events.emit("move_accepted", seq=None, ranks=ranks, procs=moving, reason=kind, host=host)
+                log.warning("host %s: %s: moving rank(s) %s (%s) to standbys", host, kind, ranks, ", ".join(moving))
+                for proc in moving:
+                    self._fence(proc, f"planned_move:{kind}")
 
     def _declare_dead(self, name: str, cause: str, code: int | None, failure_at: float | None = None) -> None:
         m = self.procs[name]
@@ -513,6 +548,7 @@ class Coordinator:
             return None
         self._update_holders()
         self._handle_failed_reports(now)
+        self._move_noticed_hosts()
         if self.s.replenish:
             self.standbys.top_up("keep the standby target")
         if self.pending_deaths:

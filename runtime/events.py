@@ -2,7 +2,8 @@
 
 Every event has `event` (its kind) and `time` (wall clock, seconds). Kinds: job_started, generation,
 member_failed, standby_spawned, standby_ready, standby_lost, standby_released, standby_target_changed,
-move_accepted, control_rejected, recovered, job_finished, job_failed.
+move_accepted, control_rejected, recovered, job_finished, job_failed; across hosts also placed, host_joined,
+host_lost, host_notice, agent_refused.
 """
 
 from __future__ import annotations

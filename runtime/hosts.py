@@ -32,6 +32,7 @@ from runtime.protocol import (
     Fence,
     GenerationNotice,
     Hello,
+    HostNotice,
     Link,
     Message,
     ProtocolError,
@@ -156,6 +157,9 @@ class HostPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._events: list[tuple[str, dict[str, Any]]] = []
+        self.notices: list[tuple[str, str, str]] = []
+        self._doomed: set[tuple[str, str]] = set()  # hosts whose cloud announced they will go: nothing new there
+        """(host, incarnation, kind) of each notice an agent sent; the coordinator takes them (`take_notices`)."""
         self._members: set[str] = set()
         self._halt = False
         self._closing = False
@@ -182,6 +186,17 @@ class HostPool:
         with self._cond:
             out, self._events = self._events, []
         return out
+
+    def take_notices(self) -> list[tuple[str, str, str]]:
+        with self._cond:
+            taken, self.notices = self.notices, []
+            return taken
+
+    def procs_on(self, host_name: str, incarnation: str) -> list[str]:
+        """The processes the coordinator placed on that incarnation of the host and that have not exited."""
+        with self._cond:
+            return sorted(p.name for h in self.hosts if h.name == host_name and h.incarnation == incarnation
+                          and h.lost is None for p in h.procs.values() if p.code is None)
 
     def live_hosts(self) -> list[Host]:
         with self._cond:
@@ -229,8 +244,8 @@ class HostPool:
 
     def _place(self, role: str) -> tuple[Host, int]:
         """Workers fill hosts in the order they joined; a standby goes to a host that holds no member (a
-        standby host) first, else to any free slot."""
-        live = [h for h in self.hosts if h.lost is None]
+        standby host) first, else to any free slot. A host whose cloud announced it will go gets nothing new."""
+        live = [h for h in self.hosts if h.lost is None and (h.name, h.incarnation) not in self._doomed]
 
         def free(h: Host) -> list[int]:
             return [s for s in range(h.slots) if s not in h.procs]
@@ -284,7 +299,9 @@ class HostPool:
                 self._lose(host, f"its link failed ({exc.strerror or exc})", time.time())
 
     def close(self, exit_code: int = 0) -> None:
-        """The job is over: every agent is told to stop, and the link thread ends."""
+        """The job is over: every agent is told to stop, and the link thread ends. A second call does nothing."""
+        if self._halt:
+            return
         self._closing = True  # agents leaving now are not lost hosts
         for h in self.live_hosts():
             self.order(h, Stop(exit_code))
@@ -442,6 +459,16 @@ class HostPool:
             handle = self._handle(host, msg.proc)
             if handle is not None and handle.code is None:
                 self._exit(handle, msg.code, None, msg.at)
+            return
+        if isinstance(msg, HostNotice):
+            procs = sorted(p.name for p in host.procs.values() if p.code is None)
+            self._events.append(("host_notice", {"host": host.name, "incarnation": host.incarnation,
+                                                 "notice": msg.kind, "deadline_at": msg.deadline_at,
+                                                 "detail": msg.detail[:200], "procs": procs}))
+            self.notices.append((host.name, host.incarnation, msg.kind))
+            self._doomed.add((host.name, host.incarnation))
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
             return
         log.warning("host %s: unexpected %s from an agent", host.key, type(msg).__name__)
 

@@ -143,6 +143,23 @@ class Stop:
     exit_code: int = 0
 
 
+NOTICE_KINDS = ("spot_interruption", "rebalance_recommendation", "scheduled_maintenance", "predicted_host_failure",
+                "eviction")
+"""What a host's cloud may announce (cloud.base.NoticeKind, which runtime/ does not import)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostNotice:
+    """agent -> coordinator: this host's cloud announced it will go away or be disturbed (the agent's own metadata
+    watcher: EC2 instance metadata, Azure Scheduled Events); the coordinator moves its ranks to standbys before."""
+
+    TYPE: ClassVar[str] = "host_notice"
+    kind: str
+    deadline_at: float = 0.0
+    """Epoch seconds when the cloud acts; 0 when it did not say."""
+    detail: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationNotice:
     """coordinator -> agents: a new generation is published (every surviving agent learns it at once)."""
@@ -153,9 +170,9 @@ class GenerationNotice:
 
 
 MESSAGES: dict[str, type] = {
-    m.TYPE: m for m in (Hello, Welcome, Beat, Spawn, Started, Exited, Signal, Fence, Stop, GenerationNotice)
+    m.TYPE: m for m in (Hello, Welcome, Beat, Spawn, Started, Exited, Signal, Fence, Stop, GenerationNotice, HostNotice)
 }
-Message = Hello | Welcome | Beat | Spawn | Started | Exited | Signal | Fence | Stop | GenerationNotice
+Message = Hello | Welcome | Beat | Spawn | Started | Exited | Signal | Fence | Stop | GenerationNotice | HostNotice
 
 _CHECKS: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "list[str]": list,
                            "dict[str, str]": dict, "Literal['kill', 'stop']": str}
@@ -193,6 +210,8 @@ def decode(raw: dict[str, Any]) -> Message:
         values[f.name] = value
     if kind is Signal and values.get("signal", "kill") not in ("kill", "stop"):
         raise ProtocolError("signal: must be kill or stop")
+    if kind is HostNotice and values.get("kind") not in NOTICE_KINDS:
+        raise ProtocolError(f"host_notice: kind must be one of {', '.join(NOTICE_KINDS)}")
     return kind(**values)
 
 

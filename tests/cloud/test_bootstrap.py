@@ -133,6 +133,12 @@ def test_the_document_is_cloud_config_with_scripts_that_parse_and_units_that_com
     assert base64.b64decode(azure_custom_data(document)).decode() == document
 
 
+def test_the_agent_watches_its_clouds_notices_when_the_bootstrap_says_so() -> None:
+    assert "--notices aws" in render_agent_start(spec(notices="aws")).splitlines()[-1]
+    assert "--notices azure" in render_agent_start(spec(notices="azure")).splitlines()[-1]
+    assert "--notices" not in render_agent_start(spec())
+
+
 def test_an_ipv6_coordinator_is_bracketed_as_the_agent_parses_it() -> None:
     from runtime.agent import AgentConfig
 
@@ -266,6 +272,8 @@ def test_a_host_without_the_script_or_the_secret_does_not_start_its_agent(tmp_pa
         ({"address": "10.0.0.5", "interface": "ens5"}, "not both"),
         ({"address": "host-a"}, "invalid address"),
         ({"interface": "ens5; reboot"}, "invalid interface"),
+        ({"notices": "gcp"}, "notices must be"),
+        ({"efa": "yes"}, "efa must be True or False"),
     ],
 )
 def test_each_bad_input_is_one_clear_error(changes: dict[str, Any], message: str) -> None:

@@ -90,6 +90,7 @@ def test_an_aws_run_launches_hosts_that_boot_the_agent_with_the_secret_in_ssm_an
         assert ["systemctl", "enable", "--now", AGENT_UNIT] in config["runcmd"]
         assert "/trainmover/cloud-flow/job-secret" in document and "aws-ssm" in document
         assert "127.0.0.1" in document and str(ROOT / "examples" / "train_mlp.py") in document
+        assert "--notices aws" in document, "each host watches its own instance metadata for spot notices"
     # The secret went to SSM as a SecureString, and was deleted at the release.
     ssm = boto3.client("ssm", endpoint_url=url, region_name=REGION)
     assert ssm.describe_parameters()["Parameters"] == []
