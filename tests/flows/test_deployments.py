@@ -150,3 +150,31 @@ def test_no_deployment_in_prefect_yaml_carries_a_secret_in_its_job_variables() -
     assert not leaks, leaks
     for variant in ("aws", "azure"):  # the cloud variants name a Secret block; the flow reads it when it runs
         assert commented_variant(variant)["parameters"]["credentials_block"] == f"trainmover-{variant}"
+
+
+def test_the_docker_variant_builds_pushes_and_runs_its_deployments_in_the_image() -> None:
+    """prefect.docker.yaml: Prefect's loader reads it; the image is built from the Dockerfile and pushed, and each
+    deployment's work pool runs that image; the parameters are valid; the Dockerfile installs a pinned torch and
+    every package of the project, and copies no secret or virtual environment."""
+    console = Console(record=True)
+    configs, actions = _load_deploy_configs_and_actions(ROOT / "prefect.docker.yaml", console=console)
+    assert configs, console.export_text()
+    (build,) = actions["build"]
+    (push,) = actions["push"]
+    built = build["prefect_docker.deployments.steps.build_docker_image"]
+    assert built["id"] == "build-image" and built["dockerfile"] == "Dockerfile"
+    assert push["prefect_docker.deployments.steps.push_docker_image"]["image_name"] == "{{ build-image.image_name }}"
+    assert {d["name"] for d in configs} == {"docker-drill", "weekly-retune"}
+    for d in configs:
+        assert d["work_pool"]["name"] == "trainmover-docker"
+        assert d["work_pool"]["job_variables"]["image"] == "{{ build-image.image }}"
+        load_flow_from_entrypoint(str(ROOT / d["entrypoint"])).validate_parameters(d.get("parameters", {}))
+        if "run" in d.get("parameters", {}):
+            assert TrainingRun.model_validate(d["parameters"]["run"]).check_script(ROOT).is_file()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'pip install "torch==${TORCH_VERSION}"' in dockerfile and "ARG TORCH_VERSION=2.13.0" in dockerfile
+    copied = set(re.findall(r"^COPY (\S+)", dockerfile, re.M))
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages <= copied, f"the image lacks {packages - copied}"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
