@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"  # Prefect's block-name slug rule
+from flows.models import BLOCK_NAME_PATTERN
+
 DOC = "docs/flows.md, 'Credentials'"
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 from policy.costs import NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 
+BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"  # Prefect's block-name slug rule
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,38}[a-z0-9]$")
 
 
@@ -89,7 +90,14 @@ class TrainingRun(BaseModel):
     lead_time_h: float = Field(default=0.5, gt=0, le=168, description="Hours to obtain a fresh instance.")
     budget_usd_per_h: float | None = Field(default=None, ge=0, description="Cap on all standbys' hourly cost.")
     policy_model: str | None = Field(
-        default=None, description="A FailurePredictor saved by `trainmover policy train` (skops); none: XID/ECC rule."
+        default=None,
+        description="The failure predictor: 'latest' (the last one the train-failure-model flow stored), a stored "
+        "model's key (failure-model/v<time>-<digest>.skops), or a skops file; none: the XID/ECC rule.",
+    )
+    model_storage_block: str | None = Field(
+        default=None, pattern=BLOCK_NAME_PATTERN, max_length=128,
+        description="The Prefect storage block the models are kept in (as train-failure-model's storage_block); "
+        "none: the worker host's disk.",
     )
     hazard_multiplier: float = Field(
         default=1.0, gt=0, le=100, description="Scales predicted failure probabilities: above 1 is more cautious."
@@ -240,9 +248,13 @@ class TrainingRun(BaseModel):
                     f"faults name rank(s) {beyond}, but the job has ranks 0-{self.workers - 1} only: such a fault "
                     "would never fire; lower the rank or raise workers"
                 )
-        if self.policy_model is not None and not Path(self.policy_model).is_file():
+        from flows.model_store import is_model_key
+
+        if self.policy_model is not None and not is_model_key(self.policy_model) \
+                and not Path(self.policy_model).is_file():
             raise ValueError(
-                f"policy_model {self.policy_model!r} does not exist; train one with `trainmover policy train`"
+                f"policy_model {self.policy_model!r} does not exist; name a stored model ('latest' or its key) or "
+                "train one with the train-failure-model flow or `trainmover policy train`"
             )
         return self
 

@@ -13,12 +13,10 @@ its artifact.
 
 from __future__ import annotations
 
-import base64
-import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -27,18 +25,15 @@ from prefect.events import emit_event
 from prefect.variables import Variable
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.credentials import BLOCK_NAME_PATTERN
+from flows.model_store import models_dir, save_model
+from flows.timeline import markdown_image
 from policy.costs import StandbyCosts
 
 if TYPE_CHECKING:
     from policy.tuning import FrontierPoint
 
 MIN_ETTR_VARIABLE = "trainmover-min-ettr"
-
-
-def models_dir() -> Path:
-    """Where `train_failure_model` keeps models by default: `$XDG_DATA_HOME/trainmover/models` (~/.local/share)."""
-    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data) / "trainmover" / "models"
 
 
 def new_model_path(now: datetime | None = None) -> Path:
@@ -84,14 +79,18 @@ def evaluate_predictor(model: Any, data: TrainingData) -> dict[str, Any]:
 def train_failure_model(
     data: TrainingData = TrainingData(),  # noqa: B008 - a pydantic default is how Prefect renders the form
     model_path: str | None = None,
+    storage_block: Annotated[str | None, Field(pattern=BLOCK_NAME_PATTERN, max_length=128)] = None,
 ) -> dict[str, Any]:
     """Fit the FailurePredictor on synthetic fleets, evaluate it and the learned policy on a held-out fleet, save
     it with skops (loadable only with the project's trusted types).
 
     Args:
         data: Which synthetic fleets to train on, and the held-out one to evaluate on.
-        model_path: Where to save the model (a training run's `run.policy_model` names it). Empty: a new
-            time-stamped file under $XDG_DATA_HOME/trainmover/models (~/.local/share/...), never overwritten.
+        model_path: Where to save the model file too. Empty: a new time-stamped file under
+            $XDG_DATA_HOME/trainmover/models (~/.local/share/...), never overwritten.
+        storage_block: A Prefect storage block (S3Bucket, RemoteFileSystem, ...) to keep the model in under a
+            versioned key, with "latest" pointing at it; a training run finds it by that key or by "latest"
+            (`run.policy_model`, `run.model_storage_block`). Empty: the worker host's $XDG_DATA_HOME/trainmover/models.
     """
     logger = get_run_logger()
     model, train = fit_predictor(data)
@@ -101,7 +100,8 @@ def train_failure_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)
     model_path = str(path.resolve())
-    logger.info("model saved to %s", model_path)
+    key = save_model(path, storage_block)
+    logger.info("model saved to %s and stored as %s (now 'latest')", model_path, key)
     pred = ev["prediction"]
     rows = [
         {
@@ -120,7 +120,9 @@ def train_failure_model(
         f"Learned: {v['learned_usd_per_useful_h']:.2f} USD per useful hour at ETTR {v['learned_ettr']:.5f}; "
         f"best static ({v['best_static']}): {v['best_static_usd_per_useful_h']:.2f} at ETTR "
         f"{v['best_static_ettr']:.5f}; ratio {v['cost_ratio']:.3f}. Oracle {v['oracle_usd_per_useful_h']:.2f}.\n\n"
-        f"Model saved to `{model_path}`.",
+        f"Model saved to `{model_path}` and stored as `{key}` in "
+        f"{f'the storage block `{storage_block}`' if storage_block else 'the worker host`s model storage'}, now "
+        "`latest`: a training run uses it with `run.policy_model: latest` (or that key).",
         key="failure-model-verdict",
     )
     emit_event(
@@ -128,7 +130,7 @@ def train_failure_model(
         resource={"prefect.resource.id": f"trainmover.model.{Path(model_path).name}"},
         payload={"pr_auc": rows[0]["pr_auc"], "cost_ratio": v["cost_ratio"]},
     )
-    return {"train": train, "evaluation": ev, "model_path": model_path}
+    return {"train": train, "evaluation": ev, "model_path": model_path, "model_key": key}
 
 
 @task(cache_policy=NO_CACHE)
@@ -203,10 +205,9 @@ def publish_recommendation(
         key="standby-frontier",
         description="Settings no other setting beats on both cost and ETTR",
     )
-    png = base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(
         f"# Standby policy recommendation\n\n**{best.setting}**: ETTR {best.ettr:.5f}, "
         f"{best.cost_per_useful_hour:.2f} USD per useful hour (floor: {min_ettr}).\n\n"
-        f"![cost/ETTR frontier](data:image/png;base64,{png})\n\n```\n{frontier_table(points)}\n```",
+        f"{markdown_image(plot, 'cost/ETTR frontier')}\n\n```\n{frontier_table(points)}\n```",
         key="standby-recommendation",
     )

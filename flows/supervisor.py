@@ -42,6 +42,7 @@ from cloud.capacity import launch_with_fallback, wake_or_replace
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.hosts import JobHosts
 from flows.models import TrainingRun
+from flows.timeline import Timeline
 from policy.costs import TierName
 from policy.decision import FleetState, decide_standby
 from policy.online import OnlineScorer
@@ -141,6 +142,8 @@ class Supervisor:
         self._secret: str | None = None
         self._control_at: tuple[str, str] | None = None
         self._roles: dict[str, str] = {}  # instance -> its role tag
+        self.timeline = Timeline()
+        """Throughput and standbys over time, for the run's plot (flows.timeline)."""
         self._fallback_notes: list[str] = []  # launches that needed a capacity fallback, announced at the next tick
         self.owner = owner
         self.provider = provider
@@ -354,6 +357,7 @@ class Supervisor:
             return None
         if step is not None:
             self.steps_done = max(self.steps_done, int(step))
+            self.timeline.record(time.time(), int(step), len(self.warm), len(self.parked))
         return step
 
     def done(self) -> bool:

@@ -48,6 +48,7 @@ from flows.hosts import job_hosts, notice_wiring
 from flows.models import TrainingRun
 from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
+from flows.timeline import interruptions_of, markdown_image, plot_timeline
 from policy.online import OnlineScorer
 
 TICK_S = 0.2
@@ -91,9 +92,12 @@ def load_scorer(run: TrainingRun) -> OnlineScorer | None:
     """The policy's scorer with the run's trained FailurePredictor (skops, trusted types only); None: the rule."""
     if run.policy_model is None:
         return None
+    from flows.model_store import fetch_model, is_model_key
     from policy.predictor import load_policy_model
 
-    model = load_policy_model(run.policy_model)  # checks that it records its horizon
+    path = fetch_model(run.policy_model, run.model_storage_block) if is_model_key(run.policy_model) \
+        else run.policy_model  # a stored model: fetched and checked against its key's digest first
+    model = load_policy_model(path)  # checks that it records its horizon
     assert model.horizon_h is not None
     # The node ids are set at provisioning; the scorer is re-keyed then (Supervisor.provision).
     return OnlineScorer(["pending"], model=model, horizon_h=model.horizon_h)
@@ -208,9 +212,28 @@ def supervise(sup: Supervisor, chaos: FailureDrill | None, progress: UUID, max_w
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def publish_report(report: RunReport, run: TrainingRun, time_scale: float) -> None:
-    """The interruptions table and the cost report, as artifacts of the run."""
+def publish_report(report: RunReport, run: TrainingRun, time_scale: float, sup: Supervisor | None = None) -> None:
+    """The interruptions table, the cost report and the run's plot, as artifacts of the run."""
     publish_artifacts(report, run, time_scale)
+    if sup is not None:
+        publish_timeline(sup)
+
+
+def publish_timeline(sup: Supervisor) -> None:
+    """The run's plot: steps per second with each interruption marked, and the standbys by tier over time."""
+    with tempfile.TemporaryDirectory(prefix="trainmover-timeline-") as scratch:
+        png = Path(scratch) / "timeline.png"
+        title = f"{sup.run.job_id}: throughput and interruptions"
+        if not plot_timeline(sup.timeline.samples, interruptions_of(sup.events), png, title):
+            return
+        marks = interruptions_of(sup.events)
+        create_markdown_artifact(
+            f"# {sup.run.job_id}: the run over time\n\n{markdown_image(png, 'throughput and standbys over time')}"
+            f"\n\n{len(marks)} interruption(s), each a red line (rank and cause); below, the warm and parked "
+            "standbys the policy held.",
+            key=f"{sup.run.job_id}-timeline",
+            description="Throughput with the interruptions marked; standbys by tier over time",
+        )
 
 
 def publish_artifacts(report: RunReport, run: TrainingRun, time_scale: float, ending: Ending | None = None) -> None:
@@ -237,6 +260,7 @@ def conclude(sup: Supervisor, run: TrainingRun, ending: Ending, time_scale: floa
         report = replace(sup.report(), message=ending.reason)
         if not published:
             publish_artifacts(report, run, time_scale, ending)
+            publish_timeline(sup)
         # The job's own failure was announced as it happened (the coordinator's job_failed), with its reason.
         if not (ending.kind == "failed" and any(e.get("event") == "job_failed" for e in sup.events)):
             announce(
@@ -373,7 +397,7 @@ def resilient_training(
             provision(sup, script)
             start(sup, script)
             report = supervise(sup, chaos, progress, max_wall_s)
-            publish_report(report, run, time_scale)
+            publish_report(report, run, time_scale, sup)
             published = True
             if report.exit_code != 0:
                 raise RuntimeError(f"training failed: {report.message}")

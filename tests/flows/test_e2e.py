@@ -197,12 +197,16 @@ def test_a_deployment_run_that_loses_a_host_completes_bit_exact_and_reports_the_
                 a.key: a
                 for a in client.read_artifacts(
                     artifact_filter=ArtifactFilter(
-                        key=ArtifactFilterKey(any_=[f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress"])
+                        key=ArtifactFilterKey(any_=[f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress",
+                                                    f"{JOB}-timeline"])
                     ),
                     flow_run_filter=of_run,
                 )
             }
-            assert set(artifacts) == {f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress"}
+            assert set(artifacts) == {f"{JOB}-interruptions", f"{JOB}-cost-report", f"{JOB}-progress",
+                                      f"{JOB}-timeline"}
+            plot = str(artifacts[f"{JOB}-timeline"].data)
+            assert "data:image/png;base64," in plot and "1 interruption(s)" in plot, plot[:300]
 
             table = artifacts[f"{JOB}-interruptions"]
             rows = json.loads(table.data) if isinstance(table.data, str) else table.data

@@ -45,7 +45,7 @@ def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
         ({"trainmover_source": "trainmover>=0.1"}, "trainmover_source: "),
         ({"hosts_wait_s": 1}, "hosts_wait_s"),
         ({"job_id": "Bad_Name"}, "job_id 'Bad_Name' must be"),
-        ({"policy_model": "/nonexistent/model.skops"}, "train one with `trainmover policy train`"),
+        ({"policy_model": "/nonexistent/model.skops"}, "name a stored model ('latest' or its key)"),
         ({"hazard_multiplier": 0}, "hazard_multiplier"),
         ({"surprise": 1}, "surprise: Extra inputs are not permitted"),
         ({"faults": "explode:rank=1"}, "faults: fault 'explode:rank=1': action must be one of kill"),

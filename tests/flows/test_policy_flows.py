@@ -78,6 +78,9 @@ def test_train_failure_model_saves_a_loadable_model_and_scores_it(
     from flows.training import load_scorer
 
     scorer = load_scorer(TrainingRun(policy_model=str(path)))
+    # And by "latest": the model the flow stored under its versioned key, checked against the key's digest.
+    assert out["model_key"].startswith("failure-model/v")
+    assert load_scorer(TrainingRun(policy_model="latest")) is not None
     assert scorer is not None and isinstance(scorer.model, FailurePredictor)
     assert scorer.horizon_h == FailurePredictor.load(path).horizon_h  # the horizon the model was trained with
 
