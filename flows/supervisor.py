@@ -41,6 +41,7 @@ from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provi
 from cloud.capacity import launch_with_fallback, wake_or_replace
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.hosts import JobHosts
+from flows.jobrecord import JobRecord, write_secret
 from flows.models import TrainingRun
 from flows.timeline import Timeline
 from policy.costs import TierName
@@ -109,6 +110,41 @@ class RunReport:
     final_digest: str | None
 
 
+class AttachedLauncher:
+    """A job's launcher that another process started (a re-attached job): watched by its pid, its end read from the
+    job's events (`job_finished`: 0, else 1), since only its parent could read its exit status."""
+
+    def __init__(self, pid: int, events: Path) -> None:
+        self.pid = pid
+        self.events = events
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"
+        if state not in ("Z", "X"):
+            return None
+        finished = False
+        if self.events.exists():
+            for line in self.events.read_text(errors="replace").splitlines():
+                with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                    finished |= json.loads(line).get("event") == "job_finished"
+        self.returncode = 0 if finished else 1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.1)  # a poll pace: another process's exit has no fd this process can wait on
+        return code
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +177,8 @@ class Supervisor:
         self._members: dict[int, str] = {}  # rank -> process of the current generation (hosts mode)
         self._secret: str | None = None
         self._control_at: tuple[str, str] | None = None
+        self.secret_file: Path | None = None
+        self._replaying = False  # reading a job's past events on re-attaching: rebuild state, act on nothing
         self._roles: dict[str, str] = {}  # instance -> its role tag
         self.timeline = Timeline()
         """Throughput and standbys over time, for the run's plot (flows.timeline)."""
@@ -201,13 +239,7 @@ class Supervisor:
         self.workers = {rank: inst.instance_id for rank, inst in enumerate(workers)}
         self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
         self.warm_target = run.standby.min_warm
-        if self.scorer is None:
-            self.scorer = OnlineScorer(self.workers.values())
-        else:  # a scorer made before the instances existed (e.g. with a trained model): key it by them
-            self.scorer = OnlineScorer(
-                self.workers.values(), model=self.scorer.model, horizon_h=self.scorer.horizon_h,
-                base_p_horizon=self.scorer.base_p_horizon, window_h=self.scorer.window_h,
-            )
+        self._key_scorer()
         out.append(
             Happening(
                 f"{EVENT_PREFIX}.fleet.provisioned",
@@ -235,6 +267,17 @@ class Supervisor:
         self._roles.update((i.instance_id, role) for i in launched)
         self._remember()
         return launched
+
+    def _key_scorer(self) -> None:
+        """Score the nodes that hold the ranks now (a scorer made before they existed, e.g. with a trained model,
+        is re-keyed by them)."""
+        if self.scorer is None:
+            self.scorer = OnlineScorer(self.workers.values())
+        else:
+            self.scorer = OnlineScorer(
+                self.workers.values(), model=self.scorer.model, horizon_h=self.scorer.horizon_h,
+                base_p_horizon=self.scorer.base_p_horizon, window_h=self.scorer.window_h,
+            )
 
     def _request(self, role: str, count: int) -> LaunchRequest:
         return LaunchRequest(
@@ -319,6 +362,8 @@ class Supervisor:
         from runtime.auth import ENV_SECRET
         from runtime.control import JobControl
 
+        # For a run that re-attaches after this one's process died (flows.jobrecord): root-only, on this host.
+        self.secret_file = write_secret(self.workdir, secret)
         log_file = open(self.workdir / "job.log", "ab")  # noqa: SIM115 - held for the child's life
         self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, ENV_SECRET: secret})
@@ -335,6 +380,7 @@ class Supervisor:
         from runtime.control import JobControl
 
         if self.control is None and self._control_at is not None and self.proc is not None and self.proc.poll() is None:
+            # A job that is over meanwhile answers no one: its end is read from its events.
             host, secret = self._control_at
             self.control = JobControl(host, self.port, timeout_s=60.0, secret=secret)
 
@@ -362,6 +408,62 @@ class Supervisor:
 
     def done(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None and self._exit is not None
+
+    # -- a job found again ---------------------------------------------------------------------------
+    def job_record(self, credentials_block: str | None = None) -> JobRecord | None:
+        """Where this job can be found again (flows.jobrecord), once its launcher runs."""
+        if self.proc is None or self._control_at is None or self.secret_file is None:
+            return None
+        run = self.run
+        return JobRecord(
+            job_id=run.job_id, flow_run_id=self.owner, host=socket.gethostname(), workdir=str(self.workdir),
+            launcher_pid=self.proc.pid, store_host=self._control_at[0], store_port=self.port,
+            secret_file=str(self.secret_file), events=str(self.events_path), provider=run.provider, region=run.region,
+            azure_subscription_id=run.azure_subscription_id, azure_resource_group=run.azure_resource_group,
+            credentials_block=credentials_block, on_instances=run.on_instances, supervised_at=time.time(),
+        )
+
+    def attach(self, record: JobRecord) -> list[Happening]:
+        """Supervise a job whose supervising run died, from its record: its launcher, its store, its events (read
+        from the start to rebuild the interruptions and who holds which rank, acting on none of them), and its
+        instances (found by the job's tag)."""
+        self.workdir = Path(record.workdir)
+        self.events_path = Path(record.events)
+        self.holdings_path = self.workdir / HOLDINGS_FILE
+        self.secret_file = Path(record.secret_file)
+        self.proc = AttachedLauncher(record.launcher_pid, self.events_path)  # type: ignore[assignment]
+        self.port = record.store_port
+        self._control_at = (record.store_host, record.read_secret())
+        instances: list[Instance] = []
+        try:
+            instances = self.provider.describe(job_id=self.run.job_id)
+        except CloudError as exc:
+            log.warning("could not list the instances of job %s: %s", self.run.job_id, exc)
+        self._launched = {i.instance_id for i in instances}
+        self._roles = {i.instance_id: i.role for i in instances}
+        # Which instance holds which rank: from the placements in the events on instances; otherwise the worker
+        # instances in launch order (as `provision` assigned them), or the ranks' own names for bookkeeping.
+        workers = sorted(i.instance_id for i in instances if i.role == "worker")
+        self.workers = {r: workers[r] if r < len(workers) else f"rank-{r}" for r in range(self.run.workers)}
+        self.warm = sorted(i.instance_id for i in instances if i.role == "standby" and i.state != "stopped")
+        self.parked = sorted(i.instance_id for i in instances if i.role == "standby" and i.state == "stopped")
+        self.warm_target = len(self.warm)
+        self._replaying = True
+        try:
+            self._read_events()
+        finally:
+            self._replaying = False
+        self._key_scorer()
+        self._started_at = self._last_accrual = self.clock()
+        self._connect()
+        self._remember()
+        return [Happening(
+            f"{EVENT_PREFIX}.job.reattached", f"{EVENT_PREFIX}.job.{self.run.job_id}",
+            f"re-attached to job {self.run.job_id} (launcher pid {record.launcher_pid}, store port {record.store_port},"
+            f" left by flow run {record.flow_run_id}): {len(self.interruptions)} interruption(s) so far, "
+            f"{len(self._launched)} instance(s)",
+            {"previous_flow_run": record.flow_run_id, "launcher_pid": record.launcher_pid},
+        )]
 
     # -- one supervision step ------------------------------------------------------------------------
     def tick(self) -> list[Happening]:
@@ -419,6 +521,11 @@ class Supervisor:
     def _on_event(self, ev: dict[str, Any]) -> list[Happening]:
         kind = ev.get("event")
         job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
+        if self._replaying and kind in ("member_failed", "host_lost"):
+            # What these caused (a release, a replacement order) happened under the run that saw them first.
+            if kind == "member_failed":
+                self._failure(ev)
+            return []
         if self.hosts is not None and kind in ("placed", "generation", "host_lost", "recovered"):
             # Recovery first: the table row names the rank's instance before the new holder replaces it.
             out = self._on_recovered(ev) if kind == "recovered" else []

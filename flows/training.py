@@ -40,11 +40,13 @@ from prefect.events import emit_event
 from pydantic import Field
 
 from cloud.base import Provider
+from flows import jobrecord
 from flows.credentials import BLOCK_NAME_PATTERN, load_credentials, provider_options
 from flows.drill import DegradingFeed, FailureDrill, drill_refusal
 from flows.endings import Ending, ending_of, record_what_was_left, server_state
 from flows.holdings import workdir_prefix
 from flows.hosts import job_hosts, notice_wiring
+from flows.jobrecord import JobRecord
 from flows.models import TrainingRun
 from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
@@ -187,13 +189,27 @@ def start(sup: Supervisor, script: Path) -> None:
     get_run_logger().info("job %s started: %d workers, events in %s", sup.run.job_id, sup.run.workers, sup.events_path)
 
 
+@task(name="reattach", cache_policy=NO_CACHE)
+def reattach(sup: Supervisor, record: JobRecord) -> None:
+    """Take over a job whose supervising run died: its launcher, store, events and instances (flows.jobrecord)."""
+    for h in sup.attach(record):
+        announce(h, sup.run.job_id)
+
+
 @task(name="supervise", cache_policy=NO_CACHE)
-def supervise(sup: Supervisor, chaos: FailureDrill | None, progress: UUID, max_wall_s: float) -> RunReport:
-    """Steer the job until it ends: policy decisions, promotions, notices, replacements; the drill's kills."""
+def supervise(
+    sup: Supervisor, chaos: FailureDrill | None, progress: UUID, max_wall_s: float, credentials_block: str | None = None
+) -> RunReport:
+    """Steer the job until it ends: policy decisions, promotions, notices, replacements; the drill's kills. Its
+    record (flows.jobrecord) is refreshed every HEARTBEAT_S, so that a job nobody supervises any more is found."""
     run = sup.run
     deadline = time.monotonic() + max_wall_s
     shown = -1.0
+    beat_due = 0.0
     while not sup.done():
+        if time.monotonic() >= beat_due and (record := sup.job_record(credentials_block)) is not None:
+            jobrecord.publish(record)
+            beat_due = time.monotonic() + jobrecord.HEARTBEAT_S
         seen = len(sup.events)
         happenings = sup.tick()
         if chaos is not None:
@@ -393,10 +409,17 @@ def resilient_training(
         chaos = FailureDrill() if drill else None
         ending: Ending | None = None
         published = False
+        previous = jobrecord.read(run.job_id)
         try:
-            provision(sup, script)
-            start(sup, script)
-            report = supervise(sup, chaos, progress, max_wall_s)
+            if previous is not None and previous.flow_run_id != str(flow_run_id) and previous.launcher_alive():
+                reattach(sup, previous)  # the job outlived the run that started it: supervise it, start nothing
+            else:
+                if previous is not None:  # its launcher is gone: whatever it left is released before a new fleet
+                    logger.warning("job %s was left by flow run %s; releasing %s before starting it again", run.job_id,
+                                   previous.flow_run_id, provider.release_job(run.job_id) or "nothing")
+                provision(sup, script)
+                start(sup, script)
+            report = supervise(sup, chaos, progress, max_wall_s, credentials_block)
             publish_report(report, run, time_scale, sup)
             published = True
             if report.exit_code != 0:
@@ -414,7 +437,10 @@ def resilient_training(
             try:
                 release_everything(sup)
                 notices.close()
+                jobrecord.forget(run.job_id)  # released: nothing of the job is left to find
             finally:
                 if ending is not None:  # after the release: the fleet goes before anything is reported
                     conclude(sup, run, ending, time_scale, published)
                 shutil.rmtree(workdir, ignore_errors=True)
+                if sup.workdir != workdir:  # a re-attached job's directory, left by the run that died
+                    shutil.rmtree(sup.workdir, ignore_errors=True)

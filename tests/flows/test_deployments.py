@@ -40,12 +40,14 @@ def deploy_configs() -> list[dict[str, Any]]:
     return configs
 
 
-def test_prefects_loader_reads_three_deployments_with_distinct_names_schedules_and_an_automation() -> None:
+def test_prefects_loader_reads_four_deployments_with_distinct_names_schedules_and_an_automation() -> None:
     configs = {d["name"]: d for d in deploy_configs()}
-    assert set(configs) == {"local-drill", "weekly-retrain", "weekly-retune"}
+    assert set(configs) == {"local-drill", "weekly-retrain", "weekly-retune", "sweep-unsupervised-jobs"}
     for name in ("weekly-retrain", "weekly-retune"):
         (schedule,) = [_schedule_config_to_deployment_schedule(s) for s in configs[name]["schedules"]]
         assert schedule["active"] is False and schedule["schedule"].cron.endswith("* * 1"), schedule
+    (sweep,) = [_schedule_config_to_deployment_schedule(s) for s in configs["sweep-unsupervised-jobs"]["schedules"]]
+    assert sweep["active"] is False and sweep["schedule"].cron == "*/10 * * * *"
     (trigger,) = _initialize_deployment_triggers("weekly-retune", configs["weekly-retune"]["triggers"])
     assert trigger.enabled is False and trigger.expect == {"trainmover.standby.promoted"}
     assert trigger.threshold > 1

@@ -54,6 +54,7 @@ FLOWS = {
     "flows/training.py:resilient_training",
     "flows/policy_flows.py:train_failure_model",
     "flows/policy_flows.py:tune_standby_policy",
+    "flows/sweep.py:sweep_unsupervised_jobs",
 }
 
 
@@ -79,7 +80,7 @@ def commented_variant(name: str) -> dict[str, Any]:
 # -- fast: no server ------------------------------------------------------------------------------------
 
 
-def test_prefect_yaml_deploys_the_three_flows_on_the_local_pool_with_valid_defaults() -> None:
+def test_prefect_yaml_deploys_the_four_flows_on_the_local_pool_with_valid_defaults() -> None:
     deployments = prefect_yaml()["deployments"]
     assert {d["entrypoint"] for d in deployments} == FLOWS
     for d in deployments:
