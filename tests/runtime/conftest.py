@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from runtime.auth import new_token
 from runtime.coordinator import JobResult
+from runtime.hosts import HostPool, HostTiming
 from runtime.launcher import LaunchConfig, launch
+
+FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
+"""Host timing for in-process agent tests: a silent host is lost in half a second."""
+
+
+@pytest.fixture
+def pool() -> Iterator[tuple[HostPool, str]]:
+    """A HostPool on 127.0.0.1 with a fresh job secret, closed afterwards; (pool, secret)."""
+    token = new_token()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    p = HostPool(listener, token, "job1", [], {"TM_X": "1"}, FAST)
+    yield p, token
+    p.close()
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TINY_JOB = SCRIPTS / "tiny_job.py"

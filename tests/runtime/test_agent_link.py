@@ -7,14 +7,13 @@ import socket
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime.agent import Agent, AgentConfig, AgentError
 from runtime.auth import new_token
-from runtime.hosts import HostPool, HostTiming, NoSlot
+from runtime.hosts import HostPool, NoSlot
 from runtime.protocol import (
     VERSION,
     Beat,
@@ -30,8 +29,6 @@ from runtime.protocol import (
     session_key,
     to_json,
 )
-
-FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
 
 
 def _pair() -> tuple[Link, Link]:
@@ -70,17 +67,6 @@ def test_sealed_frames_refuse_tampering_replays_and_other_sessions() -> None:
     agent4, _ = _pair()
     with pytest.raises(ProtocolError, match="sealed"):
         coord3.feed(agent4.encode(Beat()))  # a valid frame of another session (another key)
-
-
-@pytest.fixture
-def pool() -> Iterator[tuple[HostPool, str]]:
-    token = new_token()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    p = HostPool(listener, token, "job1", [], {"TM_X": "1"}, FAST)
-    yield p, token
-    p.close()
 
 
 def _agent(port: int, token: str, slots: int = 2, **kw: object) -> tuple[Agent, threading.Thread]:

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,14 +23,12 @@ import pytest
 from bench.netns import Events
 from cloud.aws_notices import ImdsNoticeSource
 from runtime.agent import Agent, AgentConfig, NoticeWatch
-from runtime.auth import new_token
-from runtime.hosts import HostPool, HostTiming, NoSlot
+from runtime.hosts import HostPool, NoSlot
 from runtime.protocol import HostNotice, ProtocolError, decode, to_json
 from tests.cloud.aws_servers import ImdsServer, imds_server
 from tests.runtime.conftest import TINY_JOB, clean_digest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
 SOON = "2026-12-03T12:00:00Z"
 
 
@@ -47,17 +44,6 @@ def test_a_notice_kind_the_protocol_does_not_know_is_refused() -> None:
     assert decode(to_json(HostNotice("spot_interruption", 1.0, "x"))) == HostNotice("spot_interruption", 1.0, "x")
     with pytest.raises(ProtocolError, match="kind must be one of"):
         decode({**to_json(HostNotice("spot_interruption")), "kind": "reboot-everything"})
-
-
-@pytest.fixture
-def pool() -> Iterator[tuple[HostPool, str]]:
-    token = new_token()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    p = HostPool(listener, token, "job1", [], {}, FAST)
-    yield p, token
-    p.close()
 
 
 def test_an_agent_forwards_its_hosts_spot_notice_once_and_the_host_gets_nothing_new(
