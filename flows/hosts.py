@@ -166,9 +166,8 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
 class NoticeWiring:
     """AWS: the job's EventBridge rules and SQS queue (`cloud.aws.ensure_notice_queue`), given to the provider so that
     its `poll_notices` reads them; `close` deletes them. Empty elsewhere (local notices come from the provider itself;
-    Azure announces evictions to each VM only, through its Scheduled Events)."""
+    Azure announces evictions to each VM only, through its Scheduled Events, which the hosts' agents watch)."""
 
-    provider_options: dict[str, Any] = field(default_factory=dict)
     job_id: str | None = None
     region: str | None = None
     session: Any = None
@@ -186,16 +185,19 @@ class NoticeWiring:
             log.warning("could not delete the notice queue of job %s: %s", self.job_id, exc)
 
 
-def notice_wiring(run: TrainingRun, provider_options: dict[str, Any] | None = None) -> NoticeWiring:
-    """The run's notice wiring: on AWS with `notice_queue`, the queue and rules are made now (idempotent)."""
+def notice_wiring(run: TrainingRun, provider: Provider, provider_options: dict[str, Any] | None = None
+                  ) -> NoticeWiring:
+    """The run's notice wiring: on AWS with `notice_queue`, the queue and rules are made now (idempotent) and the
+    provider reads them from then on."""
     if run.provider != "aws" or not run.notice_queue:
         return NoticeWiring()
-    from cloud.aws import ensure_notice_queue
+    from cloud.aws import AwsProvider, ensure_notice_queue
 
-    assert run.region is not None
+    assert run.region is not None and isinstance(provider, AwsProvider)
     session = (provider_options or {}).get("session")
-    url = ensure_notice_queue(run.job_id, region=run.region, session=session)
-    return NoticeWiring({"notice_queue_url": url, "notice_job_id": run.job_id}, run.job_id, run.region, session)
+    provider.notice_queue_url = ensure_notice_queue(run.job_id, region=run.region, session=session)
+    provider.notice_job_id = run.job_id
+    return NoticeWiring(run.job_id, run.region, session)
 
 
 __all__ = ["JobHosts", "NoticeWiring", "free_port", "installed_source", "job_hosts", "notice_wiring"]

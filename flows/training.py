@@ -379,12 +379,8 @@ def resilient_training(
     del credentials
     flow_run_id = current_flow_run_id()
     with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
-        notices = notice_wiring(run, options)  # AWS: the job's EventBridge rules and SQS queue
-        try:
-            provider = make_provider(run, {**options, **notices.provider_options})
-        except BaseException:
-            notices.close()
-            raise
+        provider = make_provider(run, options)  # a provider the cloud refuses is refused before anything is made
+        notices = notice_wiring(run, provider, options)  # AWS: the job's EventBridge rules and SQS queue
         progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
         assert isinstance(progress, UUID)  # a sync flow gets the id, not a coroutine
         workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix(run.job_id)))
