@@ -92,8 +92,9 @@ def test_an_aws_run_launches_hosts_that_boot_the_agent_with_the_secret_in_ssm_an
         assert "127.0.0.1" in document and str(ROOT / "examples" / "train_mlp.py") in document
         assert "--notices aws" in document, "each host watches its own instance metadata for spot notices"
     # The secret went to SSM as a SecureString, and was deleted at the release.
+    # (moto's backends are shared by the whole test process: look at this job's resources only.)
     ssm = boto3.client("ssm", endpoint_url=url, region_name=REGION)
-    assert ssm.describe_parameters()["Parameters"] == []
+    assert [p["Name"] for p in ssm.describe_parameters()["Parameters"] if f"/{job}/" in p["Name"]] == []
     # The job's own security group admits only itself; its placement group is the one every launch went into.
     (authorize,) = proxy.seen("AuthorizeSecurityGroupIngress")
     rules = _params(authorize)
@@ -113,8 +114,8 @@ def test_an_aws_run_launches_hosts_that_boot_the_agent_with_the_secret_in_ssm_an
     # The job's notice wiring (EventBridge rules into an SQS queue of its own) was made, read, and deleted.
     sqs = boto3.client("sqs", endpoint_url=url, region_name=REGION)
     events = boto3.client("events", endpoint_url=url, region_name=REGION)
-    assert sqs.list_queues().get("QueueUrls", []) == []
-    assert events.list_rules()["Rules"] == []
+    assert [q for q in sqs.list_queues().get("QueueUrls", []) if job in q] == []
+    assert [r["Name"] for r in events.list_rules()["Rules"] if job in r["Name"]] == []
     calls = [seen.action for seen in proxy.seen()]
     for made, used, deleted in (("CreateQueue", "ReceiveMessage", "DeleteQueue"), ("PutRule", "PutTargets",
                                                                                   "DeleteRule")):

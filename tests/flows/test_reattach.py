@@ -1,5 +1,5 @@
-"""A job outlives the flow run that started it: a new supervisor re-attaches from the job's record and the job ends
-bit for bit; a new flow run of the job does it by itself; the sweep stops and releases a job nobody supervises.
+"""A job outlives the flow run that started it: a new flow run of the job re-attaches from the job's record, and the
+job ends bit for bit; the sweep stops and releases a job nobody supervises.
 
 The supervisor that "dies" is dropped without its release (its launcher runs in a session of its own, as after a
 flow-run process is killed); the re-attaching one is a new object with a new provider, as in a new process.
@@ -56,25 +56,6 @@ def _abandoned(job_id: str, tmp_path: Path) -> tuple[JobRecord, Supervisor]:
     return record, first
 
 
-def test_a_new_supervisor_reattaches_from_the_record_and_the_job_ends_bit_exact(tmp_path: Path) -> None:
-    record, first = _abandoned("reattach-sup", tmp_path)
-    second = Supervisor(_run("reattach-sup"), LocalProvider(slots=8), tmp_path / "second", owner="new-flow-run")
-    try:
-        (attached,) = second.attach(record)
-        assert attached.event == "trainmover.job.reattached"
-        assert len(second.interruptions) == 1, "the interruption before the re-attach is read back, not redone"
-        seen = _until(second, "the job's end", second.done)
-        report = second.report()
-    finally:
-        second.release()
-    assert report.exit_code == 0 and report.message == "finished", (Path(record.workdir) / "job.log").read_text()
-    assert [i.rank for i in report.interruptions] == [1, 0]
-    assert "trainmover.standby.promoted" in [h.event for h in seen], "the second failure was supervised live"
-    assert report.final_digest == clean_digest(2, STEPS, TINY_JOB, ARGS)
-    assert not record.launcher_alive()
-    assert first.proc is not None and first.proc.wait(timeout=10) == 0
-
-
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_new_flow_run_of_the_job_reattaches_by_itself_and_forgets_the_record(tmp_path: Path) -> None:
     from flows.training import resilient_training
@@ -84,7 +65,9 @@ def test_a_new_flow_run_of_the_job_reattaches_by_itself_and_forgets_the_record(t
     state = resilient_training(run=_run("reattach-flow"), max_wall_s=180.0, return_state=True)
     assert state.is_completed(), state
     summary = state.result()
-    assert summary["exit_code"] == 0 and len(summary["interruptions"]) == 2
+    # The first interruption happened before the re-attach (read back from the events); the second after it,
+    # supervised live by the new run.
+    assert summary["exit_code"] == 0 and [i["rank"] for i in summary["interruptions"]] == [1, 0]
     assert summary["final_digest"] == clean_digest(2, STEPS, TINY_JOB, ARGS)
     assert jobrecord.read("reattach-flow") is None, "a released job leaves no record"
     assert not record.launcher_alive()
