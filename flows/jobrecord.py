@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -76,10 +75,9 @@ class JobRecord:
         return self.workdir.encode() in cmdline  # not a pid reused by another program
 
     def read_secret(self) -> str:
-        st = os.stat(self.secret_file)
-        if st.st_mode & 0o077:
-            raise PermissionError(f"{self.secret_file} is readable by others (mode {st.st_mode & 0o777:o})")
-        return Path(self.secret_file).read_text().strip()
+        from runtime.auth import read_secret_file  # refuses a file others can read
+
+        return read_secret_file(self.secret_file)
 
 
 def variable_name(job_id: str) -> str:
@@ -135,10 +133,10 @@ def all_records() -> list[JobRecord]:
 
 def write_secret(workdir: Path, secret: str) -> Path:
     """The job's secret in a file only its owner can read, in the job's work directory (for a re-attaching run)."""
+    from runtime.auth import write_secret_file
+
     path = Path(workdir) / "job.secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(secret + "\n")
+    write_secret_file(str(path), secret)
     return path
 
 

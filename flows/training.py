@@ -240,9 +240,9 @@ def publish_timeline(sup: Supervisor) -> None:
     with tempfile.TemporaryDirectory(prefix="trainmover-timeline-") as scratch:
         png = Path(scratch) / "timeline.png"
         title = f"{sup.run.job_id}: throughput and interruptions"
-        if not plot_timeline(sup.timeline.samples, interruptions_of(sup.events), png, title):
-            return
         marks = interruptions_of(sup.events)
+        if not plot_timeline(sup.timeline.samples, marks, png, title):
+            return
         create_markdown_artifact(
             f"# {sup.run.job_id}: the run over time\n\n{markdown_image(png, 'throughput and standbys over time')}"
             f"\n\n{len(marks)} interruption(s), each a red line (rank and cause); below, the warm and parked "
