@@ -11,7 +11,7 @@ alone (`trainmover coordinator`), and every instance the job launches boots `tra
   group (`cloud.base.JobNetwork`).
 
 `JobHosts.prepare` stores the secret and fixes the ports; `launch_options` is what every `LaunchRequest` of the job
-then carries (the bootstrap, the network); `coordinator_argv` is the coordinator's command line; `close` deletes
+then carries (the bootstrap, the network); `placement` is where the coordinator waits for them; `close` deletes
 the secret and removes local hosts. The supervisor (`flows.supervisor`) calls them in that order.
 """
 
@@ -21,7 +21,6 @@ import contextlib
 import importlib.metadata
 import logging
 import socket
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from cloud.bootstrap import AgentBootstrap
 from cloud.local_hosts import LocalHosts, NamespaceHosts, ProcessHosts
 from cloud.secrets import JobSecretStore, LocalFileStore, SecretRef
 from flows.models import TrainingRun
+from runtime.client import Placement
 
 log = logging.getLogger("trainmover.flows")
 
@@ -93,24 +93,10 @@ class JobHosts:
         assert self.bootstrap is not None, "prepare() first"
         return {"bootstrap": self.bootstrap, "network": self.network, "efa": self.bootstrap.efa}
 
-    def coordinator_argv(
-        self, run: TrainingRun, *, hosts: int, standby: int, events: Path, script: Path
-    ) -> list[str]:
-        """`trainmover coordinator` for the job: it waits for `hosts` agents, then places the workers and standbys."""
-        argv = [
-            sys.executable, "-m", "trainmover.cli", "coordinator",
-            "--agents", str(hosts), "--job-id", run.job_id, "--agent-port", str(self.agent_port),
-            "--agents-wait", f"{run.hosts_wait_s:g}",
-            "--host", self.coordinator_host, "--port", str(self.store_port),
-            "--nproc", str(run.workers), "--standby", str(standby), "--backend", run.backend,
-            "--events", str(events), "--threads", "1", "--quiet",
-        ]
-        if run.faults:
-            argv += ["--faults", run.faults]
-        argv += [str(script.resolve()), *run.script_args]
-        if run.steps is not None:
-            argv += ["--steps", str(run.steps)]
-        return argv
+    def placement(self, run: TrainingRun, *, agents: int) -> Placement:
+        """Where the job's coordinator waits for its `agents` instances' agents (runtime.client)."""
+        return Placement(job_id=run.job_id, agents=agents, host=self.coordinator_host, port=self.store_port,
+                         agent_port=self.agent_port, agents_wait_s=run.hosts_wait_s)
 
     def close(self) -> None:
         """Delete the job's secret and remove local hosts. Never raises: it runs while a job is released."""

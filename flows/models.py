@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if TYPE_CHECKING:
     from cloud.capacity import Fallbacks
 
-from policy.costs import NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
+from policy.costs import LEAD_TIME_H, NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 
 BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"  # Prefect's block-name slug rule
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,38}[a-z0-9]$")
@@ -87,7 +87,7 @@ class TrainingRun(BaseModel):
         le=604_800,
         description="Downtime of a failure no standby covers (checkpoint-restart + lost work), seconds.",
     )
-    lead_time_h: float = Field(default=0.5, gt=0, le=168, description="Hours to obtain a fresh instance.")
+    lead_time_h: float = Field(default=LEAD_TIME_H, gt=0, le=168, description="Hours to obtain a fresh instance.")
     budget_usd_per_h: float | None = Field(default=None, ge=0, description="Cap on all standbys' hourly cost.")
     policy_model: str | None = Field(
         default=None,
@@ -279,11 +279,13 @@ class TrainingRun(BaseModel):
             )
         return path
 
+    def tier_prices(self) -> dict[str, float]:
+        """USD per hour of one standby in each tier, for this run's instances (offered or not: for the bill)."""
+        return {t: c.price_usd_per_h for t, c in default_tiers(self.node_price_usd_per_h).items()}
+
     def costs(self) -> StandbyCosts:
         """The policy's prices for this job: the whole job costs workers x the node price per hour."""
-        tiers = default_tiers()
-        tiers["warm"] = tiers["warm"].model_copy(update={"price_usd_per_h": self.node_price_usd_per_h})
-        tiers["hot"] = tiers["hot"].model_copy(update={"price_usd_per_h": self.node_price_usd_per_h + 1.0})
+        tiers = default_tiers(self.node_price_usd_per_h)
         offered = {
             t: c
             for t, c in tiers.items()

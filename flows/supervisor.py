@@ -4,14 +4,15 @@ A `Supervisor` owns one job's life, in the order the flow calls it:
 
 1. `provision`: launch one instance per worker and the standby instances the limits ask for (tagged by job and
    role, through any `cloud.base.Provider`).
-2. `start`: start the runtime's launcher (`trainmover run --port P --events FILE ...`) as a child process; its
-   coordinator owns membership and recovery, the supervisor steers it through `runtime.control.JobControl`.
+2. `start`: start the job through the runtime's client (`runtime.client.RuntimeJob`): its coordinator owns
+   membership and recovery; the supervisor reads its events and steers it through that client only.
 3. `tick`, until `done`: read the coordinator's new events (failures, promotions), feed telemetry to the policy
-   (`policy.online.OnlineScorer` -> `policy.decide_standby`), pre-warm or release standbys to match the plan,
-   turn provider notices into planned moves, and order replacement instances. Each tick returns `Happening`s,
-   which the flow turns into Prefect events and log lines.
-4. `report`: the interruptions table and the cost report (standby hours and dollars, downtime, ETTR, and the
-   same failures priced under checkpoint-restart).
+   (`policy.online.OnlineScorer` -> `policy.decide_standby`), turn the plan into cloud actions
+   (`flows.actions.pool_change`, a pure function) and carry them out, turn provider notices into planned moves,
+   and order replacement instances. Each tick returns `Happening`s, which the flow turns into Prefect events and
+   log lines.
+4. `report`: the interruptions table and the cost report (`policy.costs.bill_run`: standby hours and dollars,
+   downtime, ETTR, and the same failures priced under checkpoint-restart).
 5. `release`: stop the job and terminate every instance it launched; the flow calls it in `finally`.
 
 All along it keeps the job's holdings record (`flows.holdings`) in its work directory up to date: what it holds now
@@ -23,14 +24,8 @@ Logic lives here, not in the flow body, so it is tested without a Prefect server
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,15 +34,17 @@ from typing import Any, Protocol
 
 from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provider
 from cloud.capacity import launch_with_fallback, wake_or_replace
+from flows.actions import Pool, PoolChange, notice_moves, pool_change
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.hosts import JobHosts
 from flows.jobrecord import JobRecord, write_secret
 from flows.models import TrainingRun
 from flows.timeline import Timeline
-from policy.costs import TierName
+from policy.costs import TierName, bill_run
 from policy.decision import FleetState, decide_standby
-from policy.online import OnlineScorer
+from policy.online import NodeScore, OnlineScorer
 from policy.telemetry import TelemetrySample
+from runtime.client import JobSpec, Placement, RuntimeJob
 
 log = logging.getLogger("trainmover.flows")
 
@@ -110,45 +107,10 @@ class RunReport:
     final_digest: str | None
 
 
-class AttachedLauncher:
-    """A job's launcher that another process started (a re-attached job): watched by its pid, its end read from the
-    job's events (`job_finished`: 0, else 1), since only its parent could read its exit status."""
-
-    def __init__(self, pid: int, events: Path) -> None:
-        self.pid = pid
-        self.events = events
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "X"
-        if state not in ("Z", "X"):
-            return None
-        finished = False
-        if self.events.exists():
-            for line in self.events.read_text(errors="replace").splitlines():
-                with contextlib.suppress(json.JSONDecodeError, AttributeError):
-                    finished |= json.loads(line).get("event") == "job_finished"
-        self.returncode = 0 if finished else 1
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.1)  # a poll pace: another process's exit has no fd this process can wait on
-        return code
-
-
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class Supervisor:
@@ -176,7 +138,6 @@ class Supervisor:
         self._where: dict[str, str] = {}  # process -> instance (hosts mode)
         self._members: dict[int, str] = {}  # rank -> process of the current generation (hosts mode)
         self._secret: str | None = None
-        self._control_at: tuple[str, str] | None = None
         self.secret_file: Path | None = None
         self._replaying = False  # reading a job's past events on re-attaching: rebuild state, act on nothing
         self._roles: dict[str, str] = {}  # instance -> its role tag
@@ -203,10 +164,8 @@ class Supervisor:
         self.scorer = scorer
         self.fleet = FleetState()
         self.warm_target = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.control: Any = None
-        self.port = 0
-        self._events_offset = 0
+        self.job: RuntimeJob | None = None
+        """The job, through the runtime's client: its launcher, events and control store."""
         self.events: list[dict[str, Any]] = []
         self.interruptions: list[Interruption] = []
         self._started_at: float | None = None
@@ -295,14 +254,14 @@ class Supervisor:
     def holdings(self) -> Holdings:
         """What this supervisor holds now: its launcher (while it runs) and every instance it launched and did
         not terminate."""
-        running = self.proc is not None and self.proc.poll() is None
+        job = self.job
         return Holdings(
             job_id=self.run.job_id,
             owner=self.owner,
             host=socket.gethostname(),
             workdir=str(self.workdir),
-            launcher_pid=self.proc.pid if self.proc is not None and running else None,
-            port=self.port,
+            launcher_pid=job.pid if job is not None and job.running() else None,
+            port=job.port if job is not None else 0,
             instances=tuple(sorted(self._launched)),
         )
 
@@ -319,105 +278,58 @@ class Supervisor:
         self._recorded = now
 
     # -- the job -------------------------------------------------------------------------------------
+    def spec(self, script: Path) -> JobSpec:
+        """The job as the runtime runs it."""
+        run = self.run
+        return JobSpec(script=script, workers=run.workers, standby=self.warm_target, script_args=tuple(run.script_args),
+                       backend=run.backend, faults=run.faults, steps=run.steps)
+
     def start(self, script: Path) -> None:
-        """Start the runtime's launcher for this job; it hosts the coordinator (and, locally, every process)."""
+        """Start the job: on this machine the runtime's launcher hosts the coordinator and every process; on
+        instances the coordinator runs here alone and waits for the instances' agents."""
         from runtime.auth import new_token
 
+        placement: Placement | None = None
         if self.hosts is not None:
             assert self._secret is not None, "provision() first"
-            secret, host, self.port = self._secret, self.hosts.coordinator_host, self.hosts.store_port
-            cmd = self.hosts.coordinator_argv(self.run, hosts=len(self._launched), standby=self.warm_target,
-                                              events=self.events_path, script=script)
-            self._spawn(cmd, secret, host)
-            return
-        self.port = _free_port()
-        secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer of its store
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainmover.cli",
-            "run",
-            "--nproc",
-            str(self.run.workers),
-            "--standby",
-            str(self.warm_target),
-            "--backend",
-            self.run.backend,
-            "--events",
-            str(self.events_path),
-            "--port",
-            str(self.port),
-            "--threads",
-            "1",
-            "--quiet",
-        ]
-        if self.run.faults:
-            cmd += ["--faults", self.run.faults]
-        cmd += [str(script), *self.run.script_args]
-        if self.run.steps is not None:
-            cmd += ["--steps", str(self.run.steps)]
-        self._spawn(cmd, secret, "127.0.0.1")
-
-    def _spawn(self, cmd: list[str], secret: str, host: str) -> None:
-        from runtime.auth import ENV_SECRET
-        from runtime.control import JobControl
-
+            secret = self._secret
+            placement = self.hosts.placement(self.run, agents=len(self._launched))
+        else:
+            secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer of its store
         # For a run that re-attaches after this one's process died (flows.jobrecord): root-only, on this host.
         self.secret_file = write_secret(self.workdir, secret)
-        log_file = open(self.workdir / "job.log", "ab")  # noqa: SIM115 - held for the child's life
-        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, ENV_SECRET: secret})
-        log_file.close()
+        self.job = RuntimeJob.start(self.spec(script), self.events_path, secret=secret, port=_free_port(),
+                                    log=self.workdir / "job.log", placement=placement)
         self._remember()
         self._started_at = self.clock()
         self._last_accrual = self._started_at
-        self._control_at = (host, secret)
-        if self.hosts is None:
-            self.control = JobControl(host, self.port, timeout_s=60.0, secret=secret)
         # On instances the job starts once every host joined (up to hosts_wait_s): `tick` connects then.
 
-    def _connect(self) -> None:
-        from runtime.control import JobControl
-
-        if self.control is None and self._control_at is not None and self.proc is not None and self.proc.poll() is None:
-            # A job that is over meanwhile answers no one: its end is read from its events.
-            host, secret = self._control_at
-            self.control = JobControl(host, self.port, timeout_s=60.0, secret=secret)
-
     def _steer(self, command: str, *args: Any) -> None:
-        """Send a command to the job; one that ends meanwhile needs no steering (its end is read from events)."""
-        from runtime.control import JobEnded
-
-        if self.control is None:
-            return
-        with contextlib.suppress(JobEnded):
-            getattr(self.control, command)(*args)
+        if self.job is not None:
+            self.job.steer(command, *args)  # type: ignore[arg-type]
 
     def committed_step(self) -> int | None:
         """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
-        if self.control is None or self.proc is None or self.proc.poll() is not None:
-            return None  # the job's store is gone with its launcher
-        try:
-            step = self.control.committed_step()
-        except Exception:
-            return None
+        step = self.job.committed_step() if self.job is not None else None
         if step is not None:
             self.steps_done = max(self.steps_done, int(step))
             self.timeline.record(time.time(), int(step), len(self.warm), len(self.parked))
         return step
 
     def done(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None and self._exit is not None
+        return self.job is not None and self.job.poll() is not None and self._exit is not None
 
     # -- a job found again ---------------------------------------------------------------------------
     def job_record(self, credentials_block: str | None = None) -> JobRecord | None:
         """Where this job can be found again (flows.jobrecord), once its launcher runs."""
-        if self.proc is None or self._control_at is None or self.secret_file is None:
+        job = self.job
+        if job is None or self.secret_file is None:
             return None
         run = self.run
         return JobRecord(
             job_id=run.job_id, flow_run_id=self.owner, host=socket.gethostname(), workdir=str(self.workdir),
-            launcher_pid=self.proc.pid, store_host=self._control_at[0], store_port=self.port,
+            launcher_pid=job.pid, store_host=job.host, store_port=job.port,
             secret_file=str(self.secret_file), events=str(self.events_path), provider=run.provider, region=run.region,
             azure_subscription_id=run.azure_subscription_id, azure_resource_group=run.azure_resource_group,
             credentials_block=credentials_block, on_instances=run.on_instances, supervised_at=time.time(),
@@ -431,9 +343,8 @@ class Supervisor:
         self.events_path = Path(record.events)
         self.holdings_path = self.workdir / HOLDINGS_FILE
         self.secret_file = Path(record.secret_file)
-        self.proc = AttachedLauncher(record.launcher_pid, self.events_path)  # type: ignore[assignment]
-        self.port = record.store_port
-        self._control_at = (record.store_host, record.read_secret())
+        self.job = RuntimeJob.attach(record.launcher_pid, self.events_path, record.store_host, record.store_port,
+                                     record.read_secret())
         instances: list[Instance] = []
         try:
             instances = self.provider.describe(job_id=self.run.job_id)
@@ -455,7 +366,7 @@ class Supervisor:
             self._replaying = False
         self._key_scorer()
         self._started_at = self._last_accrual = self.clock()
-        self._connect()
+        self.job.connect()
         self._remember()
         return [Happening(
             f"{EVENT_PREFIX}.job.reattached", f"{EVENT_PREFIX}.job.{self.run.job_id}",
@@ -471,9 +382,9 @@ class Supervisor:
         now = self.clock()
         self._accrue(now)
         out += self._read_events()
-        if self.proc is not None and self.proc.poll() is not None and self._exit is None:
+        if self.job is not None and self.job.poll() is not None and self._exit is None:
             out += self._read_events()  # the last lines, written before the launcher exited
-            self._exit = self.proc.returncode
+            self._exit = self.job.returncode
             self._remember()
             return out
         out += self._notices()
@@ -481,7 +392,7 @@ class Supervisor:
             note = self._fallback_notes.pop(0)
             out.append(Happening(f"{EVENT_PREFIX}.fleet.fallback", f"{EVENT_PREFIX}.job.{self.run.job_id}", note,
                                  {"attempts": note}))
-        if now >= self._next_policy and self._started_at is not None and self.control is not None:
+        if now >= self._next_policy and self._started_at is not None and self.job is not None and self.job.control:
             self._next_policy = now + self.policy_every_s
             out += self._decide(now)
         self._remember()  # a replaced or released instance; written only when something changed
@@ -499,21 +410,10 @@ class Supervisor:
         self._last_accrual = now
 
     def _read_events(self) -> list[Happening]:
-        if not self.events_path.exists():
+        if self.job is None:
             return []
-        with self.events_path.open("rb") as f:
-            f.seek(self._events_offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # only whole lines; a line being written is read next time
-        self._events_offset += end
         out: list[Happening] = []
-        for line in data[:end].splitlines():
-            if not line.strip():
-                continue
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for ev in self.job.read_events():
             self.events.append(ev)
             out += self._on_event(ev)
         return out
@@ -594,10 +494,6 @@ class Supervisor:
                     {"process": ev["proc"]},
                 )
             ]
-        if kind in ("job_finished", "job_failed") and self.control is not None:
-            # The job is over and its store is about to close: no call may reach it any more.
-            self.control.close()
-            self.control = None
         if kind == "job_finished":
             self.steps_done = max(self.steps_done, int(ev.get("step", 0) or 0))
             return [
@@ -621,11 +517,7 @@ class Supervisor:
         out: list[Happening] = []
         old = self.workers.get(rank)
         if old is not None:
-            try:
-                self.provider.terminate([old])
-                self._launched.discard(old)
-            except CloudError as exc:
-                log.warning("could not release %s: %s", old, exc)
+            self._terminate([old])
         if self.warm:
             self.workers[rank] = self.warm.pop(0)
         elif self.parked:
@@ -694,16 +586,13 @@ class Supervisor:
             self._where[str(ev["proc"])] = str(ev["host"])
         elif kind == "generation":
             self._members = {int(m["rank"]): str(m["proc"]) for m in ev.get("members", [])}
-            self._connect()  # the job runs: its store answers
+            if self.job is not None and not self._replaying:
+                self.job.connect()  # the job runs: its store answers
         elif kind == "host_lost":
             lost = str(ev.get("host"))
             if lost in self.parked or lost not in self._launched:
                 return out  # a parked instance powered off, or one released already
-            try:
-                self.provider.terminate([lost])
-                self._launched.discard(lost)
-            except CloudError as exc:
-                log.warning("could not release %s: %s", lost, exc)
+            self._terminate([lost])
             out.append(Happening(f"{EVENT_PREFIX}.node.lost", f"{EVENT_PREFIX}.node.{lost}",
                                  f"instance {lost} lost ({ev.get('cause')}): terminated, its ranks move to standbys",
                                  {"node": lost, "cause": ev.get("cause"), "processes": ev.get("procs", [])}))
@@ -747,11 +636,7 @@ class Supervisor:
         except CloudError as exc:
             log.warning("notices: %s", exc)
             return out
-        rank_of = {inst: rank for rank, inst in self.workers.items()}
-        for n in notices:
-            rank = rank_of.get(n.instance_id)
-            if rank is None:
-                continue
+        for rank, n in notice_moves(notices, self.workers):
             self._steer("move", [rank], n.kind)
             out.append(
                 Happening(
@@ -770,69 +655,72 @@ class Supervisor:
             self.scorer.observe(self.feed.read(now_h, dict(self.workers)))
         hazards, scores = self.scorer.hazards(now_h, self.costs.lead_time_h, self.run.hazard_multiplier)
         plan = decide_standby(hazards, self.costs, self.fleet, now_s=now_h * 3600.0)
-        limits = self.run.standby
-        warm = min(max(plan.warm + plan.hot, limits.min_warm), limits.max_warm)
-        stopped = min(plan.stopped, limits.max_stopped)
+        change = pool_change(plan, self.run.standby, Pool(tuple(self.warm), tuple(self.parked), self.warm_target))
         bar = self._predicted_bar
         self._hot_nodes = {n for n, p in zip(hazards.node_ids, hazards.p_fail, strict=True) if p > bar}
-        if (warm, stopped) != (self.fleet.warm, self.fleet.stopped):
-            self.fleet = FleetState(stopped=stopped, warm=warm, last_change_s=now_h * 3600.0)
+        if (change.warm_target, change.stopped_target) != (self.fleet.warm, self.fleet.stopped):
+            self.fleet = FleetState(stopped=change.stopped_target, warm=change.warm_target,
+                                    last_change_s=now_h * 3600.0)
+        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon))
+
+    def _apply(self, change: PoolChange, reasons: tuple[str, ...], worst: NodeScore) -> list[Happening]:
+        """Carry out a pool change (flows.actions.pool_change) and say what was done and why."""
         out: list[Happening] = []
-        worst = max(scores, key=lambda s: s.p_horizon)
-        if warm > self.warm_target:
-            self.warm += [i.instance_id for i in self._launch("standby", warm - len(self.warm))]
+        job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
+        warm = change.warm_target
+        raised = change.retarget and warm > self.warm_target
+        if change.launch_warm:
+            self.warm += [i.instance_id for i in self._launch("standby", change.launch_warm)]
+        if change.retarget:
             self.warm_target = warm
             self._steer("set_standby_target", warm)
-            out.append(
-                Happening(
-                    f"{EVENT_PREFIX}.standby.prewarmed",
-                    f"{EVENT_PREFIX}.job.{self.run.job_id}",
-                    f"pre-warming to {warm} warm standby(s): node {worst.node_id} {worst.why} "
-                    f"(P(fault in {self.scorer.horizon_h:g} h) = {worst.p_horizon:.2f}); "
-                    f"{plan.reasons[0] if plan.reasons else ''}",
-                    {"warm": warm, "node": worst.node_id, "p_fault": worst.p_horizon, "reasons": list(plan.reasons)},
-                )
-            )
-        elif warm < self.warm_target:
-            self.warm_target = warm
-            self._steer("set_standby_target", warm)
-            surplus = self.warm[warm:]
-            self.warm = self.warm[:warm]
-            if surplus:
-                self.provider.terminate(surplus)
-                self._launched.difference_update(surplus)
-            out.append(
-                Happening(
-                    f"{EVENT_PREFIX}.standby.released",
-                    f"{EVENT_PREFIX}.job.{self.run.job_id}",
-                    f"released {len(surplus)} warm standby(s): the risk no longer pays for them",
-                    {"warm": warm},
-                )
-            )
-        if stopped > len(self.parked):
+        if raised:
+            assert self.scorer is not None
+            out.append(Happening(
+                f"{EVENT_PREFIX}.standby.prewarmed", job,
+                f"pre-warming to {warm} warm standby(s): node {worst.node_id} {worst.why} "
+                f"(P(fault in {self.scorer.horizon_h:g} h) = {worst.p_horizon:.2f}); {reasons[0] if reasons else ''}",
+                {"warm": warm, "node": worst.node_id, "p_fault": worst.p_horizon, "reasons": list(reasons)},
+            ))
+        elif change.retarget:
+            self.warm = [i for i in self.warm if i not in change.release_warm]
+            self._terminate(change.release_warm)
+            out.append(Happening(
+                f"{EVENT_PREFIX}.standby.released", job,
+                f"released {len(change.release_warm)} warm standby(s): the risk no longer pays for them",
+                {"warm": warm, "instances": list(change.release_warm)},
+            ))
+        if change.park:
             try:
-                new = [i.instance_id for i in self._launch("standby", stopped - len(self.parked))]
+                new = [i.instance_id for i in self._launch("standby", change.park)]
                 self.provider.stop(new)
                 self.parked += new
-                out.append(
-                    Happening(
-                        f"{EVENT_PREFIX}.standby.parked",
-                        f"{EVENT_PREFIX}.job.{self.run.job_id}",
-                        f"parked {len(new)} stopped standby(s) for cheap cover",
-                        {"instances": new},
-                    )
-                )
+                out.append(Happening(f"{EVENT_PREFIX}.standby.parked", job,
+                                     f"parked {len(new)} stopped standby(s) for cheap cover", {"instances": new}))
             except CloudError as exc:
                 log.warning("could not park a standby: %s", exc)
+        if change.release_parked:
+            self.parked = [i for i in self.parked if i not in change.release_parked]
+            self._terminate(change.release_parked)
+            out.append(Happening(
+                f"{EVENT_PREFIX}.standby.released", job,
+                f"released {len(change.release_parked)} parked standby(s): the risk no longer pays for them",
+                {"stopped": change.stopped_target, "instances": list(change.release_parked)},
+            ))
         return out
+
+    def _terminate(self, instances: tuple[str, ...] | list[str]) -> None:
+        try:
+            self.provider.terminate(list(instances))
+            self._launched.difference_update(instances)
+        except CloudError as exc:
+            log.warning("could not release %s: %s", ", ".join(instances), exc)
 
     # -- the end ---------------------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return -1
+        assert self.job is not None
+        code = self.job.wait(timeout_s)
+        return -1 if code is None else code
 
     def report(self) -> RunReport:
         ev = self.events
@@ -843,17 +731,11 @@ class Supervisor:
         wall_s = float(end - start) if start is not None and end is not None else 0.0
         fin = next((e for e in ev if e.get("event") == "job_finished"), None)
         failed = next((e for e in ev if e.get("event") == "job_failed"), None)
-        downtime_s = sum(i.lost_time_s for i in self.interruptions)
-        job_usd_per_s = self.costs.job_price_usd_per_h / 3600.0
-        tiers = self.costs.tiers
-        warm_price = tiers["warm"].price_usd_per_h if "warm" in tiers else self.run.node_price_usd_per_h
-        stopped_price = tiers["stopped"].price_usd_per_h if "stopped" in tiers else 0.0
         hours = {k: v * self.time_scale / 3600.0 for k, v in self._standby_seconds.items()}
-        standby_usd = hours["warm"] * warm_price + hours["stopped"] * stopped_price
-        n = len(self.interruptions)
-        restart_s = n * self.costs.restart_downtime_s
-        scaled_wall = wall_s * self.time_scale
-        exit_code = self.proc.returncode if self.proc is not None and self.proc.returncode is not None else -1
+        # Downtimes are the wall seconds measured; the run's length and the standby hours are on its clock.
+        bill = bill_run(self.costs, self.run.tier_prices(), hours, [i.lost_time_s for i in self.interruptions],
+                        wall_s * self.time_scale)
+        exit_code = self.job.returncode if self.job is not None and self.job.returncode is not None else -1
         if failed:
             message = str(failed.get("reason"))
         elif exit_code > 0:  # the launcher or coordinator stopped before the job ran: its own last word says why
@@ -867,14 +749,14 @@ class Supervisor:
             wall_s=wall_s,
             steps=self.steps_done,
             interruptions=list(self.interruptions),
-            standby_hours=hours,
-            standby_cost_usd=standby_usd,
-            downtime_s=downtime_s,
-            downtime_cost_usd=downtime_s * job_usd_per_s,
-            ettr=max(0.0, 1.0 - downtime_s / scaled_wall) if scaled_wall > 0 else 0.0,
-            restart_downtime_s=restart_s,
-            restart_cost_usd=restart_s * job_usd_per_s,
-            restart_ettr=max(0.0, 1.0 - restart_s / (scaled_wall + restart_s)) if scaled_wall > 0 else 0.0,
+            standby_hours=bill.standby_hours,
+            standby_cost_usd=bill.standby_cost_usd,
+            downtime_s=bill.downtime_s,
+            downtime_cost_usd=bill.downtime_cost_usd,
+            ettr=bill.ettr,
+            restart_downtime_s=bill.restart_downtime_s,
+            restart_cost_usd=bill.restart_cost_usd,
+            restart_ettr=bill.restart_ettr,
             final_digest=fin.get("final_digest") if fin else None,
         )
 
@@ -891,18 +773,8 @@ class Supervisor:
 
     def release(self) -> list[str]:
         """Stop the job if it still runs, then terminate every instance of the job. Safe to call twice."""
-        if self.control is not None:
-            with contextlib.suppress(Exception):
-                self.control.close()
-            self.control = None
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        if self.job is not None:
+            self.job.stop()
         try:
             released = self.provider.release_job(self.run.job_id)
         finally:

@@ -223,7 +223,7 @@ def supervise(
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {run.job_id} ran past max_wall_s={max_wall_s:.0f} s")
         time.sleep(TICK_S)
-    update_progress_artifact(progress, 100.0 if sup.proc and sup.proc.returncode == 0 else max(shown, 0.0) * 100)
+    update_progress_artifact(progress, 100.0 if sup.job and sup.job.returncode == 0 else max(shown, 0.0) * 100)
     return sup.report()
 
 

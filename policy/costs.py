@@ -7,6 +7,8 @@ can see at a glance what a plan was priced with.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -224,3 +226,49 @@ class StandbyCosts(BaseModel):
     def threshold(self, tier: TierName) -> float:
         """c_t * L / C_avoid_t: the failure probability above which one more standby of `tier` pays for itself."""
         return self.tiers[tier].price_usd_per_h * self.lead_time_h / self.avoided_usd(tier)
+
+
+@dataclass(frozen=True, slots=True)
+class RunBill:
+    """What one run's standbys and interruptions cost, beside the same failures under checkpoint-restart."""
+
+    standby_hours: dict[str, float]
+    """Hours held per tier."""
+    standby_cost_usd: float
+    downtime_s: float
+    downtime_cost_usd: float
+    ettr: float
+    """Effective training time ratio: the share of the run's wall time spent training."""
+    restart_downtime_s: float
+    """What the same failures would have cost under checkpoint-restart: one restart each (`restart_downtime_s`)."""
+    restart_cost_usd: float
+    restart_ettr: float
+
+
+def bill_run(
+    costs: StandbyCosts,
+    prices_usd_per_h: Mapping[str, float],
+    standby_hours: Mapping[str, float],
+    downtimes_s: Sequence[float],
+    wall_s: float,
+) -> RunBill:
+    """Price a run: standbys held `standby_hours` per tier at `prices_usd_per_h`, each interruption's downtime at
+    the job's hourly price, over `wall_s` seconds of run (downtime included). Under checkpoint-restart every
+    interruption would have cost `costs.restart_downtime_s` and the run would have been that much longer."""
+    missing = sorted(t for t, h in standby_hours.items() if h > 0 and t not in prices_usd_per_h)
+    if missing:
+        raise ValueError(f"no price for the standby tier(s) {', '.join(missing)} held by the run")
+    usd_per_s = costs.job_price_usd_per_h / 3600.0
+    downtime_s = float(sum(downtimes_s))
+    restart_s = len(downtimes_s) * costs.restart_downtime_s
+    useful_s = max(0.0, wall_s - downtime_s)
+    return RunBill(
+        standby_hours=dict(standby_hours),
+        standby_cost_usd=sum(h * prices_usd_per_h.get(t, 0.0) for t, h in standby_hours.items()),
+        downtime_s=downtime_s,
+        downtime_cost_usd=downtime_s * usd_per_s,
+        ettr=useful_s / wall_s if wall_s > 0 else 0.0,
+        restart_downtime_s=restart_s,
+        restart_cost_usd=restart_s * usd_per_s,
+        restart_ettr=useful_s / (useful_s + restart_s) if wall_s > 0 else 0.0,
+    )

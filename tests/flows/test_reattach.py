@@ -52,7 +52,8 @@ def _abandoned(job_id: str, tmp_path: Path) -> tuple[JobRecord, Supervisor]:
     record = first.job_record()
     assert record is not None and record.launcher_alive()
     assert record.read_secret() not in str(record.to_value()), "the record names the secret's file, never the secret"
-    first.control.close()  # its connection dies with its process; nothing is released
+    assert first.job is not None and first.job.control is not None
+    first.job.control.close()  # its connection dies with its process; nothing is released
     return record, first
 
 

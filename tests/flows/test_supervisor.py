@@ -116,5 +116,5 @@ def test_release_terminates_everything_even_when_the_job_is_still_running(tmp_pa
         time.sleep(0.1)
     released = sup.release()
     assert len(released) == run.workers + run.standby.min_warm
-    assert sup.proc is not None and sup.proc.poll() is not None
+    assert sup.job is not None and sup.job.poll() is not None
     assert not [i for i in cloud.describe(job_id=run.job_id) if i.state != "terminated"]
