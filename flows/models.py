@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from cloud.capacity import Fallbacks
 
 from policy.costs import LEAD_TIME_H, NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
+from runtime.fault_grammar import PLAN_PATTERN as FAULT_PLAN_PATTERN
 
 BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"  # Prefect's block-name slug rule
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,38}[a-z0-9]$")
@@ -107,6 +108,9 @@ class TrainingRun(BaseModel):
         description="Failures to inject: `;`-separated `ACTION:key=value,...` items, e.g. 'kill:rank=1,step=8' "
         "(SIGKILL rank 1 at step 8). The grammar is runtime/faults.py's; its parser checks the plan before anything "
         "launches.",
+        # In the schema only, so the API and the form refuse a malformed plan before a run exists; the model's own
+        # check is the parser's, whose message says what is wrong.
+        json_schema_extra={"pattern": FAULT_PLAN_PATTERN},
     )
 
     hosts: Literal["orchestrator", "processes", "namespaces"] = Field(

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime.fault_grammar import ACTION_NAMES, PHASES
 from runtime.protocol import FaultFired
 from runtime.store import Records, k_fault
 
@@ -33,12 +34,9 @@ Phase = Literal[
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
     "standby_wait",
 ]
-PHASES: tuple[str, ...] = (
-    "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
-    "standby_wait",
-)
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None, "corrupt": None,
            "host": None}
+assert tuple(ACTIONS) == ACTION_NAMES, "runtime/fault_grammar.py lists the same actions"
 
 
 class FaultPlanError(ValueError):
@@ -72,6 +70,8 @@ def parse_plan(spec: str) -> list[Fault]:
             key, sep, value = pair.partition("=")
             if not sep:
                 raise FaultPlanError(f"fault {item!r}: expected key=value, got {pair!r}")
+            if key.strip() in fields:
+                raise FaultPlanError(f"fault {item!r}: {key.strip()} is given twice; keep one")
             fields[key.strip()] = value.strip()
         phase = fields.pop("phase", "before_exchange")
         if phase not in PHASES:

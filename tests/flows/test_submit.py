@@ -1,9 +1,9 @@
 """Bad parameters of `resilient-training` are refused before anything is provisioned, on Prefect's real engine.
 
 Two gates, as a user meets them: the API (and the UI form, which validates with the same schema) refuses what the
-parameter schema can say (limits, choices) before a flow run exists; what needs code (the faults plan, checked by
-the runtime's own parser; cross-field mistakes; a drill that would do nothing) is refused as the run starts, with
-one message and no `provision` task.
+parameter schema can say (limits, choices, the faults plan's grammar) before a flow run exists; what needs code
+(the faults plan's cross-checks, by the runtime's own parser; cross-field mistakes; a drill that would do nothing)
+is refused as the run starts, with one message and no `provision` task.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def deployment_id() -> UUID:
         ({"policy_every_s": 0.01}, "policy_every_s"),
         ({"drill": "sometimes"}, "drill"),
         ({"run": {**GOOD_RUN, "workers": 0}}, "run.workers"),
+        ({"run": {**GOOD_RUN, "faults": "explode:rank=1"}}, "run.faults"),  # the plan's grammar is in the schema
+        ({"run": {**GOOD_RUN, "faults": "kill:rank=one"}}, "run.faults"),
     ],
 )
 def test_the_api_refuses_what_the_schema_can_say_before_a_flow_run_exists(
