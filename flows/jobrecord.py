@@ -48,6 +48,8 @@ class JobRecord:
     azure_resource_group: str | None = None
     credentials_block: str | None = None
     on_instances: bool = False
+    owner_lease: str | None = None
+    """The id of the lease by which the supervising flow run owns the job (flows.ownership)."""
     supervised_at: float = 0.0
     version: int = RECORD_VERSION
 

@@ -129,6 +129,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         owner: str | None = None,
         hosts: JobHosts | None = None,
+        owner_lease: str | None = None,
     ) -> None:
         self.run = run
         self.hosts = hosts
@@ -145,6 +146,8 @@ class Supervisor:
         """Throughput and standbys over time, for the run's plot (flows.timeline)."""
         self._fallback_notes: list[str] = []  # launches that needed a capacity fallback, announced at the next tick
         self.owner = owner
+        self.owner_lease = owner_lease
+        """The lease by which the owner holds the job (flows.ownership), kept in the job's record."""
         self.provider = provider
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -332,7 +335,8 @@ class Supervisor:
             launcher_pid=job.pid, store_host=job.host, store_port=job.port,
             secret_file=str(self.secret_file), events=str(self.events_path), provider=run.provider, region=run.region,
             azure_subscription_id=run.azure_subscription_id, azure_resource_group=run.azure_resource_group,
-            credentials_block=credentials_block, on_instances=run.on_instances, supervised_at=time.time(),
+            credentials_block=credentials_block, on_instances=run.on_instances, owner_lease=self.owner_lease,
+            supervised_at=time.time(),
         )
 
     def attach(self, record: JobRecord) -> list[Happening]:

@@ -378,7 +378,7 @@ def resilient_training(
     options = provider_options(credentials, run.region) if credentials is not None else {}
     del credentials
     flow_run_id = current_flow_run_id()
-    with owning(run.job_id, flow_run_id):  # a second run of a running job is refused here, before any launch
+    with owning(run.job_id, flow_run_id) as lease:  # a second run of a live job is refused here, before any launch
         provider = make_provider(run, options)  # a provider the cloud refuses is refused before anything is made
         notices = notice_wiring(run, provider, options)  # AWS: the job's EventBridge rules and SQS queue
         progress = create_progress_artifact(0.0, key=f"{run.job_id}-progress", description="Training steps committed")
@@ -401,6 +401,7 @@ def resilient_training(
             time_scale=time_scale,
             owner=str(flow_run_id),
             hosts=hosts,
+            owner_lease=str(lease),
         )
         chaos = FailureDrill() if drill else None
         ending: Ending | None = None

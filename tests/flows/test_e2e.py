@@ -4,18 +4,26 @@ from prefect.yaml, a run triggered with parameters, then what the user reads bac
 The run is a small local job on three "instances", each a host of its own (a network namespace running `trainmover
 agent`; the coordinator runs in the flow), and rank 1's host dies whole at step 40 (no drill): the flow must
 complete bit for bit, with one interruption covered by the warm standby's host and the lost instance replaced.
+Then the production cases: a second run of a running job is refused; the flow-run process is SIGKILLed and the job
+trains on; a new run of the job takes it over (re-attaches), and cancelling that run stops the job and reports; a
+malformed faults plan is refused before a run exists; prefect.yaml's example automation, resumed, orders a re-tune
+when five standbys are promoted; the UI renders the run, its interruption table, its training plot and the run form.
 The fast tests need no server: prefect.yaml's parameters (also those of its commented cloud variants) are valid,
 and bad parameters are refused before anything launches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,7 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFil
 from prefect.exceptions import ParameterTypeError
 from prefect.flows import Flow, load_flow_from_entrypoint
 
+from flows import jobrecord
 from flows.models import TrainingRun
 from tests.flows.prefect_server import POOL, ROOT, PrefectStack, chromium, chromium_or_fail, poll
 from tests.runtime.conftest import clean_digest
@@ -172,6 +181,7 @@ def e2e_run(stack: PrefectStack) -> Iterator[FlowRun]:
     [
         ({**E2E_PARAMS["run"], "workers": -1}, "Validation failed for field 'run.workers'"),
         ({**E2E_PARAMS["run"], "provider": "gcp"}, "Validation failed for field 'run.provider'"),
+        ({**E2E_PARAMS["run"], "faults": "explode:rank=1"}, "Validation failed for field 'run.faults'"),
     ],
 )
 def test_a_deployment_run_with_bad_parameters_is_refused_and_nothing_runs(
@@ -275,7 +285,18 @@ def test_the_ui_shows_the_flow_run_and_its_interruption_table(
     table = page_text(chromium(artifact_page, tmp_path))
     assert "lost_time_s" in table and "lost (its agent" in table and e2e_run.name in table, table[:3000]
 
-    for name, url in (("e2e-flow-run.png", run_page), ("e2e-interruptions.png", artifact_page)):
+    # The training plot's artifact renders the image; the deployment's run form shows the job's fields with help.
+    (plot,) = stack.api("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [f"{JOB}-timeline"]}}})
+    plot_page = f"{stack.url}/artifacts/artifact/{plot['id']}"
+    assert "data:image/png;base64" in chromium(plot_page, tmp_path)
+    (deployment,) = stack.api("POST", "/deployments/filter", {"deployments": {"name": {"any_": [LOCAL_DEPLOYMENT]}}})
+    form_page = f"{stack.url}/deployments/deployment/{deployment['id']}/run"
+    form = page_text(chromium(form_page, tmp_path))
+    assert "Data-parallel workers" in form and "Failures to inject" in form, form[:3000]
+
+    shots = {"e2e-flow-run.png": run_page, "e2e-interruptions.png": artifact_page, "e2e-timeline.png": plot_page,
+             "e2e-run-form.png": form_page}
+    for name, url in shots.items():
         png = tmp_path / name
         chromium(url, tmp_path, screenshot=png)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000, png
@@ -297,39 +318,149 @@ def _job_processes(job_id: str) -> list[int]:
     return pids
 
 
+def _flow_run_process(flow_run_id: str) -> int:
+    """The pid of the flow run's own process: the topmost process whose environment names the flow run, other than
+    the job's launcher (which inherits that environment in a session of its own, its parent gone once killed)."""
+    marked = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if flow_run_id.encode() in (entry / "environ").read_bytes():
+                    marked.add(int(entry.name))
+            except OSError:
+                continue
+    tops = []
+    for pid in marked:
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        try:
+            launcher = b"trainmover.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid not in marked and not launcher:
+            tops.append(pid)
+    assert len(tops) == 1, f"flow run {flow_run_id}: processes {sorted(marked)}, topmost {tops}"
+    return tops[0]
+
+
+def _state(client: Any, flow_run_id: str) -> Any:
+    return client.read_flow_run(uuid.UUID(flow_run_id)).state
+
+
+def _final(client: Any, flow_run_id: str) -> FlowRun | None:
+    fr = client.read_flow_run(uuid.UUID(flow_run_id))
+    return fr if fr.state is not None and fr.state.is_final() else None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_a_cancelled_run_stops_its_job_and_releases_every_instance(stack: PrefectStack) -> None:
-    job = "e2e-cancel"
-    params = {**E2E_PARAMS, "run": {**E2E_PARAMS["run"], "job_id": job, "steps": 1_000_000, "faults": None},
-              "max_wall_s": 600.0}
-    flow_run_id, out = trigger(stack, params)
-    assert flow_run_id, out
+def test_a_killed_flow_run_leaves_its_job_training_and_the_next_run_of_the_job_takes_it_over(
+    stack: PrefectStack,
+) -> None:
+    """The issue's production case: a duplicate run of a running job is refused; the flow-run process is SIGKILLed
+    (an OOM kill): the job trains on; a new run of the job re-attaches to it, and cancelling that run stops the job
+    and reports."""
+    job = "e2e-kill"
+    params = {**E2E_PARAMS, "run": {**E2E_PARAMS["run"], "job_id": job, "steps": 1_000_000, "faults": None,
+                                     "hosts": "orchestrator"}, "max_wall_s": 600.0}
+    first, out = trigger(stack, params)
+    assert first, out
+    try:
+        _kill_and_take_over(stack, params, job, first)
+    finally:
+        for pid in _job_processes(job):  # a failed check leaves no job training behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL) if os.getsid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        with stack.settings():
+            jobrecord.forget(job)
+
+
+def _kill_and_take_over(stack: PrefectStack, params: dict[str, Any], job: str, first: str) -> None:
     with stack.settings(), get_client(sync_client=True) as client:
-        poll("the job to start", lambda: True if f"job {job} started" in flow_run_logs(flow_run_id) else None,
+        poll("the job to start", lambda: True if f"job {job} started" in flow_run_logs(first) else None,
              RUN_TIMEOUT_S, every_s=1.0)
-        assert _job_processes(job), "the job's launcher should be running"
-        stack.cli("flow-run", "cancel", flow_run_id)
+        record = poll("the job's record", lambda: jobrecord.read(job), 30.0)
+        assert record.flow_run_id == first and record.owner_lease
 
-        def final() -> FlowRun | None:
-            fr = client.read_flow_run(uuid.UUID(flow_run_id))
-            return fr if fr.state is not None and fr.state.is_final() else None
+        # Pressing "Run" twice: refused before it launches anything; the first run's job goes on.
+        second, out = trigger(stack, params)
+        assert second, out
+        done = poll("the duplicate run to end", lambda: _final(client, second), 120.0, every_s=1.0)
+        assert done.state is not None and done.state.is_failed(), done.state
+        assert "is already running under another flow run" in flow_run_logs(second)
+        assert record.launcher_alive() and _state(client, first).is_running()
 
-        fr = poll("the cancelled run to end", final, 120.0, every_s=1.0)
+        # The flow-run process is killed outright: the worker marks the run Crashed; the job trains on.
+        os.kill(_flow_run_process(first), signal.SIGKILL)
+        crashed = poll("the killed run to be marked", lambda: _final(client, first), 60.0, every_s=0.5)
+        assert crashed.state is not None and crashed.state.is_crashed(), crashed.state
+        assert record.launcher_alive(), "the job must outlive the flow run that started it"
+
+        # A new run of the job takes it over (the dead run's hold released) and supervises the same launcher.
+        third, out = trigger(stack, params)
+        assert third, out
+        poll("the new run to re-attach", lambda: True if f"re-attached to job {job}" in flow_run_logs(third) else None,
+             RUN_TIMEOUT_S, every_s=1.0)
+        assert f"launcher pid {record.launcher_pid}" in flow_run_logs(third)
+        renewed = poll("the new run's record", lambda: r if (r := jobrecord.read(job)) and r.flow_run_id == third
+                       else None, 60.0)
+        assert renewed.launcher_pid == record.launcher_pid and renewed.owner_lease != record.owner_lease
+
+        # Cancelling it stops the job and still reports what ran, saying it was cancelled.
+        stack.cli("flow-run", "cancel", third)
+        fr = poll("the cancelled run to end", lambda: _final(client, third), 120.0, every_s=1.0)
         assert fr.state is not None and fr.state.is_cancelled(), fr.state
-        poll("the release line", lambda: True if f"of job {job}" in flow_run_logs(flow_run_id) else None, 60.0)
-        assert "released 3 instance(s)" in flow_run_logs(flow_run_id)
-
-        # A cancelled run still reports what ran until then, and says it was cancelled.
         of_run = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
         artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=of_run)}
         report = str(artifacts[f"{job}-cost-report"].data) if f"{job}-cost-report" in artifacts else ""
         assert "**The run was cancelled** after" in report, (sorted(artifacts), report)
-        cancelled = EventFilter(
-            event=EventNameFilter(name=["trainmover.job.cancelled"]),
-            related=EventRelatedFilter(id=[f"prefect.flow-run.{fr.id}"]),
-        )
-        event = poll("the trainmover.job.cancelled event",
-                     lambda: next(iter(client.read_events(filter=cancelled, limit=5).events), None), 30.0)
-        assert event.resource["trainmover.job"] == job and event.payload["reason"], event
+        mine = EventRelatedFilter(id=[f"prefect.flow-run.{fr.id}"])
+        names = ["trainmover.job.cancelled", "trainmover.job.reattached"]
+
+        def events() -> dict[str, Any] | None:
+            found = client.read_events(filter=EventFilter(event=EventNameFilter(name=names), related=mine), limit=10)
+            by_name = {e.event: e for e in found.events}
+            return by_name if set(by_name) == set(names) else None
+
+        seen = poll("the run's re-attached and cancelled events", events, 30.0)
+        assert seen["trainmover.job.cancelled"].resource["trainmover.job"] == job
+        assert seen["trainmover.job.reattached"].payload["previous_flow_run"] == first
+        assert jobrecord.read(job) is None, "a released job leaves no record"
     poll("the job's processes to exit", lambda: True if not _job_processes(job) else None, 60.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_example_automation_runs_the_retune_deployment_when_standbys_are_promoted_often(
+    stack: PrefectStack,
+) -> None:
+    """prefect.yaml's trigger, deployed disabled, resumed as a user would; five promotions arrive as events."""
+    name = "trainmover-retune-on-frequent-promotions"
+    automations = stack.api("POST", "/automations/filter", {"automations": {"name": {"any_": [name]}}})
+    assert len(automations) == 1 and automations[0]["enabled"] is False, automations
+    (deployment,) = stack.api("POST", "/deployments/filter", {"deployments": {"name": {"any_": ["weekly-retune"]}}})
+    before = {r["id"] for r in stack.api("POST", "/flow_runs/filter",
+                                         {"deployments": {"id": {"any_": [deployment["id"]]}}})}
+    stack.cli("automation", "resume", name)
+    try:
+        now = datetime.now(UTC).isoformat()
+        stack.api("POST", "/events", [
+            {"id": str(uuid.uuid4()), "occurred": now, "event": "trainmover.standby.promoted",
+             "resource": {"prefect.resource.id": f"trainmover.rank.{rank}", "trainmover.job": "automation-check"},
+             "payload": {"rank": rank}}
+            for rank in range(5)
+        ])
+
+        def started() -> list[dict[str, Any]] | None:
+            runs = stack.api("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}})
+            new = [r for r in runs if r["id"] not in before]
+            return new or None
+
+        (run,) = poll("the automation's flow run of weekly-retune", started, 60.0, every_s=0.5)
+    finally:
+        stack.cli("automation", "pause", name)
+    stack.cli("flow-run", "cancel", run["id"], check=False)  # the check is that it was ordered; no re-tune here
+    with stack.settings(), get_client(sync_client=True) as client:
+        poll("the re-tune run to end", lambda: _final(client, run["id"]), 120.0, every_s=1.0)

@@ -1,0 +1,81 @@
+"""One owner per job, against the session's real Prefect server: a live owner keeps its job; an owner that is over
+(its process was SIGKILLed: the worker marked it Crashed) is relieved of it by the next run of the job."""
+
+from __future__ import annotations
+
+import uuid
+from uuid import UUID
+
+import pytest
+from prefect import flow, get_client
+from prefect.states import Crashed, Running
+
+from flows import jobrecord
+from flows.jobrecord import JobRecord
+from flows.ownership import JobAlreadyRunning, _ensure_limit, _take, owning
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@flow(name="ownership-probe")
+def _probe() -> None:
+    """Only a flow for the flow runs below to belong to."""
+
+
+def _flow_run(state: str) -> UUID:
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name(_probe.name)
+        fr = client.create_flow_run(_probe, name=f"owner-{uuid.uuid4().hex[:6]}")
+        assert fr.flow_id == flow_id
+        client.set_flow_run_state(fr.id, Running(), force=True)
+        if state == "crashed":
+            client.set_flow_run_state(fr.id, Crashed(message="the flow-run process was SIGKILLed"), force=True)
+        return fr.id
+
+
+def _held_by(job_id: str, owner: UUID) -> UUID:
+    """`owner` takes the job's slot and records it, as a run does once its job started; then it stops renewing."""
+    _ensure_limit(job_id)
+    lease = _take(job_id, owner)
+    jobrecord.publish(JobRecord(job_id=job_id, flow_run_id=str(owner), host="elsewhere", workdir="/nonexistent",
+                                launcher_pid=1, store_host="127.0.0.1", store_port=1, secret_file="/nonexistent",
+                                events="/nonexistent", provider="local", owner_lease=str(lease)))
+    return lease
+
+
+def test_a_live_owner_keeps_its_job() -> None:
+    job = "owned-live"
+    owner = _flow_run("running")
+    _held_by(job, owner)
+    try:
+        with pytest.raises(JobAlreadyRunning, match="is already running under another flow run"), \
+                owning(job, _flow_run("running")):
+            pass
+    finally:
+        jobrecord.forget(job)
+
+
+def test_an_owner_that_crashed_is_relieved_and_the_job_then_has_one_owner_again() -> None:
+    job = "owned-crashed"
+    dead = _flow_run("crashed")
+    _held_by(job, dead)
+    me = _flow_run("running")
+    try:
+        with owning(job, me) as lease:
+            assert isinstance(lease, UUID)
+            # Taken over: a third run is refused while this one holds it.
+            with pytest.raises(JobAlreadyRunning), owning(job, _flow_run("running")):
+                pass
+        with owning(job, _flow_run("running")):  # given back at the end of the block
+            pass
+    finally:
+        jobrecord.forget(job)
+
+
+def test_without_a_recorded_lease_a_crashed_owner_holds_the_job_until_its_lease_lapses() -> None:
+    job = "owned-unrecorded"
+    dead = _flow_run("crashed")
+    _ensure_limit(job)
+    _take(job, dead)  # killed before its job started: no record names the lease
+    with pytest.raises(JobAlreadyRunning, match=r"holds the job for up to 300 s"), owning(job, _flow_run("running")):
+        pass
