@@ -28,7 +28,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ from flows.hosts import JobHosts
 from flows.jobrecord import JobRecord, write_secret
 from flows.models import TrainingRun
 from flows.timeline import Timeline
-from policy.costs import TierName, bill_run
+from policy.costs import RunBill, TierName, bill_run
 from policy.decision import FleetState, decide_standby
 from policy.online import NodeScore, OnlineScorer
 from policy.telemetry import TelemetrySample
@@ -88,22 +88,16 @@ class Interruption:
 
 
 @dataclass(frozen=True, slots=True)
-class RunReport:
+class RunReport(RunBill):
+    """A run's end: its bill (policy.costs.RunBill: standbys, downtime, ETTR, beside checkpoint-restart) and what
+    the job did."""
+
     job_id: str
     exit_code: int
     message: str
     wall_s: float
     steps: int
     interruptions: list[Interruption]
-    standby_hours: dict[str, float]
-    standby_cost_usd: float
-    downtime_s: float
-    downtime_cost_usd: float
-    ettr: float
-    restart_downtime_s: float
-    """What the same failures would have cost under checkpoint-restart: one restart each."""
-    restart_cost_usd: float
-    restart_ettr: float
     final_digest: str | None
 
 
@@ -688,12 +682,7 @@ class Supervisor:
             ))
         elif change.retarget:
             self.warm = [i for i in self.warm if i not in change.release_warm]
-            self._terminate(change.release_warm)
-            out.append(Happening(
-                f"{EVENT_PREFIX}.standby.released", job,
-                f"released {len(change.release_warm)} warm standby(s): the risk no longer pays for them",
-                {"warm": warm, "instances": list(change.release_warm)},
-            ))
+            out.append(self._release("warm", change.release_warm, {"warm": warm}))
         if change.park:
             try:
                 new = [i.instance_id for i in self._launch("standby", change.park)]
@@ -705,13 +694,14 @@ class Supervisor:
                 log.warning("could not park a standby: %s", exc)
         if change.release_parked:
             self.parked = [i for i in self.parked if i not in change.release_parked]
-            self._terminate(change.release_parked)
-            out.append(Happening(
-                f"{EVENT_PREFIX}.standby.released", job,
-                f"released {len(change.release_parked)} parked standby(s): the risk no longer pays for them",
-                {"stopped": change.stopped_target, "instances": list(change.release_parked)},
-            ))
+            out.append(self._release("parked", change.release_parked, {"stopped": change.stopped_target}))
         return out
+
+    def _release(self, kind: str, instances: tuple[str, ...], payload: dict[str, Any]) -> Happening:
+        self._terminate(instances)
+        return Happening(f"{EVENT_PREFIX}.standby.released", f"{EVENT_PREFIX}.job.{self.run.job_id}",
+                         f"released {len(instances)} {kind} standby(s): the risk no longer pays for them",
+                         {**payload, "instances": list(instances)})
 
     def _terminate(self, instances: tuple[str, ...] | list[str]) -> None:
         try:
@@ -747,20 +737,13 @@ class Supervisor:
         else:
             message = "finished"
         return RunReport(
+            **{f.name: getattr(bill, f.name) for f in fields(RunBill)},
             job_id=self.run.job_id,
             exit_code=exit_code,
             message=message,
             wall_s=wall_s,
             steps=self.steps_done,
             interruptions=list(self.interruptions),
-            standby_hours=bill.standby_hours,
-            standby_cost_usd=bill.standby_cost_usd,
-            downtime_s=bill.downtime_s,
-            downtime_cost_usd=bill.downtime_cost_usd,
-            ettr=bill.ettr,
-            restart_downtime_s=bill.restart_downtime_s,
-            restart_cost_usd=bill.restart_cost_usd,
-            restart_ettr=bill.restart_ettr,
             final_digest=fin.get("final_digest") if fin else None,
         )
 

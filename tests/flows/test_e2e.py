@@ -296,10 +296,13 @@ def test_the_ui_shows_the_flow_run_and_its_interruption_table(
 
     shots = {"e2e-flow-run.png": run_page, "e2e-interruptions.png": artifact_page, "e2e-timeline.png": plot_page,
              "e2e-run-form.png": form_page}
+    keep = os.environ.get("TRAINMOVER_UI_SHOTS")  # a folder to keep them in (docs/figures holds the last ones)
     for name, url in shots.items():
         png = tmp_path / name
         chromium(url, tmp_path, screenshot=png)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000, png
+        if keep:
+            Path(keep, name).write_bytes(png.read_bytes())
     stack.timings["browser_s"] = time.monotonic() - t0
 
 
