@@ -9,9 +9,11 @@ Gloo on CPU; NCCL on GPU with non-blocking communicators that can be aborted.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -19,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("trainmover.runtime")
+
+STALE_GRACE_S = 1.0
+"""How long a Gloo collective may go on after a newer generation formed before it is abandoned (`Communicator.wait`)."""
+WAIT_SLICE = datetime.timedelta(seconds=0.25)
 
 
 class CommFailure(RuntimeError):
@@ -34,13 +40,21 @@ def error_text(exc: BaseException) -> str:
 class Communicator:
     """Owns this process's membership in one generation's process group."""
 
-    def __init__(self, backend: str, store: dist.Store, timeout_s: float, device: torch.device) -> None:
+    def __init__(self, backend: str, store: dist.Store, timeout_s: float, device: torch.device,
+                 newest_gen: Callable[[], int] | None = None) -> None:
+        """`newest_gen()`: the newest generation this process has seen (its heartbeat's), read while a Gloo
+        collective waits (`wait`)."""
         self.backend = backend
         self.store = store
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
+        self.newest_gen = newest_gen
         self.gen: int | None = None
         self.last_teardown_s = 0.0
+        self._stuck: list[object] = []
+        """Work abandoned in the current group (`wait`): the group must not be destroyed while it runs."""
+        self.abandoned = 0
+        """Collectives abandoned so far (each one a group left to its stuck thread)."""
 
     def build(self, gen: int, rank: int, world_size: int, connect_timeout_s: float = 30.0) -> None:
         """Join generation `gen`'s group. Connecting is bounded by `connect_timeout_s` (a member that dies
@@ -94,6 +108,43 @@ class Communicator:
             with contextlib.suppress(Exception):
                 abort()
 
+    def wait(self, works: list[dist.Work]) -> str | None:
+        """Wait for `works`; None when done. A lost peer's error is raised as usual.
+
+        Gloo, only: a collective can stay blocked after its peer died (a receive posted after the peer's
+        connection failed waits for the whole collective timeout, ten minutes, with no socket left to fail on),
+        and the survivor, still heartbeating, would hold the next generation up all that time. So Gloo work is
+        waited for in slices, and abandoned once a newer generation has been seen for `STALE_GRACE_S`: the
+        message returned says so, the step was not committed, and the member recovers into the new generation
+        from its last committed state, as after any lost peer. The abandoned work's group is never destroyed
+        (`teardown`), since destroying it would wait for the stuck thread."""
+        if self.backend != "gloo" or self.newest_gen is None:
+            for work in works:
+                work.wait()
+            return None
+        newer_since: float | None = None
+        for work in works:
+            while True:
+                try:
+                    work.wait(WAIT_SLICE)
+                    break
+                except RuntimeError:
+                    if work.is_completed():
+                        raise  # it failed: the usual lost peer
+                assert self.gen is not None
+                if self.newest_gen() <= self.gen:
+                    newer_since = None
+                    continue  # a slow step, nothing newer: keep waiting (the collective timeout still holds)
+                newer_since = time.monotonic() if newer_since is None else newer_since
+                if time.monotonic() - newer_since >= STALE_GRACE_S:
+                    self._stuck = list(works)
+                    self.abandoned += 1
+                    message = (f"a collective of generation {self.gen} was still waiting {STALE_GRACE_S:.0f} s after "
+                               f"generation {self.newest_gen()} formed: abandoned")
+                    sys.stderr.write(f"[trainmover] {message}\n")
+                    return message
+        return None
+
     def teardown(self) -> None:
         """Leave the current group. Safe to call when a peer is gone or when there is no group.
 
@@ -106,6 +157,12 @@ class Communicator:
             self.gen = None
             return
         t0 = time.perf_counter()
+        if self._stuck:
+            # A thread of this group is blocked in abandoned work (`wait`): destroying the group would join it
+            # (minutes). Keep the group and its work alive for good instead; the thread ends at its own timeout.
+            for obj in (dist.distributed_c10d._get_default_group(), *self._stuck):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+            self._stuck = []
         gc.collect(0)
         if self.backend == "nccl":
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -131,7 +188,9 @@ class Communicator:
         try:
             for members in groups.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in members])
-                dist.broadcast(flat, src=0)
+                failure = self.wait([dist.broadcast(flat, src=0, async_op=True)])
+                if failure is not None:
+                    break
                 offset = 0
                 for t in members:
                     t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -147,7 +206,7 @@ class Communicator:
         out = [torch.zeros_like(mine) for _ in range(world_size)]
         failure: str | None = None
         try:
-            dist.all_gather(out, mine)
+            failure = self.wait([dist.all_gather(out, mine, async_op=True)])
         except RuntimeError as exc:
             failure = error_text(exc)
         if failure is not None:
@@ -159,7 +218,7 @@ class Communicator:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         failure: str | None = None
         try:
-            dist.all_reduce(t)
+            failure = self.wait([dist.all_reduce(t, async_op=True)])
         except RuntimeError as exc:
             failure = error_text(exc)
         if failure is not None:
@@ -211,16 +270,22 @@ class GradientBuckets:
         for flat in self.flats:
             flat.zero_()
 
-    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], object] | None = None) -> None:
-        """Sum every bucket over the group, then divide: the same bits on every rank, every time."""
+    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], object] | None = None,
+                        wait: Callable[[list[dist.Work]], str | None] | None = None) -> None:
+        """Sum every bucket over the group, then divide: the same bits on every rank, every time.
+
+        `wait(works)` (the group's `Communicator.wait`) waits for the exchange; a message it returns fails it."""
         self.attach()  # backward may have produced a fresh tensor if user code dropped our view
         failure: str | None = None
         try:
             works = [dist.all_reduce(flat, async_op=True) for flat in self.flats]
             if on_issued is not None:
                 on_issued()
-            for work in works:
-                work.wait()
+            if wait is not None:
+                failure = wait(works)
+            else:
+                for work in works:
+                    work.wait()
             del works
         except RuntimeError as exc:  # Gloo/NCCL report a lost peer as a plain RuntimeError/DistBackendError
             failure = error_text(exc)

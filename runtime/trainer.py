@@ -203,7 +203,8 @@ class Trainer:
         self._buffer_snapshot: list[torch.Tensor] = [torch.empty_like(b) for b in self._buffers]
         self._snapshot_step = 0
         cfg = self.job.cfg
-        self.comm = Communicator(cfg.backend, self.job.store, cfg.collective_timeout_s, device)
+        self.comm = Communicator(cfg.backend, self.job.store, cfg.collective_timeout_s, device,
+                                 newest_gen=lambda: self.job.heartbeat.latest_gen)
         self.gen: int | None = None
         self.rank: int | None = None
         self.world_size = 0
@@ -298,6 +299,7 @@ class Trainer:
             self.buckets.all_reduce_mean(
                 self.world_size,
                 on_issued=lambda: faults.at("exchange", step=step, rank=self.rank, gen=self.gen),
+                wait=self.comm.wait,
             )
             if self.broadcast_buffers and self._buffers:
                 self.comm.broadcast_from_rank0(self._buffers)

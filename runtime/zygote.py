@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
-REQUEST_TIMEOUT_S = 3.0
+REQUEST_TIMEOUT_S = 5.0
 
 
 def become_subreaper(on: bool = True) -> bool:
@@ -106,6 +106,8 @@ class ZygoteClient:
         self.proc: subprocess.Popen[bytes] | None = None
         self._ready = False
         self._buffer = b""
+        self.forked: set[int] = set()
+        """Pids of the processes it forked for us, as it answered them."""
         if not become_subreaper():
             return
         ours, theirs = socket.socketpair()
@@ -139,16 +141,22 @@ class ZygoteClient:
         return self._ready
 
     def spawn(self, env: dict[str, str], argv: list[str]) -> int | None:
-        """The pid of a new process running `argv` with `env`, or None (the caller starts it another way)."""
+        """The pid of a new process running `argv` with `env`, or None (the caller starts it another way).
+
+        None is only ever returned with no process left from the request: a zygote that answers late (a fork of a
+        big process on a loaded machine) may already have forked it, and a second process under the same name,
+        started by the caller, would take the same role in the job. So a zygote given up on is stopped with every
+        process it forked that this process was not told about (`stop`)."""
         if not self.ready() or self.sock is None:
             return None
         try:
             self.sock.sendall(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
-            line = self._read_line(REQUEST_TIMEOUT_S)
-            return int(line)
+            pid = int(self._read_line(REQUEST_TIMEOUT_S))
         except (OSError, ValueError, TimeoutError):
-            self.stop()  # dead, hung or confused: never ask it again
+            self.stop()  # dead, hung or confused: never ask it again (and no stray fork of it is left)
             return None
+        self.forked.add(pid)
+        return pid
 
     def _read_line(self, timeout_s: float) -> str:
         assert self.sock is not None
@@ -170,16 +178,58 @@ class ZygoteClient:
         become_subreaper(False)
 
     def stop(self) -> None:
+        """Kill the zygote, its forks in progress, and any process it forked whose pid it never answered."""
         self._ready = False
         if self.sock is not None:
             self.sock.close()
             self.sock = None
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+            group = self.proc.pid  # a session (and group) of its own: its middle processes are in it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5.0)
             self.proc = None
+            # A middle process that dies hands its training process to us (the subreaper): wait for the group to
+            # be gone, then kill every adopted fork of the zygote that was never answered (an unanswered request).
+            deadline = time.monotonic() + 5.0
+            while _group_members(group) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for pid in forks_adopted_by(os.getpid()) - self.forked:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+
+
+def _stat_fields(pid: str) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+
+
+def _group_members(group: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = _stat_fields(entry)
+                if int(fields[2]) == group and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
+
+
+def forks_adopted_by(parent: int) -> set[int]:
+    """Children of `parent` that a zygote forked (their command line is the zygote's)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int(_stat_fields(entry)[1]) != parent:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"runtime.zygote" in f.read():
+                        found.add(int(entry))
+    return found
 
 
 # -- the zygote process ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from cloud.local_hosts import NamespaceHosts, namespaces_unavailable
 from flows.hosts import job_hosts
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor
+from tests.diagnostics import explained
 from tests.runtime.conftest import TINY_JOB, clean_digest
 
 pytestmark = pytest.mark.slow
@@ -29,10 +30,11 @@ def supervise(sup: Supervisor, timeout_s: float) -> list[Happening]:
     seen: list[Happening] = []
     deadline = time.monotonic() + timeout_s
     sup.start(TINY_JOB)
-    while not sup.done():
-        assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
-        seen += sup.tick()
-        time.sleep(0.1)  # the flow's tick pace
+    with explained(sup.events_path, sup.workdir / "job.log"):
+        while not sup.done():
+            assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
+            seen += sup.tick()
+            time.sleep(0.1)  # the flow's tick pace
     return seen
 
 

@@ -17,6 +17,7 @@ from cloud.local import LocalProvider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor
+from tests.diagnostics import explained
 
 SCRIPT = Path(examples.train_mlp.__file__)
 pytestmark = pytest.mark.slow
@@ -26,14 +27,15 @@ def supervise(sup: Supervisor, drill: FailureDrill | None, timeout_s: float) -> 
     seen: list[Happening] = []
     deadline = time.monotonic() + timeout_s
     sup.start(SCRIPT)
-    while not sup.done():
-        assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
-        n = len(sup.events)
-        hs = sup.tick()
-        if drill is not None:
-            hs += drill.observe(hs, sup.events[n:])
-        seen += hs
-        time.sleep(0.1)
+    with explained(sup.events_path, sup.workdir / "job.log"):
+        while not sup.done():
+            assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
+            n = len(sup.events)
+            hs = sup.tick()
+            if drill is not None:
+                hs += drill.observe(hs, sup.events[n:])
+            seen += hs
+            time.sleep(0.1)
     return seen
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from runtime.auth import new_token
 from runtime.coordinator import JobResult
 from runtime.hosts import HostPool, HostTiming
 from runtime.launcher import LaunchConfig, launch
+from tests.diagnostics import explained
 
 FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
 """Host timing for in-process agent tests: a silent host is lost in half a second."""
@@ -41,11 +43,14 @@ def run_job(*, nproc: int = 2, standby: int = 1, steps: int = 20, faults: str = 
     plans for (otherwise which standby is ready first is a race between process start-ups).
     """
     settings = {"wait_for_standbys": True, "recovery_timeout_s": 60.0, **settings}
-    cfg = LaunchConfig(
-        script=str(script), args=("--steps", str(steps), *script_args), nproc=nproc, standby=standby,
-        faults=faults, num_threads=1, quiet=True, **settings,
-    )
-    return launch(cfg)
+    with tempfile.TemporaryDirectory(prefix="tm-job-") as tmp:
+        settings.setdefault("events_path", str(Path(tmp) / "events.jsonl"))
+        cfg = LaunchConfig(
+            script=str(script), args=("--steps", str(steps), *script_args), nproc=nproc, standby=standby,
+            faults=faults, num_threads=1, quiet=True, **settings,
+        )
+        with explained(Path(cfg.events_path or "")):
+            return launch(cfg)
 
 
 def events_of(result: JobResult, kind: str) -> list[dict[str, Any]]:

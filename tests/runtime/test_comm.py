@@ -60,3 +60,102 @@ def test_a_member_whose_last_build_failed_joins_the_next_generation_with_a_newco
                 p.kill()
     # Both sum 1 + 2: the survivor of the failed build and the newcomer built the same group.
     assert results == {0: 3.0, 1: 3.0}
+
+
+def _stuck_member(rank: int, port: int, out: Any) -> None:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from runtime.comm import Communicator
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    newest = [1]
+    comm = Communicator("gloo", store, timeout_s=60.0, device=torch.device("cpu"), newest_gen=lambda: newest[0])
+    comm.build(1, rank=rank, world_size=2, connect_timeout_s=30.0)
+    if rank == 1:  # alive and connected, but never joins the collective: rank 0's receive waits on a live socket
+        store.wait(["rank0-done"], datetime.timedelta(seconds=60))
+        out.put((1, "left"))
+        return
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    newest[0] = 2  # a newer generation forms (here: at once)
+    t0 = time.monotonic()
+    message = comm.wait([work])
+    waited = time.monotonic() - t0
+    t0 = time.monotonic()
+    comm.teardown()  # must not wait for the stuck thread (rank 1 holds its socket open for up to a minute)
+    torn = time.monotonic() - t0
+    comm.build(2, rank=0, world_size=1, connect_timeout_s=30.0)  # the next generation's group works
+    t = torch.tensor([5.0])
+    dist.all_reduce(t)
+    store.set("rank0-done", "1")
+    out.put((0, (message, waited, torn, float(t.item()), comm.abandoned)))
+
+
+def test_a_collective_stuck_in_a_replaced_group_is_abandoned_and_the_next_group_works() -> None:
+    """A Gloo receive posted after its peer's connection failed can wait the whole collective timeout: the
+    survivor abandons it once a newer generation exists, without destroying the group (that would join the
+    stuck thread), and builds the next generation's group at once."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_stuck_member, args=(rank, port, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    message, waited, torn, total, abandoned = results[0]
+    assert message is not None and "abandoned" in message and abandoned == 1
+    assert waited < 30, "abandoned after the grace, not at the collective timeout"
+    assert torn < 20, "the replaced group was left to its stuck thread, not destroyed (which waits for it)"
+    assert total == 5.0 and results[1] == "left"
+
+
+class _Work:
+    """A Work whose wait(timeout) times out `slow` times, then completes (or fails)."""
+
+    def __init__(self, slow: int, fails: bool = False) -> None:
+        self.slow, self.fails, self.waits = slow, fails, 0
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        if self.waits <= self.slow:
+            raise RuntimeError("Operation timed out!")
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits > self.slow
+
+
+def test_wait_keeps_waiting_on_a_slow_step_fails_on_a_lost_peer_and_abandons_only_a_replaced_group(
+    monkeypatch: Any,
+) -> None:
+    import pytest
+    import torch
+
+    from runtime import comm as comm_module
+    from runtime.comm import Communicator
+
+    monkeypatch.setattr(comm_module, "STALE_GRACE_S", 0.0)
+    newest = [3]
+    comm = Communicator("gloo", store=None, timeout_s=60.0, device=torch.device("cpu"),  # type: ignore[arg-type]
+                        newest_gen=lambda: newest[0])
+    comm.gen = 3
+    slow = _Work(slow=5)
+    assert comm.wait([slow]) is None and slow.waits == 6, "nothing newer: a slow collective is waited for"
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        comm.wait([_Work(slow=2, fails=True)])
+    newest[0] = 4
+    stuck = _Work(slow=10**9)
+    message = comm.wait([_Work(slow=0), stuck])
+    assert message is not None and "generation 3" in message and "generation 4" in message
+    assert comm.abandoned == 1 and comm._stuck and stuck.waits <= 2

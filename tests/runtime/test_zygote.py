@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime.launcher import LaunchConfig, launch
-from runtime.zygote import ForkedProcess, ZygoteClient
+from runtime.zygote import ForkedProcess, ZygoteClient, forks_adopted_by
 from tests.runtime.conftest import TINY_JOB, clean_digest, events_of
 
 PROBE = """
@@ -84,6 +84,29 @@ def test_a_dead_or_hung_zygote_is_abandoned_and_the_caller_falls_back(zygote: Zy
     assert zygote.spawn(dict(os.environ), [sys.executable]) is None
     assert time.monotonic() - t0 < 10, "a hung zygote is given up on after a bounded wait"
     assert zygote.pid is None and not zygote.ready()
+
+
+def test_a_zygote_that_answers_too_late_leaves_no_process_of_that_request(
+    zygote: ZygoteClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded machine a fork may outlast the wait for its pid. The caller then starts the process itself, so
+    nothing the zygote forked for that request may live on: two processes under one name would both take its
+    role in the job (both answer its promotion, both join its generation)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    answered = zygote.spawn(dict(os.environ), [str(script), str(tmp_path / "answered.pid")])
+    assert answered is not None
+    monkeypatch.setattr("runtime.zygote.REQUEST_TIMEOUT_S", 0.0)  # no zygote answers within no time at all
+    assert zygote.spawn(dict(os.environ), [str(script), str(tmp_path / "late.pid")]) is None
+    assert zygote.pid is None, "a zygote that did not answer in time is given up on"
+    late = tmp_path / "late.pid"
+    if late.exists():  # it got as far as the script: it was killed and reaped
+        assert not Path(f"/proc/{late.read_text()}").exists()
+    assert forks_adopted_by(os.getpid()) == {answered}, "the answered fork lives on; no other fork is left"
+    p = ForkedProcess("answered", "standby", answered)
+    p.kill()
+    assert p.wait(10) == -signal.SIGKILL
+    p.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
