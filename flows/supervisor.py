@@ -36,7 +36,7 @@ from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provi
 from cloud.capacity import launch_with_fallback, wake_or_replace
 from flows.actions import Pool, PoolChange, notice_moves, pool_change
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
-from flows.hosts import JobHosts
+from flows.hosts import JobHosts, free_port
 from flows.jobrecord import JobRecord, write_secret
 from flows.models import TrainingRun
 from flows.timeline import Timeline
@@ -99,12 +99,6 @@ class RunReport(RunBill):
     steps: int
     interruptions: list[Interruption]
     final_digest: str | None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Supervisor:
@@ -295,7 +289,8 @@ class Supervisor:
             secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer of its store
         # For a run that re-attaches after this one's process died (flows.jobrecord): root-only, on this host.
         self.secret_file = write_secret(self.workdir, secret)
-        self.job = RuntimeJob.start(self.spec(script), self.events_path, secret=secret, port=_free_port(),
+        port = 0 if placement is not None else free_port("127.0.0.1")  # placed: the coordinator's own port
+        self.job = RuntimeJob.start(self.spec(script), self.events_path, secret=secret, port=port,
                                     log=self.workdir / "job.log", placement=placement)
         self._remember()
         self._started_at = self.clock()

@@ -177,13 +177,16 @@ class RuntimeJob:
         """The job's end was read from its events: its store is closing and answers no one any more."""
 
     @classmethod
-    def start(cls, spec: JobSpec, events: Path, *, secret: str, port: int, log: Path,
+    def start(cls, spec: JobSpec, events: Path, *, secret: str, log: Path, port: int = 0,
               placement: Placement | None = None) -> RuntimeJob:
         """Spawn the job: `trainmover run` on this machine, or with `placement` `trainmover coordinator` for the
-        hosts' agents. The launcher gets its own process group (`stop` ends all it started) and the secret in its
+        hosts' agents. `port` is the control store's port on this machine (unused with `placement`, which names
+        the coordinator's). The launcher gets its own process group (`stop` ends all it started) and the secret in its
         environment only; its output goes to `log`. On this machine the control connection is made at once; across
         hosts once the job runs (`connect`, after the coordinator's first generation)."""
         if placement is None:
+            if not 0 < port < 65536:
+                raise ValueError(f"a job on this machine needs its control store's port, got {port}")
             argv, host = run_argv(spec, events, port), "127.0.0.1"
         else:
             argv, host, port = coordinator_argv(spec, events, placement), placement.host, placement.port

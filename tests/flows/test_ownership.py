@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from uuid import UUID
 
 import pytest
@@ -43,37 +44,33 @@ def _held_by(job_id: str, owner: UUID) -> UUID:
     return lease
 
 
-def test_a_live_owner_keeps_its_job() -> None:
-    job = "owned-live"
-    owner = _flow_run("running")
-    _held_by(job, owner)
-    try:
-        with pytest.raises(JobAlreadyRunning, match="is already running under another flow run"), \
-                owning(job, _flow_run("running")):
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A job id of the test's own; its record is forgotten afterwards."""
+    job_id = f"owned-{request.node.name.removeprefix('test_')[:20].replace('_', '-')}"
+    yield job_id
+    jobrecord.forget(job_id)
+
+
+def test_a_live_owner_keeps_its_job(job: str) -> None:
+    _held_by(job, _flow_run("running"))
+    with pytest.raises(JobAlreadyRunning, match="is already running under another flow run"), \
+            owning(job, _flow_run("running")):
+        pass
+
+
+def test_an_owner_that_crashed_is_relieved_and_the_job_then_has_one_owner_again(job: str) -> None:
+    _held_by(job, _flow_run("crashed"))
+    with owning(job, _flow_run("running")) as lease:
+        assert isinstance(lease, UUID)
+        # Taken over: a third run is refused while this one holds it.
+        with pytest.raises(JobAlreadyRunning), owning(job, _flow_run("running")):
             pass
-    finally:
-        jobrecord.forget(job)
+    with owning(job, _flow_run("running")):  # given back at the end of the block
+        pass
 
 
-def test_an_owner_that_crashed_is_relieved_and_the_job_then_has_one_owner_again() -> None:
-    job = "owned-crashed"
-    dead = _flow_run("crashed")
-    _held_by(job, dead)
-    me = _flow_run("running")
-    try:
-        with owning(job, me) as lease:
-            assert isinstance(lease, UUID)
-            # Taken over: a third run is refused while this one holds it.
-            with pytest.raises(JobAlreadyRunning), owning(job, _flow_run("running")):
-                pass
-        with owning(job, _flow_run("running")):  # given back at the end of the block
-            pass
-    finally:
-        jobrecord.forget(job)
-
-
-def test_without_a_recorded_lease_a_crashed_owner_holds_the_job_until_its_lease_lapses() -> None:
-    job = "owned-unrecorded"
+def test_without_a_recorded_lease_a_crashed_owner_holds_the_job_until_its_lease_lapses(job: str) -> None:
     dead = _flow_run("crashed")
     _ensure_limit(job)
     _take(job, dead)  # killed before its job started: no record names the lease
