@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+from collections.abc import Callable
 from typing import Any
 
 
@@ -44,20 +45,25 @@ def _member(rank: int, port: int, out: Any) -> None:
     out.put((rank, float(t.item())))
 
 
-def test_a_member_whose_last_build_failed_joins_the_next_generation_with_a_newcomer() -> None:
+def _run_pair(member: Callable[[int, int, Any], None], timeout_s: float) -> dict[int, Any]:
+    """Run `member(rank, port, out)` as ranks 0 and 1 in fresh processes; what each put in `out`, by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_member, args=(rank, port, out)) for rank in (0, 1)]
+    procs = [ctx.Process(target=member, args=(rank, port, out)) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=90) for _ in procs)
+        return dict(out.get(timeout=timeout_s) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def test_a_member_whose_last_build_failed_joins_the_next_generation_with_a_newcomer() -> None:
+    results = _run_pair(_member, 90)
     # Both sum 1 + 2: the survivor of the failed build and the newcomer built the same group.
     assert results == {0: 3.0, 1: 3.0}
 
@@ -98,19 +104,7 @@ def test_a_collective_stuck_in_a_replaced_group_is_abandoned_and_the_next_group_
     """A Gloo receive posted after its peer's connection failed can wait the whole collective timeout: the
     survivor abandons it once a newer generation exists, without destroying the group (that would join the
     stuck thread), and builds the next generation's group at once."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_stuck_member, args=(rank, port, out)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = _run_pair(_stuck_member, 120)
     message, waited, torn, total, abandoned = results[0]
     assert message is not None and "abandoned" in message and abandoned == 1
     assert waited < 30, "abandoned after the grace, not at the collective timeout"
