@@ -270,8 +270,8 @@ class GradientBuckets:
         for flat in self.flats:
             flat.zero_()
 
-    def all_reduce_mean(self, world_size: int, on_issued: Callable[[], object] | None = None,
-                        wait: Callable[[list[dist.Work]], str | None] | None = None) -> None:
+    def all_reduce_mean(self, world_size: int, wait: Callable[[list[dist.Work]], str | None],
+                        on_issued: Callable[[], object] | None = None) -> None:
         """Sum every bucket over the group, then divide: the same bits on every rank, every time.
 
         `wait(works)` (the group's `Communicator.wait`) waits for the exchange; a message it returns fails it."""
@@ -281,11 +281,7 @@ class GradientBuckets:
             works = [dist.all_reduce(flat, async_op=True) for flat in self.flats]
             if on_issued is not None:
                 on_issued()
-            if wait is not None:
-                failure = wait(works)
-            else:
-                for work in works:
-                    work.wait()
+            failure = wait(works)
             del works
         except RuntimeError as exc:  # Gloo/NCCL report a lost peer as a plain RuntimeError/DistBackendError
             failure = error_text(exc)

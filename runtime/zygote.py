@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -202,33 +203,28 @@ class ZygoteClient:
                     os.waitpid(pid, 0)
 
 
-def _stat_fields(pid: str) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-
-
-def _group_members(group: int) -> list[int]:
-    found = []
+def _processes() -> Iterator[tuple[int, str, int, int]]:
+    """(pid, state, ppid, process group) of every process /proc shows."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = _stat_fields(entry)
-                if int(fields[2]) == group and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+                yield int(entry), state, int(ppid), int(pgrp)
+
+
+def _group_members(group: int) -> list[int]:
+    return [pid for pid, state, _, pgrp in _processes() if pgrp == group and state != "Z"]
 
 
 def forks_adopted_by(parent: int) -> set[int]:
     """Children of `parent` that a zygote forked (their command line is the zygote's)."""
     found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if int(_stat_fields(entry)[1]) != parent:
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"runtime.zygote" in f.read():
-                        found.add(int(entry))
+    for pid, _, ppid, _ in _processes():
+        if ppid == parent:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"runtime.zygote" in f.read():
+                    found.add(pid)
     return found
 
 
