@@ -11,6 +11,9 @@ The training-script API::
     trainer = tm.Trainer(model, optimizer, loss_fn, tm.ShardedLoader(dataset, batch_size=32), scheduler=sched)
     for result in trainer.fit(steps=1000):
         ...
+
+A model sharded by torch (FSDP2, HSDP, tensor parallelism) uses `tm.ShardedTrainer(build, tm.MeshSpec(...), ...)`,
+where `build(mesh)` parallelises the model on the mesh the runtime hands it (`runtime.sharded`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.data import ShardedLoader, StepData, derive_seed
     from runtime.job import Job, init
+    from runtime.sharded import MeshSpec, ShardedTrainer
     from runtime.trainer import StepResult, Trainer
 
 _WHERE = {"ShardedLoader": "runtime.data", "StepData": "runtime.data", "derive_seed": "runtime.data",
-          "Job": "runtime.job", "init": "runtime.job", "StepResult": "runtime.trainer", "Trainer": "runtime.trainer"}
+          "Job": "runtime.job", "init": "runtime.job", "StepResult": "runtime.trainer", "Trainer": "runtime.trainer",
+          "MeshSpec": "runtime.sharded", "ShardedTrainer": "runtime.sharded"}
 
 
 def __getattr__(name: str) -> Any:
@@ -34,4 +39,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")
 
 
-__all__ = ["Job", "ShardedLoader", "StepData", "StepResult", "Trainer", "derive_seed", "init"]
+__all__ = ["Job", "MeshSpec", "ShardedLoader", "ShardedTrainer", "StepData", "StepResult", "Trainer", "derive_seed",
+           "init"]

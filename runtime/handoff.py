@@ -82,6 +82,12 @@ class MemberStatus:
     rank: int
     step: int
     has_state: bool
+    pending: bool = False
+    """Its gradients of step `step + 1` are complete (sharded jobs: it can still commit that step)."""
+    own: tuple[int, ...] = ()
+    """Steps of its own buddy-copy snapshots (`runtime.buddy`)."""
+    copies: tuple[int, ...] = ()
+    """Steps of the copies it keeps of its buddy's state."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -656,6 +656,13 @@ class StepStatus(StoreRecord):
 
     step: int
     has_state: bool
+    pending: bool = False
+    """A sharded member only: its gradients of step `step + 1` were complete when its group failed, so it can
+    still commit that step if any member did (`runtime.sharded`)."""
+    own: tuple[int, ...] = ()
+    """Steps of this member's own complete buddy-copy snapshots (`runtime.buddy`)."""
+    copies: tuple[int, ...] = ()
+    """Steps of the complete copies it keeps of its buddy's state."""
 
 
 @dataclass(frozen=True, slots=True)

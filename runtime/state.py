@@ -8,6 +8,10 @@ pickle: a receiver never executes what a peer sent.
 
 It also owns the model's *spec* (every model tensor's name, shape and dtype, and the optimizer's parameter
 groups): processes whose specs differ run different scripts or arguments, which no recovery can fix.
+
+Sharded models (FSDP2, DTensor tensor parallelism) are seen through their local shards: what a rank streams is
+the shard it holds (`DTensor.to_local()`, written in place), while the spec names the global shapes, equal in
+every process of the job.
 """
 
 from __future__ import annotations
@@ -22,8 +26,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 META_VERSION = 2
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this process holds: a DTensor's local shard (a view: writes reach the DTensor), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Stateful(Protocol):
@@ -134,6 +144,16 @@ def _numpy_rng_state() -> Any:
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
 
 
+def _empty_like_param(p: torch.Tensor, local_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new optimizer-state tensor for `p`: sharded like `p` where it has `p`'s local shape (Adam's moments of a
+    DTensor parameter are DTensors with its placements), else a plain tensor (a scalar step count)."""
+    if isinstance(p, DTensor) and tuple(p.to_local().shape) == local_shape:
+        local = torch.empty(local_shape, dtype=dtype, device=p.to_local().device)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return torch.empty(local_shape, dtype=dtype, device=p.device)
+
+
 def spec_difference(mine: list[Any], theirs: list[Any], me: str, them: str) -> str | None:
     """The first difference between two specs, as a sentence that names the tensor; None if they are equal."""
     for a, b in zip(mine, theirs, strict=False):
@@ -181,7 +201,7 @@ class TrainingState:
     # -- the spec ------------------------------------------------------------------------------------
     def spec(self) -> list[Any]:
         """Model tensors (name, shape, dtype), parameter groups and registered names: equal in every process."""
-        out: list[Any] = [[k, list(t.shape), _dtype_name(t.dtype)] for k, t in self._model_tensors()]
+        out: list[Any] = [[k, list(t.shape), _dtype_name(t.dtype)] for k, t in self._model_tensors(local=False)]
         for gi, group in enumerate(self.optimizer.param_groups):
             out.append([f"optimizer.param_groups.{gi}", [len(group["params"])], "params"])
         out.extend([f"registered.{name}", [], type(obj).__name__] for name, obj in self.extras.items())
@@ -192,30 +212,32 @@ class TrainingState:
         return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:32]
 
     # -- the tensors ---------------------------------------------------------------------------------
-    def _model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _model_tensors(self, local: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors by state-dict name: their local shards, or (`local=False`) as the model holds them."""
         seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
         for name, t in self.model.state_dict(keep_vars=True).items():
             data = t.data if isinstance(t, nn.Parameter) else t
-            ident = (data.data_ptr(), tuple(data.shape), data.dtype)
+            shard = local_shard(data)
+            ident = (shard.data_ptr(), tuple(data.shape), data.dtype)
             if ident in seen:  # tied weights appear under two names but are one tensor
                 continue
             seen.add(ident)
-            yield f"model.{name}", data
+            yield f"model.{name}", shard if local else data
 
     def _params(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gi, group in enumerate(self.optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 yield f"{gi}.{pi}", p
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The live tensors, in the order both sides stream them."""
-        out = list(self._model_tensors())
+    def tensors(self, local: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """The live tensors, in the order both sides stream them: local shards, or (`local=False`) whole DTensors."""
+        out = list(self._model_tensors(local))
         for prefix, p in self._params():
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
-                    out.append((f"optim.{prefix}.{key}", value.data))
+                    out.append((f"optim.{prefix}.{key}", local_shard(value.data) if local else value.data))
         for name, (_, slots) in self._extra_split().items():
             out.extend((f"extra.{name}.{i}", t) for i, t in enumerate(slots))
         return out
@@ -300,10 +322,10 @@ class TrainingState:
                 dtype = _dtype_from_name(entry.dtype)
                 if (
                     not isinstance(current, torch.Tensor)
-                    or tuple(current.shape) != entry.shape
+                    or tuple(local_shard(current).shape) != entry.shape
                     or current.dtype != dtype
                 ):
-                    state[key] = torch.empty(entry.shape, dtype=dtype, device=p.device)
+                    state[key] = _empty_like_param(p, entry.shape, dtype)
         missing = set(own_model) - {e.key for e in wanted}
         if missing:
             raise StateMismatchError(

@@ -106,6 +106,21 @@ class StepResult:
     """The loss averaged over every rank, where the step computed it (with a ReduceLROnPlateau scheduler)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Joining:
+    """What a member learned while joining a generation (`Trainer._join`), with the times of each phase."""
+
+    record: Generation
+    rank: int
+    world_size: int
+    interrupt: Callable[[], str | None]
+    statuses: list[MemberStatus]
+    gen_seen: float
+    t_joined: float
+    t_all_joined: float
+    group_ready: float
+
+
 def check_group(comm: Communicator, token: str, job_id: str, record: Generation, rank: int) -> None:
     """Every peer of a generation's new group proves it holds the job's secret, for the rank it holds in it.
 
@@ -202,6 +217,12 @@ class Trainer:
         self._buffers = [b for b in model.buffers()]
         self._buffer_snapshot: list[torch.Tensor] = [torch.empty_like(b) for b in self._buffers]
         self._snapshot_step = 0
+        self._init_membership(device)
+        if self.job.faults:
+            optimizer.register_step_post_hook(self._optimizer_fault)
+
+    def _init_membership(self, device: torch.device) -> None:
+        """What every trainer keeps about its place in the job: its group, generation, rank and progress."""
         cfg = self.job.cfg
         self.comm = Communicator(cfg.backend, self.job.store, cfg.collective_timeout_s, device,
                                  newest_gen=lambda: self.job.heartbeat.latest_gen)
@@ -216,8 +237,6 @@ class Trainer:
         self._report: RecoveryReport | None = None
         self._post_steps: list[float] = []
         self._warming_up = False
-        if self.job.faults:
-            optimizer.register_step_post_hook(self._optimizer_fault)
         self.job.heartbeat.on_new_generation.append(self.comm.abort_if_older)
 
     # -- public --------------------------------------------------------------------------------------
@@ -388,6 +407,8 @@ class Trainer:
             self._step_times.append(step_s)
             return
         if self._report.replay_done_at is None:
+            if self.committed < self._report.replay_step:
+                return  # replaying the steps since a buddy copy (runtime.sharded): the replay is not over yet
             self._report = dataclasses.replace(self._report, replay_done_at=time.time(), replay_step_s=step_s)
             # Published at once (and again, final, after the next steps): a failure from here on is a new
             # recovery, and the coordinator must know this one's replay committed.
@@ -410,8 +431,11 @@ class Trainer:
 
         return check
 
-    def _enter(self, g: int, failure_seen: float | None) -> None:
-        """Join generation g: rebuild the group, agree on the newest state, hand it to whoever lacks it."""
+    def _join(self, g: int, pending: bool = False, own: tuple[int, ...] = (), copies: tuple[int, ...] = ()) -> Joining:
+        """Join generation g's group (every member proves it belongs to the job) and learn what each member holds.
+
+        `pending`: this member's gradients of step `committed + 1` are complete (a sharded step's commit point);
+        `own`, `copies`: the steps of its buddy copies (`runtime.buddy`)."""
         records, cfg = self.job.records, self.job.cfg
         gen_seen = time.time()
         record = records.wait_records([keys.k_gen(g)], Generation, cfg.recovery_timeout_s,
@@ -433,11 +457,18 @@ class Trainer:
         self.gen, self.rank, self.world_size = g, rank, world
         check_group(self.comm, cfg.job_token, cfg.job_id, record, rank)
         group_ready = time.time()
-        records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state))
+        records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state, pending, own, copies))
         found = records.wait_records([keys.k_status(g, r) for r in range(world)], StepStatus, cfg.recovery_timeout_s,
                                      interrupt, what=f"every member's status in generation {g}")
-        statuses = [MemberStatus(r, status.step, status.has_state)
+        statuses = [MemberStatus(r, status.step, status.has_state, status.pending, status.own, status.copies)
                     for r, status in enumerate(found[keys.k_status(g, r)] for r in range(world))]
+        return Joining(record, rank, world, interrupt, statuses, gen_seen, t_joined, t_all_joined, group_ready)
+
+    def _enter(self, g: int, failure_seen: float | None) -> None:
+        """Join generation g: rebuild the group, agree on the newest state, hand it to whoever lacks it."""
+        records, cfg = self.job.records, self.job.cfg
+        joining = self._join(g)
+        record, rank, interrupt, statuses = joining.record, joining.rank, joining.interrupt, joining.statuses
         if g == 0:
             self._broadcast_initial_model()
             records.put(keys.k_holds(g, rank), HoldsState(0))
@@ -459,13 +490,20 @@ class Trainer:
         self.committed = plan.target_step
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+        self._start_report(joining, stats, plan.target_step, failure_seen)
+
+    def _start_report(self, joining: Joining, stats: HandoffStats, target_step: int,
+                      failure_seen: float | None) -> None:
+        """This member's part of the recovery's timing, completed once its replay commits (`_after_commit`)."""
         self._report = RecoveryReport(
-            rank=rank, proc=cfg.proc, role=stats.role, failure_seen_at=failure_seen, gen_seen_at=gen_seen,
-            group_ready_at=group_ready, handoff_s=stats.seconds, handoff_bytes=stats.bytes,
-            handoff_end_at=time.time(), replay_step=plan.target_step + 1, refetched_chunks=stats.refetched,
+            rank=joining.rank, proc=self.job.cfg.proc, role=stats.role, failure_seen_at=failure_seen,
+            gen_seen_at=joining.gen_seen, group_ready_at=joining.group_ready, handoff_s=stats.seconds,
+            handoff_bytes=stats.bytes, handoff_end_at=time.time(), replay_step=target_step + 1,
+            refetched_chunks=stats.refetched,
             steady_step_s=statistics.median(self._step_times) if self._step_times else None,
-            teardown_s=self.comm.last_teardown_s, joined_at=t_joined, join_wait_s=t_all_joined - t_joined,
-            group_init_s=group_ready - t_all_joined,
+            teardown_s=self.comm.last_teardown_s, joined_at=joining.t_joined,
+            join_wait_s=joining.t_all_joined - joining.t_joined,
+            group_init_s=joining.group_ready - joining.t_all_joined,
         )
         self._post_steps = []
 
@@ -524,9 +562,13 @@ class Trainer:
         records.wait_records([keys.k_done(self.gen, r) for r in range(self.world_size)], Finished,
                              self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")
         self._flush_report()
-        self.digest = self.state.digest()
+        self.digest = self._final_digest()
         records.put(keys.k_digest(self.job.proc), FinalDigest(self.digest))
         self.comm.teardown()
+
+    def _final_digest(self) -> str:
+        """The digest every replica publishes at the end (equal digests: bit-identical replicas)."""
+        return self.state.digest()
 
     def _stop_requested(self) -> None:
         self.comm.teardown()

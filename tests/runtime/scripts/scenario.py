@@ -13,6 +13,11 @@ from runtime.trainer import StepResult
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
+    return add_options(p)
+
+
+def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The scenario's options, added to a script's own parser (which has `--steps`)."""
     p.add_argument("--raise-at", type=int, default=0, help="raise a script error at this step (a bug)")
     p.add_argument("--pace-ms", type=float, default=0.0,
                    help="wall time added after each step while a chaos monkey is at work (a slower model, without "

@@ -1,0 +1,182 @@
+"""Sharded jobs (FSDP2 / HSDP / DTensor tensor parallelism) lose ranks to real signals and end bit for bit where
+the uninterrupted run of the same mesh ends; a shard lost with every copy of it stops the job with its name.
+
+The decisions (which step every rank ends at, who sends which shard, which buddy copy restores a lost rank) are
+pure functions, table-tested first without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.buddy import BuddyStatus, plan_restore
+from runtime.handoff import HandoffPlan, MemberStatus, StateLost
+from runtime.sharded import MeshSpec, plan_sharded_handoff
+from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
+
+SHARDED_JOB = SCRIPTS / "sharded_job.py"
+HSDP = MeshSpec(replicate=2, shard=2)
+FSDP = MeshSpec(shard=4)
+DP_TP = MeshSpec(replicate=2, tp=2)
+
+
+# -- the mesh ----------------------------------------------------------------------------------------------------
+def test_ranks_are_laid_out_row_major_as_init_device_mesh_lays_them() -> None:
+    assert [HSDP.coords(r)["replicate"] for r in range(4)] == [0, 0, 1, 1]
+    assert [HSDP.state_class(r) for r in range(4)] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    assert [DP_TP.dp_rank(r) for r in range(4)] == [0, 0, 1, 1], "a tensor-parallel group reads one batch"
+    assert [FSDP.dp_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    three_d = MeshSpec(replicate=2, shard=2, tp=2)
+    assert three_d.names == ("replicate", "shard", "tp") and three_d.coords(5) == {"replicate": 1, "shard": 0, "tp": 1}
+    assert HSDP.names == ("replicate", "shard") and HSDP.shape == (2, 2)
+    assert HSDP.describe(3) == "shard 1 of 2" and DP_TP.describe(1) == "tensor-parallel slice 1 of 2"
+
+
+@pytest.mark.parametrize("bad", [{"shard": 0}, {"tp": -1}, {"replicate": 1.5}])
+def test_a_malformed_mesh_is_refused_with_the_dimension_named(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=f"MeshSpec.{next(iter(bad))} must be a positive integer"):
+        MeshSpec(**bad)  # type: ignore[arg-type]
+
+
+# -- who sends which shard ---------------------------------------------------------------------------------------
+def _status(rank: int, step: int, has_state: bool = True, pending: bool = False) -> MemberStatus:
+    return MemberStatus(rank, step, has_state, pending)
+
+
+def test_hsdp_a_lost_rank_gets_its_shard_from_the_same_shard_of_the_other_replica_group() -> None:
+    target, plans = plan_sharded_handoff(HSDP, [_status(0, 7), _status(1, 7), _status(2, 0, False), _status(3, 7)])
+    assert target == 7
+    assert plans == {(0, 0): HandoffPlan(7, (0,), (2,)), (1, 0): HandoffPlan(7, (1, 3), ())}
+
+
+def test_a_member_whose_gradients_were_complete_counts_as_holding_the_step_another_member_committed() -> None:
+    # Rank 1's commit barrier failed after rank 3 committed step 8: every rank had entered it, so rank 1 commits 8.
+    statuses = [_status(0, 7, pending=True), _status(1, 7, pending=True), _status(2, 0, False), _status(3, 8)]
+    target, plans = plan_sharded_handoff(HSDP, statuses)
+    assert target == 8
+    assert plans[(0, 0)] == HandoffPlan(8, (0,), (2,)) and plans[(1, 0)] == HandoffPlan(8, (1, 3), ())
+
+
+def test_a_member_behind_without_pending_gradients_receives_its_shard() -> None:
+    target, plans = plan_sharded_handoff(DP_TP, [_status(0, 8), _status(1, 7), _status(2, 8), _status(3, 8)])
+    assert target == 8 and plans[(0, 1)] == HandoffPlan(8, (3,), (1,))
+
+
+def test_a_shard_lost_with_every_replica_is_named_in_the_stop() -> None:
+    with pytest.raises(StateLost, match=r"shard 0 of 2 \(held by rank\(s\) 0, 2\) was lost with every copy"):
+        plan_sharded_handoff(HSDP, [_status(0, 0, False), _status(1, 7), _status(2, 0, False), _status(3, 7)])
+    with pytest.raises(StateLost, match="shard 2 of 4"):
+        plan_sharded_handoff(FSDP, [_status(0, 7), _status(1, 7), _status(2, 0, False), _status(3, 7)])
+
+
+# -- buddy copies ------------------------------------------------------------------------------------------------
+def _buddy(rank: int, alive: bool, own: tuple[int, ...] = (), copies: tuple[int, ...] = ()) -> BuddyStatus:
+    return BuddyStatus(rank, alive, own, copies)
+
+
+def test_a_lost_rank_is_restored_from_its_keeper_and_the_survivors_from_their_own_snapshots() -> None:
+    # Offset 2: rank r's copy lives on rank r + 2. Rank 1 was lost; rank 3 keeps its copies of steps 10 and 20.
+    statuses = [_buddy(0, True, (10, 20), (10, 20)), _buddy(1, False), _buddy(2, True, (10, 20), (10, 20)),
+                _buddy(3, True, (10, 20), (10, 20))]
+    step, plans = plan_restore(statuses, offset=2, target=24, max_replay=20)
+    assert step == 20 and plans == {1: HandoffPlan(20, (3,), (1,))}
+
+
+def test_a_refresh_cut_short_falls_back_to_the_previous_complete_copy() -> None:
+    # Rank 1 died while sending its snapshot of step 30: its keeper completed only 10 and 20.
+    statuses = [_buddy(0, True, (20, 30), (20, 30)), _buddy(1, False), _buddy(2, True, (20, 30), (20, 30)),
+                _buddy(3, True, (20, 30), (10, 20))]
+    step, plans = plan_restore(statuses, offset=2, target=30, max_replay=20)
+    assert step == 20 and plans == {1: HandoffPlan(20, (3,), (1,))}
+
+
+def test_before_the_first_copy_the_initial_state_is_every_ranks_home() -> None:
+    statuses = [_buddy(0, True), _buddy(1, False), _buddy(2, True), _buddy(3, True)]
+    assert plan_restore(statuses, offset=2, target=3, max_replay=20) == (0, {})
+
+
+def test_a_rank_lost_with_its_keeper_is_named_and_nothing_older_than_the_copies_kept_is_tried() -> None:
+    statuses = [_buddy(0, True, (20, 30), (20, 30)), _buddy(1, False), _buddy(2, True, (20, 30), (20, 30)),
+                _buddy(3, False)]
+    with pytest.raises(StateLost, match=r"shard 1 of 4 \(rank 1\) was lost together with its buddy copy on rank 3"):
+        plan_restore(statuses, offset=2, target=35, max_replay=20, describe=FSDP.describe)
+
+
+# -- real jobs ---------------------------------------------------------------------------------------------------
+def _args(layout: str, *extra: str) -> tuple[str, ...]:
+    return ("--layout", layout, *extra)
+
+
+def _run(layout: str, faults: str, *extra: str, steps: int = 16, standby: int = 2, **settings: object):  # type: ignore[no-untyped-def]
+    return run_job(nproc=4, standby=standby, steps=steps, faults=faults, script=SHARDED_JOB,
+                   script_args=_args(layout, *extra), **settings)
+
+
+def _assert_exact(result, layout: str, steps: int, *extra: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == 0, result.message
+    reference = clean_digest(4, steps, SHARDED_JOB, _args(layout, *extra))
+    assert len(result.digests) == 4
+    assert set(result.digests.values()) == {reference}, "the sharded state differs from the uninterrupted run's"
+
+
+@pytest.mark.slow
+def test_hsdp_ranks_killed_at_each_point_of_a_step_are_replaced_bit_exactly() -> None:
+    kills = [(2, 3, "before_exchange"), (1, 6, "exchange"), (0, 9, "after_exchange"), (3, 12, "optimizer")]
+    faults = ";".join(f"kill:rank={r},step={s},phase={p}" for r, s, p in kills)
+    result = _run("hsdp", faults)
+    _assert_exact(result, "hsdp", 16)
+    recovered = events_of(result, "recovered")
+    assert [e["ranks"][0]["rank"] for e in recovered] == [r for r, _, _ in kills]
+    for e in recovered:
+        (moved,) = e["ranks"]
+        assert e["sources"] == [(moved["rank"] + 2) % 4], "the same shard, in the other replica group"
+        assert e["handoff_bytes"] > 0, "the shard travelled from its replica peer"
+
+
+@pytest.mark.slow
+def test_hsdp_with_tied_embeddings_bf16_and_accumulation_two_ranks_of_different_shards_at_once() -> None:
+    extra = ("--tied", "--bf16", "--accumulation-steps", "2")
+    result = _run("hsdp", "kill:rank=0,step=5,phase=exchange;kill:rank=3,step=5,phase=exchange", *extra, steps=10)
+    _assert_exact(result, "hsdp", 10, *extra)
+    (rec,) = events_of(result, "recovered")
+    assert sorted(r["rank"] for r in rec["ranks"]) == [0, 3]
+
+
+@pytest.mark.slow
+def test_dp_x_tp_a_tensor_parallel_rank_killed_twice_is_replaced_bit_exactly() -> None:
+    result = _run("dp-tp", "kill:rank=1,step=4,phase=exchange;kill:rank=2,step=9,phase=optimizer")
+    _assert_exact(result, "dp-tp", 16)
+    assert [e["ranks"][0]["rank"] for e in events_of(result, "recovered")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_hsdp_a_standby_killed_while_receiving_its_shard_the_next_standby_takes_it() -> None:
+    result = _run("hsdp", "kill:rank=1,step=5,phase=exchange;kill:role=receiver,phase=handoff_recv")
+    _assert_exact(result, "hsdp", 16)
+    assert len(events_of(result, "member_failed")) == 2
+
+
+@pytest.mark.slow
+def test_fsdp_without_replicas_a_lost_rank_comes_back_from_its_buddy_copy_and_replays_exactly() -> None:
+    # Copies every 4 steps: the kill at step 11 restores step 8 (rank 3's copy of rank 1) and replays 3 steps.
+    result = _run("fsdp", "kill:rank=1,step=11,phase=before_exchange", "--buddy-every", "4")
+    _assert_exact(result, "fsdp", 16, "--buddy-every", "4")
+    (rec,) = events_of(result, "recovered")
+    assert rec["sources"] == [3] and rec["handoff_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_fsdp_a_rank_lost_with_its_keeper_stops_the_job_naming_the_shard() -> None:
+    # Copies every 4 steps, two kept (steps 4 and 8): at step 10, rank 1 and rank 3 (its keeper, and its buddy's)
+    # die together; the initial state is 9 steps back, beyond the 8 the copies span.
+    result = _run("fsdp", "kill:rank=1,step=10,phase=exchange;kill:rank=3,step=10,phase=exchange",
+                  "--buddy-every", "4", steps=12)
+    assert result.exit_code != 0
+    assert "was lost together with its buddy copy" in result.message and "shard 1 of 4" in result.message, \
+        result.message
+
+
+@pytest.mark.slow
+def test_hsdp_a_shard_lost_with_its_replica_stops_the_job_naming_the_shard() -> None:
+    result = _run("hsdp", "kill:rank=0,step=4,phase=exchange;kill:rank=2,step=4,phase=exchange", steps=10)
+    assert result.exit_code != 0
+    assert "shard 0 of 2 (held by rank(s) 0, 2) was lost with every copy" in result.message, result.message
