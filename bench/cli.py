@@ -20,6 +20,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="a 4M-parameter model: about 5 minutes with 5 kills (full size: about 20)")
     r.add_argument("--kills", type=_positive, default=5, help="kills per system (default: %(default)s)")
     r.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    r.add_argument("--sections", default="data-parallel,sharded", metavar="data-parallel,sharded",
+                   help="comma-separated: data-parallel (the systems side by side, host loss), sharded (lost time per "
+                        "mesh shape, buddy copies' cost, reconfiguration by world size) (default: %(default)s)")
     c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
     c.add_argument("--interruptions", type=_positive, default=100,
                    help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
@@ -95,6 +98,10 @@ def bench_command(ns: argparse.Namespace) -> int:
 
         return chaos_main(ns.interruptions, ns.json, every_s=ns.every, seed=ns.seed, signals=signals,
                           targets=targets)
+    sections = [x for x in ns.sections.split(",") if x]
+    if not sections or any(x not in ("data-parallel", "sharded") for x in sections):
+        print(f"trainmover bench recovery: --sections takes data-parallel, sharded or both, got {ns.sections!r}")
+        return 2
     from bench.recovery import main
 
-    return main(quick=ns.quick, json_path=ns.json, kills=ns.kills)
+    return main(quick=ns.quick, json_path=ns.json, kills=ns.kills, sections=sections)

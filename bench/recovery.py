@@ -259,13 +259,25 @@ def _host_loss_line(hl: dict[str, Any], f: Any) -> str:
             f"handoff {f(hl['handoff_s'])}, replay {f(hl['replay_s'])}; bit-exact {hl['bitwise_identical']}")
 
 
-def main(quick: bool, json_path: str | None, kills: int = KILLS) -> int:
-    report = run_recovery_benchmark(quick, kills)
-    print(format_report(report))
+def main(quick: bool, json_path: str | None, kills: int = KILLS,
+         sections: tuple[str, ...] | list[str] = ("data-parallel", "sharded")) -> int:
+    report: dict[str, Any] = {}
+    mismatch = False
+    if "data-parallel" in sections:
+        report = run_recovery_benchmark(quick, kills)
+        print(format_report(report))
+        mismatch = not report["bitwise_identical"] or report["host_loss"].get("bitwise_identical") is False
+    if "sharded" in sections:
+        from bench.sharded import format_report as format_sharded
+        from bench.sharded import run_sharded_benchmark
+
+        report["sharded"] = run_sharded_benchmark(quick, kills)
+        print(format_sharded(report["sharded"]))
+        mismatch = mismatch or not all(s["bitwise_identical"] for s in report["sharded"]["shapes"].values())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))
-    if not report["bitwise_identical"] or report["host_loss"].get("bitwise_identical") is False:
+    if mismatch:
         print("  MISMATCH: TrainMover's final state differs from the uninterrupted run's")
         return 1
     return 0

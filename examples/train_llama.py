@@ -145,6 +145,8 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+DEFAULT = LlamaConfig()
+
 TP_PLAN = {
     "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
     "attention.wo": RowwiseParallel(),
@@ -178,6 +180,7 @@ def make_tokens(cfg: LlamaConfig, n: int = 1024, seed: int = 0) -> torch.Tensor:
 
 def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     (tokens,) = batch
+    tokens = tokens.to(next(model.buffers()).device)  # the batch is in host memory; the model may be on a GPU
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
@@ -213,13 +216,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
     p.add_argument("--buddy-every", type=int, default=None,
                    help="refresh buddy copies every N steps (0: off; default: 10 for fsdp, off otherwise)")
+    p.add_argument("--mesh", default=None, metavar="R,S,T",
+                   help="replicate,shard,tp sizes instead of the layout's own (their product: the job's workers)")
+    p.add_argument("--dim", type=int, default=DEFAULT.dim, help="model width")
+    p.add_argument("--layers", type=int, default=DEFAULT.layers)
+    p.add_argument("--hidden", type=int, default=DEFAULT.hidden, help="SwiGLU hidden width")
+    p.add_argument("--vocab", type=int, default=DEFAULT.vocab)
     return p
 
 
 def make_trainer(args: argparse.Namespace) -> tm.ShardedTrainer:
-    cfg = LlamaConfig(tied=args.tied)
+    cfg = LlamaConfig(tied=args.tied, dim=args.dim, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
     data = tm.ShardedLoader(TensorDataset(make_tokens(cfg)), batch_size=8, seed=1)
-    return tm.ShardedTrainer(make_builder(cfg), LAYOUTS[args.layout], loss_fn, data, seed=5,
+    mesh = LAYOUTS[args.layout]
+    if args.mesh:
+        replicate, shard, tp = (int(x) for x in args.mesh.split(","))
+        mesh = tm.MeshSpec(replicate=replicate, shard=shard, tp=tp)
+    return tm.ShardedTrainer(make_builder(cfg), mesh, loss_fn, data, seed=5,
                              clip_grad_norm=args.clip_grad_norm or None, accumulation_steps=args.accumulation_steps,
                              amp="bf16" if args.bf16 else None, buddy_every=args.buddy_every)
 

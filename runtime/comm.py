@@ -13,6 +13,8 @@ import ctypes
 import datetime
 import gc
 import logging
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +39,57 @@ def error_text(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
+TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+
+
+def tcp_socket_inodes() -> set[int]:
+    """The inodes of this process's open TCP connections (IPv4 and IPv6), listening sockets left out: Gloo's
+    listener must never be shut (its accept thread aborts the process on an error)."""
+    tcp: set[int] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[9].isdigit() and fields[3] != TCP_LISTEN:
+                    tcp.add(int(fields[9]))
+    return tcp & _socket_fds().keys()
+
+
+def _socket_fds() -> dict[int, int]:
+    """Socket inode -> one of this process's file descriptors for it."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:["):
+                    out.setdefault(int(target[8:-1]), int(name))
+    return out
+
+
+def shut_sockets(inodes: set[int]) -> int:
+    """Shut down (not close: the fds stay Gloo's) the open sockets among `inodes`; how many were shut.
+
+    A shut-down socket fails every read and write on it at once, so an operation waiting on a peer that is
+    cut off (whose socket would otherwise stay open until TCP gives up) fails now."""
+    shut = 0
+    for inode, fd in _socket_fds().items():
+        if inode not in inodes:
+            continue
+        with contextlib.suppress(OSError):
+            dup = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a dup: closing it leaves fd open
+            try:
+                # The descriptor may have been closed and reused since it was listed (Gloo tearing the group
+                # down, a new group connecting): shut only the socket that was listed.
+                if os.fstat(dup.fileno()).st_ino == inode:
+                    dup.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+            finally:
+                dup.close()
+    return shut
+
+
 class Communicator:
     """Owns this process's membership in one generation's process group."""
 
@@ -55,6 +108,10 @@ class Communicator:
         """Work abandoned in the current group (`wait`): the group must not be destroyed while it runs."""
         self.abandoned = 0
         """Collectives abandoned so far (each one a group left to its stuck thread)."""
+        self._baseline: set[int] = set()
+        self._sockets: set[int] = set()
+        """The TCP sockets this generation's groups opened (`track_sockets`), shut when a newer one forms."""
+        self.sockets_shut = 0
 
     def build(self, gen: int, rank: int, world_size: int, connect_timeout_s: float = 30.0) -> None:
         """Join generation `gen`'s group. Connecting is bounded by `connect_timeout_s` (a member that dies
@@ -75,6 +132,7 @@ class Communicator:
             kwargs["pg_options"] = options
             kwargs["device_id"] = self.device
         failure: str | None = None
+        self._baseline, self._sockets = tcp_socket_inodes(), set()
         try:
             dist.init_process_group(
                 self.backend,
@@ -92,6 +150,21 @@ class Communicator:
             raise CommFailure(f"could not build the group of generation {gen}: {failure}")
         self.gen = gen
         dist.distributed_c10d._set_pg_timeout(self.timeout)
+        self.track_sockets()
+
+    def track_sockets(self) -> None:
+        """Count the TCP sockets opened since `build` began as this generation's (call again after building
+        more groups of the same generation: a device mesh's, a buddy-copy group)."""
+        self._sockets |= tcp_socket_inodes() - self._baseline
+
+    def cut_if_older(self, latest_gen: int) -> None:
+        """From the heartbeat thread: a newer generation formed, so this generation's groups are over. Shut their
+        sockets, so that a collective still waiting on a peer fails now instead of when TCP gives up on a cut-off
+        host (which can be many minutes) or at the collective timeout. Gloo only (NCCL is aborted instead)."""
+        if self.backend != "gloo" or self.gen is None or self.gen >= latest_gen or not self._sockets:
+            return
+        sockets, self._sockets = self._sockets, set()
+        self.sockets_shut += shut_sockets(sockets)
 
     def abort_if_older(self, latest_gen: int) -> None:
         """NCCL only, from the heartbeat thread: abort a group that a newer generation replaced.

@@ -331,6 +331,7 @@ class ShardedTrainer(Trainer):
         if self.job.faults:
             optimizer.register_step_post_hook(self._optimizer_fault)
         self.device_mesh = device_mesh
+        self.comm.track_sockets()  # the mesh's and the buddy copies' groups belong to this generation too
         return state
 
     def _adopt(self, state: TrainingState) -> None:
@@ -474,6 +475,8 @@ class ShardedTrainer(Trainer):
 
     def _serve_copy(self, plan: HandoffPlan, session: HandoffSession, copy: Snapshot) -> HandoffStats:
         assert self.rank is not None
+        if self._device_type == "cuda":  # the handoff runs over the NCCL group: stage the copy on the GPU
+            copy = Snapshot(copy.step, copy.meta(), [(k, t.to("cuda")) for k, t in copy.tensors()])
         stats, _ = run_handoff(plan, session, self.rank, copy,  # type: ignore[arg-type]
                                links=GlooLinks(self.job.cfg.recovery_timeout_s))
         return stats

@@ -238,6 +238,7 @@ class Trainer:
         self._post_steps: list[float] = []
         self._warming_up = False
         self.job.heartbeat.on_new_generation.append(self.comm.abort_if_older)
+        self.job.heartbeat.on_new_generation.append(self.comm.cut_if_older)
 
     # -- public --------------------------------------------------------------------------------------
     def register_state(self, name: str, obj: Stateful) -> None:

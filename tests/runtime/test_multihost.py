@@ -35,7 +35,8 @@ class Job:
     """`trainmover coordinator` for a cluster, as a real process; its events read as they come."""
 
     def __init__(self, c: Cluster, tmp: Path, *, agents: int, nproc: int, standby: int, steps: int,
-                 step_ms: float = 0.0, faults: str = "", extra: tuple[str, ...] = ()) -> None:
+                 step_ms: float = 0.0, faults: str = "", extra: tuple[str, ...] = (), script: Path = TINY_JOB,
+                 script_args: tuple[str, ...] = ()) -> None:
         self.cluster = c
         self.secret = secrets.token_hex(32)
         self.port = free_port(c.coordinator_ip)
@@ -47,7 +48,7 @@ class Job:
                # Six processes import torch at once on two cores: a heartbeat can starve for seconds in start-up.
                "--hang-timeout", "6",
                *(["--faults", faults] if faults else []), *extra,
-               str(TINY_JOB), "--steps", str(steps), "--step-ms", str(step_ms)]
+               str(script), "--steps", str(steps), "--step-ms", str(step_ms), *script_args]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, env={**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}, stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT)
@@ -84,11 +85,11 @@ def _gen(n: int) -> Any:
     return lambda events: next((e for e in events if e["event"] == "generation" and e["generation"] == n), None)
 
 
-def _exact(job: Job, nproc: int, steps: int) -> None:
+def _exact(job: Job, nproc: int, steps: int, script: Path = TINY_JOB, script_args: tuple[str, ...] = ()) -> None:
     finished = job.events.of("job_finished")
     assert finished, f"the job did not finish: {[e['event'] for e in job.events.events]}\n{job.log.read_text()}"
     digests = set(finished[0]["digests"].values())
-    assert len(finished[0]["digests"]) == nproc and digests == {clean_digest(nproc, steps)}, \
+    assert len(finished[0]["digests"]) == nproc and digests == {clean_digest(nproc, steps, script, script_args)}, \
         "the run with lost hosts must end bit for bit where the uninterrupted run ends"
 
 
@@ -256,5 +257,81 @@ def test_hosts_killed_in_the_other_protocol_phases(hosts: Cluster, tmp_path: Pat
         assert len(job.events.of("recovered")) == 3
         _exact(job, 2, steps)
         _no_process_left(hosts)
+    finally:
+        job.close()
+
+
+# -- sharded jobs across hosts: two worker hosts of two ranks each (ranks 0-1, ranks 2-3), a standby host ----------
+SHARDED_JOB = TINY_JOB.parent / "sharded_job.py"
+
+
+def _sharded_job(hosts: Cluster, tmp_path: Path, layout: str, faults: str, steps: int, *args: str) -> Job:
+    for _ in range(3):
+        hosts.add_host()
+    job = Job(hosts, tmp_path, agents=3, nproc=4, standby=2, steps=steps, step_ms=40, faults=faults,
+              script=SHARDED_JOB, script_args=("--layout", layout, *args))
+    for i in range(3):
+        job.agent(i, 2)
+    return job
+
+
+def _host_of(job: Job, proc: str) -> int:
+    return next(int(e["host"][1:]) for e in reversed(_placements(job)) if e["proc"] == proc)
+
+
+def test_hsdp_a_host_killed_then_the_other_worker_host_partitioned(hosts: Cluster, tmp_path: Path) -> None:
+    """HSDP 2 x 2, one replica group per host. Rank 1's host dies whole mid-exchange: both its ranks go to the
+    standby host, each fed its shard by the same shard of the other replica group. A new host joins as the standby
+    host; then the other original worker host is cut off: it fences itself, its ranks move the same way, fed by
+    the ranks that came back first. The job ends bit for bit where the uninterrupted HSDP run ends."""
+    steps = 120
+    job = _sharded_job(hosts, tmp_path, "hsdp", "host:rank=1,step=5,phase=exchange", steps)
+    try:
+        rec = job.wait("the first recovery", lambda ev: [e for e in ev if e["event"] == "recovered"], 180)[0]
+        assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1]
+        assert sorted(rec["sources"]) == [2, 3], "each shard from its replica peer on the other host"
+        hosts.add_host()
+        job.agent(3, 2)
+        job.wait("two standbys warm on the new host",
+                 lambda ev: len([e for e in ev if e["event"] == "standby_ready"]) >= 4, 120)
+        victim = _host_of(job, "w2")
+        hosts.cut(victim)
+        job.wait("the second recovery", lambda ev: len([e for e in ev if e["event"] == "recovered"]) >= 2, 180)
+        assert job.finish(180) == 0, job.log.read_text()
+        second = job.events.of("recovered")[1]
+        assert sorted(r["rank"] for r in second["ranks"]) == [2, 3] and sorted(second["sources"]) == [0, 1]
+        _exact(job, 4, steps, SHARDED_JOB, ("--layout", "hsdp"))
+        hosts.reconnect(victim)
+    finally:
+        job.close()
+
+
+def test_fsdp_a_host_killed_its_shards_come_back_from_buddy_copies_on_the_other_host(
+        hosts: Cluster, tmp_path: Path) -> None:
+    """FSDP over 4 ranks, no replica: rank r's buddy copy lives on rank r + 2, on the other worker host. Rank 0's
+    host dies whole at step 13: ranks 0 and 1 come back from the copies of step 10 (sent by ranks 2 and 3), every
+    rank goes back to step 10 and replays, and the job ends bit for bit."""
+    steps = 24
+    args = ("--buddy-every", "5")
+    job = _sharded_job(hosts, tmp_path, "fsdp", "host:rank=0,step=13,phase=before_exchange", steps, *args)
+    try:
+        assert job.finish(180) == 0, job.log.read_text()
+        (rec,) = job.events.of("recovered")
+        assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1] and sorted(rec["sources"]) == [2, 3]
+        _exact(job, 4, steps, SHARDED_JOB, ("--layout", "fsdp", *args))
+    finally:
+        job.close()
+
+
+def test_dp_x_tp_a_host_killed_its_tensor_parallel_group_moves_whole(hosts: Cluster, tmp_path: Path) -> None:
+    """DP 2 x TP 2, one tensor-parallel group per host: a host lost whole takes a whole TP group with it; the
+    standby host's two processes take both slices, each fed by the same slice of the other replica."""
+    steps = 24
+    job = _sharded_job(hosts, tmp_path, "dp-tp", "host:rank=3,step=7,phase=optimizer", steps)
+    try:
+        assert job.finish(180) == 0, job.log.read_text()
+        (rec,) = job.events.of("recovered")
+        assert sorted(r["rank"] for r in rec["ranks"]) == [2, 3] and sorted(rec["sources"]) == [0, 1]
+        _exact(job, 4, steps, SHARDED_JOB, ("--layout", "dp-tp"))
     finally:
         job.close()

@@ -7,6 +7,7 @@ pure functions, table-tested first without processes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime.buddy import BuddyStatus, plan_restore
 from runtime.handoff import HandoffPlan, MemberStatus, StateLost
@@ -180,3 +181,13 @@ def test_hsdp_a_shard_lost_with_its_replica_stops_the_job_naming_the_shard() -> 
     result = _run("hsdp", "kill:rank=0,step=4,phase=exchange;kill:rank=2,step=4,phase=exchange", steps=10)
     assert result.exit_code != 0
     assert "shard 0 of 2 (held by rank(s) 0, 2) was lost with every copy" in result.message, result.message
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (NCCL, one GPU per process)")
+def test_nccl_hsdp_a_killed_rank_is_replaced_bit_exactly_on_gpus() -> None:
+    clean = _run("hsdp", "", standby=0, backend="nccl")
+    result = _run("hsdp", "kill:rank=1,step=5,phase=exchange", standby=1, backend="nccl")
+    assert clean.exit_code == 0 and result.exit_code == 0, (clean.message, result.message)
+    assert len(set(clean.digests.values())) == 1
+    assert set(result.digests.values()) == set(clean.digests.values())
