@@ -127,7 +127,9 @@ def kill_losses(killed: Run, plan: list[tuple[int, int]], step_s: float, bandwid
         if not before or not after:
             raise RuntimeError(f"rank 0's commits do not bracket the kill at step {step}")
         lost = after[0][2] - before[0][2] - (AFTER + 1) * step_s
-        replayed = step - rec["step"]  # steps re-run before the killed one (a buddy copy older than the failure)
+        # Steps re-run before the killed one (a buddy copy older than the failure): the recovery's first commit.
+        first = min(c[0] for c in killed.commits if c[1] >= gen_after)
+        replayed = step - first
         moved = rec["handoff_bytes"] or 0
         floor = moved / bandwidth + (replayed + 1) * step_s
         out.append({"rank": rank, "step": step, "lost_time_s": lost, "floor_s": floor, "invalid": lost < floor,
@@ -164,13 +166,13 @@ def shape_section(layout: str, size: Size, kills: int, bandwidth_for: Any) -> di
 
 
 def buddy_section(size: Size, steps: int) -> dict[str, Any]:
-    """Steady step time of the FSDP job with buddy copies every k steps against none; two alternated rounds,
+    """Steady step time of the FSDP job with buddy copies every k steps against none; three alternated rounds,
     each setting's best kept (interference on a shared machine only ever slows a run)."""
     settings = (0, 1, 10, 100)
     best: dict[int, float] = {}
     memory: dict[int, int] = {}
     waited: dict[int, float] = {}
-    for _ in range(2):
+    for _ in range(3):
         for k in settings:
             r = run("fsdp", size, steps, extra=("--buddy-every", str(k)))
             s = steady_step_s(r)

@@ -19,8 +19,6 @@ back to s, and the steps since are replayed exactly (data and RNG are addressed 
 
 from __future__ import annotations
 
-import ctypes
-import datetime
 import json
 import logging
 import threading
@@ -41,7 +39,6 @@ KEEP = 2
 TAG_HEADER = 1
 TAG_META = 2
 TAG_TENSOR0 = 16
-WAIT = datetime.timedelta(seconds=0.25)
 
 
 class Snapshot:
@@ -152,7 +149,6 @@ class BuddyCopies:
         self._thread: threading.Thread | None = None
         self._cloned = threading.Event()
         self._cloned.set()
-        self._cancel = threading.Event()
         self._failure: str | None = None
         self.refreshes = 0
         self.waited_s = 0.0
@@ -179,7 +175,6 @@ class BuddyCopies:
         meta = json.loads(json.dumps(state.meta(step)))
         tensors = [(k, t.detach().clone() if k.startswith("extra.") else t) for k, t in state.tensors()]
         self._cloned.clear()
-        self._cancel.clear()
         self._thread = threading.Thread(target=self._run, args=(step, meta, tensors, keeper, buddy, group),
                                         name="tm-buddy", daemon=True)
         self._thread.start()
@@ -195,8 +190,8 @@ class BuddyCopies:
             self.waited_s += time.perf_counter() - t0
 
     def cancel(self, timeout_s: float = 10.0) -> bool:
-        """The generation is over: end the running refresh (its transfers abandoned if a peer is gone)."""
-        self._cancel.set()
+        """The generation is over: wait (bounded) for the running refresh to end; its transfers fail at once if a
+        peer is gone, or when the new generation shuts the old connections."""
         return self.settle(timeout_s)
 
     def settle(self, timeout_s: float | None = 30.0) -> bool:
@@ -218,7 +213,7 @@ class BuddyCopies:
             self._cloned.set()
         _keep_newest(self.own, mine)
         try:
-            received = self._exchange(mine, keeper, buddy, group, self._cancel)
+            received = self._exchange(mine, keeper, buddy, group)
         except RuntimeError as exc:  # a peer lost mid-refresh: the previous copies stay the complete ones
             self._failure = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             return
@@ -226,27 +221,26 @@ class BuddyCopies:
             _keep_newest(self.copies, received)
 
     @staticmethod
-    def _exchange(mine: Snapshot, keeper: int, buddy: int, group: dist.ProcessGroup,
-                  cancel: threading.Event) -> Snapshot | None:
+    def _exchange(mine: Snapshot, keeper: int, buddy: int, group: dist.ProcessGroup) -> Snapshot | None:
         """Send `mine` to the keeper and receive the buddy's snapshot, both at once."""
         meta = json.dumps({"meta": mine.meta(), "tensors": [[k, list(t.shape), str(t.dtype).removeprefix("torch.")]
                                                            for k, t in mine.tensors()]}).encode()
         header_out = torch.tensor([mine.step, len(meta)], dtype=torch.int64)
         header_in = torch.zeros(2, dtype=torch.int64)
         sends = [dist.isend(header_out, group=group, group_dst=keeper, tag=TAG_HEADER)]
-        _wait_all([dist.irecv(header_in, group=group, group_src=buddy, tag=TAG_HEADER)], cancel, group)
+        _wait_all([dist.irecv(header_in, group=group, group_src=buddy, tag=TAG_HEADER)])
         step_in, meta_len = (int(v) for v in header_in.tolist())
         meta_in = torch.zeros(meta_len, dtype=torch.uint8)
         sends.append(dist.isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8), group=group, group_dst=keeper,
                                 tag=TAG_META))
-        _wait_all([dist.irecv(meta_in, group=group, group_src=buddy, tag=TAG_META)], cancel, group)
+        _wait_all([dist.irecv(meta_in, group=group, group_src=buddy, tag=TAG_META)])
         described = json.loads(meta_in.numpy().tobytes())
         into = [(key, torch.empty(shape, dtype=getattr(torch, dtype))) for key, shape, dtype in described["tensors"]]
         recvs = [dist.irecv(t, group=group, group_src=buddy, tag=TAG_TENSOR0 + i) for i, (_, t) in enumerate(into)]
         sends += [dist.isend(t, group=group, group_dst=keeper, tag=TAG_TENSOR0 + i)
                   for i, (_, t) in enumerate(mine.tensors())]
-        _wait_all(list(recvs), cancel, group)
-        _wait_all(list(sends), cancel, group)
+        _wait_all(list(recvs))
+        _wait_all(list(sends))
         return Snapshot(step_in, described["meta"], into)
 
     def take_failure(self) -> str | None:
@@ -254,24 +248,12 @@ class BuddyCopies:
         return failure
 
 
-class Cancelled(RuntimeError):
-    """The generation ended while a refresh was still waiting on a peer."""
-
-
-def _wait_all(works: list[dist.Work | None], cancel: threading.Event, group: dist.ProcessGroup) -> None:
-    """Wait for every transfer, in slices; a cancelled refresh leaves its group and work alive for good (a Gloo
-    group destroyed under a waiting operation would wait for it), as `Communicator.wait` does."""
+def _wait_all(works: list[dist.Work | None]) -> None:
+    """Wait for every transfer, each bounded by the buddy group's timeout. Not in slices: a Gloo receive whose
+    wait times out is over (its buffer given up), so a slow peer would fail the refresh. A peer that is gone
+    fails the wait at once; one cut off fails it when the next generation shuts this generation's connections
+    (`Communicator.cut_if_older`)."""
     for work in works:
         if work is None:
             raise RuntimeError("a buddy-copy transfer was not started: this rank is not in the group")
-        while True:
-            try:
-                work.wait(WAIT)
-                break
-            except RuntimeError:
-                if work.is_completed():
-                    raise
-            if cancel.is_set():
-                for obj in (group, *works):
-                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-                raise Cancelled("the refresh was cancelled while waiting on a peer")
+        work.wait()
