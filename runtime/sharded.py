@@ -53,7 +53,7 @@ from runtime.handoff import GlooLinks, HandoffPlan, HandoffSession, HandoffStats
 from runtime.job import Job, init
 from runtime.protocol import HoldsState, StandbyReady
 from runtime.state import Stateful, TrainingState, local_shard
-from runtime.trainer import GenerationChanged, Joining, StepResult, Trainer
+from runtime.trainer import GenerationChanged, Joining, StepResult, Trainer, check_step_options
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -250,12 +250,7 @@ class ShardedTrainer(Trainer):
                              "overflow check spans every shard; use bf16")
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a runtime.MeshSpec, got {type(mesh).__name__}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-        if clip_grad_value is not None and not clip_grad_value > 0:
-            raise ValueError(f"clip_grad_value must be positive, got {clip_grad_value}")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+        check_step_options(clip_grad_norm, clip_grad_value, accumulation_steps)
         self.job = job or init()
         workers = self.job.num_workers()
         if mesh.world_size != workers:

@@ -106,6 +106,16 @@ class StepResult:
     """The loss averaged over every rank, where the step computed it (with a ReduceLROnPlateau scheduler)."""
 
 
+def check_step_options(clip_grad_norm: float | None, clip_grad_value: float | None, accumulation_steps: int) -> None:
+    """The step options every trainer takes, refused with a message naming the bad one."""
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+    if clip_grad_value is not None and not clip_grad_value > 0:
+        raise ValueError(f"clip_grad_value must be positive, got {clip_grad_value}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+
+
 @dataclass(frozen=True, slots=True)
 class Joining:
     """What a member learned while joining a generation (`Trainer._join`), with the times of each phase."""
@@ -182,12 +192,7 @@ class Trainer:
                 exchange, as DDP does before each forward (rank 0's). With False every rank keeps its own
                 buffers; a lost rank's buffers cannot then be rebuilt, and its recovery is refused.
         """
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-        if clip_grad_value is not None and not clip_grad_value > 0:
-            raise ValueError(f"clip_grad_value must be positive, got {clip_grad_value}")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+        check_step_options(clip_grad_norm, clip_grad_value, accumulation_steps)
         if amp not in (None, "bf16", "fp16"):
             raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
         self.job = job or init()
