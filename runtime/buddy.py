@@ -160,8 +160,9 @@ class BuddyCopies:
     def memory_bytes(self) -> int:
         return sum(s.state_bytes() for s in (*self.own.values(), *self.copies.values()))
 
-    def status(self, rank: int, alive: bool) -> BuddyStatus:
-        return BuddyStatus(rank, alive, tuple(sorted(self.own)), tuple(sorted(self.copies)))
+    def steps(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The steps of this rank's complete own snapshots and of its complete copies of its buddy's."""
+        return tuple(sorted(self.own)), tuple(sorted(self.copies))
 
     def refresh(self, state: TrainingState, step: int, rank: int, world: int, group: dist.ProcessGroup) -> None:
         """Start refreshing both copies at `step` (just committed; the previous refresh has ended: `settle`).

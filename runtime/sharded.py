@@ -390,9 +390,9 @@ class ShardedTrainer(Trainer):
     def _enter(self, g: int, failure_seen: float | None) -> None:
         records, cfg = self.job.records, self.job.cfg
         buddies = self.buddies
+        own, copies = buddies.steps() if buddies else ((), ())
         joining = self._join(g, pending=self._pending is not None and self._pending == self.committed + 1,
-                             own=tuple(sorted(buddies.own)) if buddies else (),
-                             copies=tuple(sorted(buddies.copies)) if buddies else ())
+                             own=own, copies=copies)
         rank, statuses = joining.rank, joining.statuses
         try:
             target, plans = plan_sharded_handoff(self.mesh_spec, statuses)
@@ -509,6 +509,10 @@ class ShardedTrainer(Trainer):
             if self.job.heartbeat.latest_gen > self.gen:
                 raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed while a buddy copy "
                                         "was still being sent")
+        if (failure := self.buddies.take_failure()) is not None:
+            # The previous refresh did not complete: the copies kept are older than the schedule says.
+            log.warning("%s: a buddy-copy refresh failed (%s); the previous copies stay the newest", self.job.proc,
+                        failure)
         self.buddies.refresh(self.state, step, self.rank, self.world_size, self._buddy_group)
 
     def _broadcast_initial_model(self) -> None:
