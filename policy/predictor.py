@@ -70,13 +70,143 @@ class IncompatibleModelError(ValueError):
 class FailurePredictor(ClassifierMixin, BaseEstimator):
     """Gradient boosting calibrated on a later hold-out: probabilities that a node faults within the horizon.
 
-    Rows of `X` must be in time order: the first `1 - calibration_fraction` of them train the trees and the
-    rest calibrate the probabilities, so calibration sees data from after the trees' training period.
-    When either part lacks a class (tiny or one-sided data), the trees train on all rows, uncalibrated.
+    A scikit-learn classifier for time-ordered rows. `fit` trains histogram gradient-boosted trees on the
+    earlier rows and calibrates their probabilities on the later rows, so calibration sees data from after the
+    trees' training period, as the model will when it scores live nodes. Column 1 of `predict_proba` (class 1)
+    is then the probability that the node's next fault starts within `horizon_h`: a probability of 0.2 means
+    about one in five such rows see a fault. When calibration is off, or the earlier or the later part lacks a
+    class (tiny or one-sided data), the trees train on all rows and the probabilities are left uncalibrated.
 
-    `horizon_h` is metadata, not a training knob: the label horizon the rows were built with (`features.
-    build_features`), saved with the model so that whoever scores with it converts its probabilities with the
-    right horizon (`pipeline.train_predictor` sets it; None means unknown).
+    Parameters
+    ----------
+    max_iter : int, default=50
+        Number of boosting iterations: one tree each for a binary target (one per class and iteration for
+        more classes). Early stopping is off, so exactly this many are grown (`n_iter_`). At least 1.
+        `trainmover policy train` uses 100 (`--max-iter`), `history.fit_history_model` 20 by default.
+
+    learning_rate : float, default=0.05
+        Shrinkage of each tree's contribution to the log-odds. Greater than 0; a smaller rate needs more
+        iterations.
+
+    max_leaf_nodes : int, default=15
+        Maximum number of leaves of each tree. At least 2.
+
+    min_samples_leaf : int, default=100
+        Minimum number of training rows in a leaf, capped at ``max(5, n_rows // 10)``, where ``n_rows`` is the
+        number of rows the trees are fitted on (the earlier part when calibrating, all rows otherwise), so a few
+        hundred rows can still split. At least 1.
+
+    l2_regularization : float, default=1.0
+        L2 penalty on the leaf values. At least 0; larger values shrink the leaves more.
+
+    calibration : {"sigmoid", "isotonic"} or None, default="sigmoid"
+        How the later rows map the trees' scores to probabilities: "sigmoid" (Platt scaling, two parameters,
+        steady on few positive rows) or "isotonic" (a monotone step function, more flexible, needs more
+        calibration rows). None turns calibration off: the trees train on all rows. `fit` raises ValueError for
+        any other value.
+
+    calibration_fraction : float, default=0.2
+        Share of the rows, the latest ones, that calibrate: the first ``round(n_rows * (1 - calibration_fraction))``
+        rows train the trees and the rest calibrate them. Strictly between 0 and 1, else `fit` raises ValueError
+        (it checks this even when `calibration` is None).
+
+    random_state : int or None, default=0
+        Seed of the trees' randomness: the subsample that places the bin thresholds when the trees see more
+        than 200,000 rows (on fewer rows the fit is deterministic whatever the seed). None draws a fresh seed
+        from numpy's global random state on every fit.
+
+    horizon_h : float or None, default=None
+        Metadata, not a training knob: the label horizon in hours that the rows were built with
+        (`features.build_features`, `history.fit_history_model`), saved with the model so that whoever scores
+        with it converts its probabilities with the right horizon. `pipeline.train_predictor` and
+        `history.fit_history_model` set it; None means unknown. `fit` does not check it, but
+        `load_policy_model` refuses a model whose horizon is None or not greater than 0.
+
+    Attributes
+    ----------
+    classes_ : ndarray of shape (n_classes,)
+        The class labels seen in `fit`, sorted; at least two. For the policy's 0/1 labels ``[0, 1]``: column 1
+        of `predict_proba` is P(fault within `horizon_h`).
+
+    n_features_in_ : int
+        Number of features (columns of `X`) seen in `fit`; `predict_proba` refuses any other number.
+        `load_policy_model` requires ``len(features.FEATURE_NAMES)``.
+
+    feature_names_in_ : ndarray of shape (`n_features_in_`,)
+        Names of the features seen in `fit`. Set only when `X` has string column names (a DataFrame).
+
+    model_ : CalibratedClassifierCV or HistGradientBoostingClassifier
+        The fitted model that `predict_proba` delegates to. When `calibrated_`, a `CalibratedClassifierCV`
+        holding the trees fitted on the earlier rows (frozen, `FrozenEstimator`) and one calibrator fitted on
+        the later rows; otherwise the `HistGradientBoostingClassifier` fitted on all rows.
+
+    n_iter_ : int
+        Number of boosting iterations of the fitted trees; equal to `max_iter`, since early stopping is off.
+
+    calibrated_ : bool
+        Whether the probabilities are calibrated on the later rows. False when `calibration` is None or when
+        the earlier or the later part lacks one of the classes.
+
+    See Also
+    --------
+    policy.features.build_features : The telemetry rows and labels it is trained on.
+    policy.history.fit_history_model : Fits it on a trace's history features (no telemetry).
+    policy.predictor.evaluate : Scores it against a rule and a logistic baseline on a time split.
+    policy.predictor.load_policy_model : Loads a saved model for the standby policy and checks that it fits.
+    policy.learned.hazard_table : Lays its probabilities out as the standby policy's hazards.
+    sklearn.ensemble.HistGradientBoostingClassifier : The trees.
+    sklearn.calibration.CalibratedClassifierCV : The calibration.
+
+    Notes
+    -----
+    The model is scikit-learn's `HistGradientBoostingClassifier` (log loss, features binned into at most 255
+    bins, missing values routed natively) without early stopping: the later rows are for calibration, not for a
+    random validation split.
+
+    Calibration is a single time-ordered hold-out, not cross-validation. The trees are fitted on the first
+    ``1 - calibration_fraction`` of the rows and frozen; a `CalibratedClassifierCV` over the frozen trees, with
+    one "fold" whose test set is every later row, fits one calibrator (`calibration`) on the trees' scores for
+    those rows. Uncalibrated probabilities (`calibrated_` False) are the trees' own, which tend to be
+    over-confident where the trees overfit.
+
+    Data: `X` is an array-like of shape (n_samples, n_features) of floats, NaN allowed (infinity is not), with
+    the rows in time order, earliest first: the split is by position and `fit` does not sort (rows of many
+    nodes interleave; sort them by time, as `pipeline.train_predictor` does). `y` holds the class labels, at
+    least two classes (ValueError otherwise); the policy's are 1 when the node's next fault starts within
+    `horizon_h` of the row's time and 0 otherwise. The telemetry model's columns are `features.FEATURE_NAMES`
+    (`FeatureSet.X`); the history-only model's are the three of `history.history_features`. More than two
+    classes work too (the scikit-learn estimator checks pass), but the policy uses two.
+
+    `save` and `load` persist a fitted model with skops, loading only `TRUSTED_TYPES`.
+
+    Examples
+    --------
+    Tiny synthetic data: 500 rows in time order, three features, a fault when the first feature runs high.
+
+    >>> import numpy as np
+    >>> from policy.predictor import FailurePredictor
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(500, 3))
+    >>> y = (X[:, 0] + rng.normal(scale=0.5, size=500) > 1.5).astype(int)
+    >>> model = FailurePredictor(max_iter=20, horizon_h=3.0).fit(X, y)
+    >>> model.classes_
+    array([0, 1])
+    >>> model.calibrated_, model.n_iter_, model.n_features_in_
+    (True, 20, 3)
+
+    P(fault within 3 h) for a node whose first feature runs high, one where it is low, and one where it is
+    missing (NaN):
+
+    >>> p_fault = model.predict_proba([[2.5, 0.0, 0.0], [-1.0, 0.0, 0.0], [np.nan, 0.0, 0.0]])[:, 1]
+    >>> p_fault.shape
+    (3,)
+    >>> bool(p_fault[0] > 0.2 > p_fault[1])
+    True
+
+    Without calibration the trees train on every row:
+
+    >>> FailurePredictor(max_iter=20, calibration=None).fit(X, y).calibrated_
+    False
     """
 
     def __init__(
