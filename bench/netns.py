@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cloud.local_hosts import Bridge, namespaces_unavailable
+from cloud.local.hosts import Bridge, namespaces_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def unavailable() -> str | None:
 
 
 class Cluster(Bridge):
-    """A bridge with `count` host namespaces (cloud.local_hosts.Bridge) and the agents a test starts in them;
+    """A bridge with `count` host namespaces (cloud.local.hosts.Bridge) and the agents a test starts in them;
     `close()` removes every process, namespace and link it made."""
 
     def __init__(self, count: int, tmp: Path) -> None:

@@ -29,6 +29,7 @@ from bench.peers.plain import run_plain
 from bench.peers.torchft_peer import lost_time_torchft
 from bench.peers.trainmover import AFTER_STEPS, NPROC, JobRun, kill_losses, kill_plan, kill_schedule, run_job
 from bench.workload import WorkloadSpec
+from runtime.config import KNOBS
 
 KILLS = 5
 """Kills per system; the brief of the benchmark: at least 5, so that a median and a spread mean something."""
@@ -92,8 +93,8 @@ def summarize_trainmover(
         "step_s": statistics.median(k.step_s for k in losses) if losses else None,
         "state_bytes": reference.state_bytes,
         "digest": reference.digest,
-        "settings": {"workers": NPROC, "standby": len(kill_steps), "hang_timeout_s": 2.0, "replenish": False,
-                     "wait_for_standbys": True,
+        "settings": {"workers": NPROC, "standby": len(kill_steps), "hang_timeout_s": KNOBS.hang_timeout_s,
+                     "replenish": False, "wait_for_standbys": True,
                      "kills": f"SIGKILL of whoever holds rank 1, mid gradient exchange, at steps {kill_steps}"},
     }
 

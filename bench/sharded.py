@@ -100,7 +100,8 @@ def run(layout: str, size: Size, steps: int, *, faults: str = "", standby: int =
                    (line.split() for line in (Path(f"{out}.w0.commits").read_text().splitlines()))]
         summary = json.loads(out.read_text()) if out.exists() else {}
         digests = set(result.digests.values())
-        return Run(wall, result.events, commits, summary, digests.pop() if len(digests) == 1 else None)
+        events = [e.to_dict() for e in result.events]
+        return Run(wall, events, commits, summary, digests.pop() if len(digests) == 1 else None)
 
 
 def steady_step_s(run: Run, skip: int = 3) -> float:

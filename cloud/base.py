@@ -16,11 +16,8 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar, get_args
+from typing import Literal, TypeVar, get_args
 from urllib.parse import urlsplit
-
-if TYPE_CHECKING:
-    from cloud.bootstrap import AgentBootstrap
 
 Role = Literal["worker", "standby"]
 Market = Literal["on-demand", "spot"]
@@ -215,7 +212,7 @@ class LaunchRequest:
     """A raw cloud-init document or script (EC2 user-data; Azure customData). Never put a secret in it: anyone
     allowed to read the instance's attributes can read it. Prefer `bootstrap`."""
     tags: Mapping[str, str] = field(default_factory=dict)
-    bootstrap: AgentBootstrap | None = None
+    bootstrap: HostBootstrap | None = None
     """Make each instance a host of the job: the provider renders `cloud.bootstrap.render_cloud_init(bootstrap)`
     into the instance's user-data (EC2) or `osProfile.customData` (Azure), with the identity that fetches the job's
     secret (the instance profile on AWS, a system-assigned managed identity on Azure). The document carries only
@@ -248,7 +245,12 @@ class LaunchRequest:
                 f"invalid market {self.market!r}: use one of {', '.join(get_args(Market))}", code="InvalidMarket"
             )
         if self.bootstrap is not None:
-            self._check_bootstrap(self.bootstrap)
+            if not isinstance(self.bootstrap, HostBootstrap):
+                raise InvalidRequestError(
+                    f"bootstrap must be a cloud.bootstrap.AgentBootstrap, got {type(self.bootstrap).__name__}",
+                    code="InvalidBootstrap",
+                )
+            self.bootstrap.check_launch(self)
         if self.network is not None:
             if not isinstance(self.network, JobNetwork):
                 raise InvalidRequestError(
@@ -261,38 +263,17 @@ class LaunchRequest:
                     code="InvalidNetwork",
                 )
 
-    def _check_bootstrap(self, bootstrap: object) -> None:
-        from cloud.bootstrap import AgentBootstrap  # cloud.bootstrap imports this module
 
-        if not isinstance(bootstrap, AgentBootstrap):
-            raise InvalidRequestError(
-                f"bootstrap must be a cloud.bootstrap.AgentBootstrap, got {type(bootstrap).__name__}",
-                code="InvalidBootstrap",
-            )
-        if bootstrap.job_id != self.job_id:
-            raise InvalidRequestError(
-                f"the bootstrap is for job {bootstrap.job_id!r}, the launch for {self.job_id!r}: an instance must "
-                "join the job it is tagged with",
-                code="InvalidBootstrap",
-            )
-        if self.user_data is not None:
-            raise InvalidRequestError(
-                "give bootstrap or user_data, not both: the bootstrap is the instance's whole user-data",
-                code="InvalidBootstrap",
-            )
-        if bootstrap.efa != self.efa:
-            raise InvalidRequestError(
-                f"the launch asks efa={self.efa} but its bootstrap efa={bootstrap.efa}: set both, so that the agent "
-                "runs with FI_PROVIDER=efa exactly on hosts that have the adapter",
-                code="InvalidBootstrap",
-            )
-        if self.count > 1 and (bootstrap.address is not None or bootstrap.head is not None):
-            what = "a fixed address" if bootstrap.address is not None else "the job's coordinator (head)"
-            raise InvalidRequestError(
-                f"the bootstrap gives every instance {what}, so it fits one instance only: launch the head (or the "
-                "host with a fixed address) with count=1, the others with a bootstrap without it",
-                code="InvalidBootstrap",
-            )
+class HostBootstrap(abc.ABC):
+    """What makes a launched instance a host of its job: `cloud.bootstrap.AgentBootstrap` is the one kind. It is
+    declared here so that `LaunchRequest` can hold and check one while this module imports nothing of `cloud`."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def check_launch(self, request: LaunchRequest) -> None:
+        """InvalidRequestError when `request` cannot launch hosts with this bootstrap (another job, user_data too,
+        a different efa, one fixed address or head for several instances)."""
 
 
 @dataclass(frozen=True, slots=True)

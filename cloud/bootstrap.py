@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from cloud.base import InvalidRequestError, validate_job_id
-from cloud.secrets import SecretRef
+from cloud.base import HostBootstrap, InvalidRequestError, LaunchRequest, validate_job_id
+from cloud.secret_store import SecretRef
 
 IMAGE_CONTRACT = """\
 Every host of a job runs the same image: a handoff moves a rank's state to another host and the job's result is
@@ -214,7 +214,7 @@ class HeadCoordinator:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentBootstrap:
+class AgentBootstrap(HostBootstrap):
     """What one instance needs to become a host of its job. Validated on construction, one message per mistake."""
 
     job_id: str
@@ -281,6 +281,34 @@ class AgentBootstrap:
         if self.interface is not None and not _INTERFACE.fullmatch(self.interface):
             raise InvalidRequestError(
                 f"invalid interface {self.interface!r}: give a network interface name such as ens5", code="InvalidBind"
+            )
+
+    def check_launch(self, request: LaunchRequest) -> None:
+        """InvalidRequestError when `request` cannot launch hosts with this bootstrap: another job, user_data too, a
+        different efa, or one fixed address or head for several instances."""
+        if self.job_id != request.job_id:
+            raise InvalidRequestError(
+                f"the bootstrap is for job {self.job_id!r}, the launch for {request.job_id!r}: an instance must "
+                "join the job it is tagged with",
+                code="InvalidBootstrap",
+            )
+        if request.user_data is not None:
+            raise InvalidRequestError(
+                "give bootstrap or user_data, not both: the bootstrap is the instance's whole user-data",
+                code="InvalidBootstrap",
+            )
+        if self.efa != request.efa:
+            raise InvalidRequestError(
+                f"the launch asks efa={request.efa} but its bootstrap efa={self.efa}: set both, so that the agent "
+                "runs with FI_PROVIDER=efa exactly on hosts that have the adapter",
+                code="InvalidBootstrap",
+            )
+        if request.count > 1 and (self.address is not None or self.head is not None):
+            what = "a fixed address" if self.address is not None else "the job's coordinator (head)"
+            raise InvalidRequestError(
+                f"the bootstrap gives every instance {what}, so it fits one instance only: launch the head (or the "
+                "host with a fixed address) with count=1, the others with a bootstrap without it",
+                code="InvalidBootstrap",
             )
 
     @property
@@ -441,6 +469,16 @@ def render_units(spec: AgentBootstrap) -> dict[str, str]:
             "trainmover-coordinator", restart=False,
         )
     return units
+
+
+def agent_bootstrap(request: LaunchRequest) -> AgentBootstrap | None:
+    """The request's bootstrap as the `AgentBootstrap` it is (`LaunchRequest` holds a `cloud.base.HostBootstrap`)."""
+    spec = request.bootstrap
+    if spec is not None and not isinstance(spec, AgentBootstrap):
+        raise InvalidRequestError(
+            f"bootstrap must be a cloud.bootstrap.AgentBootstrap, got {type(spec).__name__}", code="InvalidBootstrap"
+        )
+    return spec
 
 
 def render_cloud_init(spec: AgentBootstrap) -> str:

@@ -192,7 +192,8 @@ def _release(ns: argparse.Namespace) -> int:
 
 
 def _policy(ns: argparse.Namespace) -> int:
-    from cloud.iam import AwsJobScope, aws_job_policy, azure_job_role
+    from cloud.aws.iam import AwsJobScope, aws_job_policy
+    from cloud.azure.iam import azure_job_role
 
     if ns.provider == "aws":
         if ns.job is None:

@@ -10,21 +10,54 @@ message, and polled again next round: losing the notice channel must never stop 
         ...  # train
 
 Callers without a callback call `drain()` now and then instead.
+
+Shared by the clouds' per-instance sources (`cloud.aws.notices.ImdsNoticeSource`,
+`cloud.azure.notices.ScheduledEventsSource`) and the Azure managed identity: `IMDS_URL`, `imds_opener` (never
+through a proxy) and `SeenOnce` (report each event once, with bounded memory).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
+from typing import Generic, TypeVar
 
 from cloud.base import Notice, NoticeSource, Provider
 
 log = logging.getLogger(__name__)
 
 _DedupKey = tuple[object, ...]
+K = TypeVar("K", bound=Hashable)
+
+IMDS_URL = "http://169.254.169.254"  # AWS's and Azure's instance metadata service (link-local)
+
+
+def imds_opener() -> urllib.request.OpenerDirector:
+    """An opener that ignores HTTP(S)_PROXY: IMDS is link-local, so a proxy cannot reach it (Azure refuses proxied
+    IMDS calls), and a proxy must never see its tokens."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class SeenOnce(Generic[K]):
+    """The keys seen so far, oldest forgotten first beyond `max_remembered` (None: never forgotten), so that each
+    event is reported once. Not thread-safe: callers that share one hold their own lock."""
+
+    def __init__(self, max_remembered: int | None = None) -> None:
+        self.max_remembered = max_remembered
+        self._keys: dict[K, None] = {}  # insertion-ordered: the first key is the oldest
+
+    def first_time(self, key: K) -> bool:
+        """True, and `key` remembered, when it was not seen (or has been forgotten); False otherwise."""
+        if key in self._keys:
+            return False
+        self._keys[key] = None
+        if self.max_remembered is not None and len(self._keys) > self.max_remembered:
+            del self._keys[next(iter(self._keys))]
+        return True
 
 
 def notice_key(notice: Notice) -> _DedupKey:
@@ -67,7 +100,7 @@ class NoticeWatcher:
         self.max_remembered = max_remembered
         self.name = name
         self._lock = threading.Lock()
-        self._seen: OrderedDict[_DedupKey, None] = OrderedDict()
+        self._seen: SeenOnce[_DedupKey] = SeenOnce(max_remembered)
         self._pending: deque[Notice] = deque(maxlen=max_remembered)
         self._logged: set[str] = set()
         self._stop = threading.Event()
@@ -162,11 +195,8 @@ class NoticeWatcher:
     def _remember(self, notice: Notice) -> bool:
         key = notice_key(notice)
         with self._lock:
-            if key in self._seen:
+            if not self._seen.first_time(key):
                 return False
-            self._seen[key] = None
-            while len(self._seen) > self.max_remembered:
-                self._seen.popitem(last=False)
             self._pending.append(notice)
             return True
 
@@ -180,4 +210,4 @@ class NoticeWatcher:
         log.warning("notice watcher %s: %s (polling goes on; logged once)", self.name, message)
 
 
-__all__ = ["NoticeWatcher", "notice_key"]
+__all__ = ["IMDS_URL", "NoticeWatcher", "SeenOnce", "imds_opener", "notice_key"]

@@ -22,12 +22,13 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from flows.models import TrainingRun
 from flows.supervisor import EVENT_PREFIX, Happening
 from policy.telemetry import TelemetrySample
+from runtime.event_records import Event, GenerationStarted
 
 
 @dataclass
@@ -86,15 +87,14 @@ class FailureDrill:
     _stage_started: float | None = None
     _pids: dict[int, int] = field(default_factory=dict)
 
-    def observe(self, happenings: list[Happening], events: list[dict[str, object]]) -> list[Happening]:
+    def observe(self, happenings: list[Happening], events: Sequence[Event]) -> list[Happening]:
         now = self.clock()
         if self._stage_started is None:
             self._stage_started = now
         for ev in events:
-            if ev.get("event") == "generation":
-                members = ev.get("members")
-                for m in members if isinstance(members, list) else []:
-                    if isinstance(m, dict) and m.get("pid"):
+            if isinstance(ev, GenerationStarted):
+                for m in ev.members:
+                    if m.get("pid"):
                         self._pids[int(m["rank"])] = int(m["pid"])
         for h in happenings:
             if h.event == f"{EVENT_PREFIX}.standby.prewarmed":

@@ -27,7 +27,7 @@ from typing import Any
 
 from cloud.base import CloudError, JobNetwork, Provider
 from cloud.bootstrap import AgentBootstrap
-from cloud.local_hosts import LocalHosts, NamespaceHosts, ProcessHosts
+from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts
 from cloud.secrets import JobSecretStore, LocalFileStore, SecretRef
 from flows.models import TrainingRun
 from runtime.client import Placement

@@ -45,6 +45,17 @@ from policy.decision import FleetState, decide_standby
 from policy.online import NodeScore, OnlineScorer
 from policy.telemetry import TelemetrySample
 from runtime.client import JobSpec, Placement, RuntimeJob
+from runtime.event_records import (
+    Event,
+    GenerationStarted,
+    HostLost,
+    JobFailed,
+    JobFinished,
+    MemberFailed,
+    Placed,
+    Recovered,
+    StandbyWarm,
+)
 
 log = logging.getLogger("trainmover.flows")
 
@@ -157,12 +168,13 @@ class Supervisor:
         self.warm_target = 0
         self.job: RuntimeJob | None = None
         """The job, through the runtime's client: its launcher, events and control store."""
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
+        """Every event of the job read so far, as records (runtime.event_records)."""
         self.interruptions: list[Interruption] = []
         self._started_at: float | None = None
         self._next_policy = 0.0
         self._hot_nodes: set[str] = set()
-        self._failed: dict[str, dict[str, Any]] = {}
+        self._predicted: dict[str, bool] = {}  # failed process -> whether its node was hot when it failed
         self._cold_ranks: set[int] = set()  # ranks waiting for a parked standby woken from the stopped tier
         self._standby_seconds: dict[str, float] = {"warm": 0.0, "stopped": 0.0}
         self._last_accrual: float | None = None
@@ -297,9 +309,9 @@ class Supervisor:
         self._last_accrual = self._started_at
         # On instances the job starts once every host joined (up to hosts_wait_s): `tick` connects then.
 
-    def _steer(self, command: str, *args: Any) -> None:
+    def _set_standby_target(self, n: int) -> None:
         if self.job is not None:
-            self.job.steer(command, *args)  # type: ignore[arg-type]
+            self.job.set_standby_target(n)
 
     def committed_step(self) -> int | None:
         """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
@@ -411,99 +423,86 @@ class Supervisor:
             out += self._on_event(ev)
         return out
 
-    def _on_event(self, ev: dict[str, Any]) -> list[Happening]:
-        kind = ev.get("event")
+    def _on_event(self, ev: Event) -> list[Happening]:
         job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
-        if self._replaying and kind in ("member_failed", "host_lost"):
-            # What these caused (a release, a replacement order) happened under the run that saw them first.
-            if kind == "member_failed":
-                self._failure(ev)
-            return []
-        if self.hosts is not None and kind in ("placed", "generation", "host_lost", "recovered"):
-            # Recovery first: the table row names the rank's instance before the new holder replaces it.
-            out = self._on_recovered(ev) if kind == "recovered" else []
-            return out + self._on_host_event(ev)
-        if kind == "member_failed" and self.hosts is not None:
-            return [self._failure(ev)] + (self._wake_parked(int(ev["rank"])) if not self.warm else [])
-        if kind == "member_failed":
-            return [self._failure(ev), *self._replace_instance(int(ev["rank"]))]
-        if kind == "recovered":
-            return self._on_recovered(ev)
-        return self._on_end(kind, ev, job)
+        if self._replaying:
+            # What failures and lost hosts caused (a release, a replacement order) happened under the run that saw
+            # them first: only the bookkeeping is rebuilt.
+            match ev:
+                case MemberFailed():
+                    self._failure(ev)
+                    return []
+                case HostLost():
+                    return []
+        if self.hosts is not None:
+            match ev:
+                case Recovered():
+                    # Recovery first: the table row names the rank's instance before the new holder replaces it.
+                    return self._on_recovered(ev) + self._on_host_event(ev)
+                case Placed() | GenerationStarted() | HostLost():
+                    return self._on_host_event(ev)
+                case MemberFailed(rank=rank):
+                    return [self._failure(ev)] + (self._wake_parked(rank) if not self.warm else [])
+        match ev:
+            case MemberFailed(rank=rank):
+                return [self._failure(ev), *self._replace_instance(rank)]
+            case Recovered():
+                return self._on_recovered(ev)
+            case StandbyWarm(proc=proc):
+                return [Happening(f"{EVENT_PREFIX}.standby.ready", f"{EVENT_PREFIX}.process.{proc}",
+                                  f"standby {proc} is warm", {"process": proc})]
+            case JobFinished(step=step, final_digest=digest):
+                self.steps_done = max(self.steps_done, step or 0)
+                return [Happening(f"{EVENT_PREFIX}.job.finished", job, "training finished", {"final_digest": digest})]
+            case JobFailed(reason=reason):
+                return [Happening(f"{EVENT_PREFIX}.job.failed", job, f"training failed: {reason}", {"reason": reason})]
+        return []
 
-    def _failure(self, ev: dict[str, Any]) -> Happening:
-        rank = int(ev["rank"])
+    def _failure(self, ev: MemberFailed) -> Happening:
+        rank = ev.rank
         node = self.workers.get(rank, f"rank-{rank}")
-        self._failed[ev["proc"]] = {**ev, "node": node, "predicted": node in self._hot_nodes}
-        cause = str(ev.get("cause", "failed"))
+        self._predicted[ev.proc] = node in self._hot_nodes
+        cause = ev.cause
         planned = cause.startswith("planned_move")
         return Happening(
             f"{EVENT_PREFIX}.node.{'moved' if planned else 'failed'}",
             f"{EVENT_PREFIX}.node.{node}",
-            f"worker {ev['proc']} (rank {rank}, node {node}) {cause}",
-            {"rank": rank, "process": ev["proc"], "cause": cause, "node": node},
+            f"worker {ev.proc} (rank {rank}, node {node}) {cause}",
+            {"rank": rank, "process": ev.proc, "cause": cause, "node": node},
         )
 
-    def _on_recovered(self, ev: dict[str, Any]) -> list[Happening]:
+    def _on_recovered(self, ev: Recovered) -> list[Happening]:
         out = []
-        for r in ev.get("ranks", []):
-            rank = int(r["rank"])
-            lost = float(ev.get("recovery_s", 0.0)) + float(ev.get("warmup_penalty_s", 0.0))
+        lost = ev.recovery_s + ev.warmup_penalty_s
+        for r in ev.ranks:
+            rank, old, new = int(r["rank"]), str(r["old"]), str(r["new"])
             self.interruptions.append(
                 Interruption(
-                    cause=", ".join(ev.get("causes", [])),
+                    cause=", ".join(ev.causes),
                     rank=rank,
-                    old_process=r["old"],
-                    new_process=r["new"],
-                    step=ev.get("step"),
-                    detect_s=float(ev.get("detect_s", 0.0)),
-                    reconfigure_s=float(ev.get("reconfigure_s", 0.0)),
-                    handoff_s=float(ev.get("handoff_s", 0.0)),
-                    replay_s=float(ev.get("replay_s", 0.0)),
+                    old_process=old,
+                    new_process=new,
+                    step=ev.step,
+                    detect_s=ev.detect_s,
+                    reconfigure_s=ev.reconfigure_s,
+                    handoff_s=ev.handoff_s,
+                    replay_s=ev.replay_s,
                     lost_time_s=lost,
-                    tier="stopped" if rank in self._cold_ranks else str(ev.get("tier", "warm")),
-                    predicted=bool(self._failed.get(r["old"], {}).get("predicted", False)),
+                    tier="stopped" if rank in self._cold_ranks else ev.tier,
+                    predicted=self._predicted.get(old, False),
                 )
             )
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.standby.promoted",
                     f"{EVENT_PREFIX}.rank.{rank}",
-                    f"standby {r['new']} took rank {rank} from {r['old']} at step {ev.get('step')}: "
+                    f"standby {new} took rank {rank} from {old} at step {ev.step}: "
                     f"{lost:.2f} s lost, no checkpoint reloaded",
-                    {"rank": rank, "old": r["old"], "new": r["new"], "lost_time_s": lost, "step": ev.get("step")},
+                    {"rank": rank, "old": old, "new": new, "lost_time_s": lost, "step": ev.step},
                 )
             )
             self._cold_ranks.discard(rank)
         return out
-
-    def _on_end(self, kind: object, ev: dict[str, Any], job: str) -> list[Happening]:
-        if kind == "standby_ready":
-            return [
-                Happening(
-                    f"{EVENT_PREFIX}.standby.ready",
-                    f"{EVENT_PREFIX}.process.{ev['proc']}",
-                    f"standby {ev['proc']} is warm",
-                    {"process": ev["proc"]},
-                )
-            ]
-        if kind == "job_finished":
-            self.steps_done = max(self.steps_done, int(ev.get("step", 0) or 0))
-            return [
-                Happening(
-                    f"{EVENT_PREFIX}.job.finished", job, "training finished", {"final_digest": ev.get("final_digest")}
-                )
-            ]
-        if kind == "job_failed":
-            return [
-                Happening(
-                    f"{EVENT_PREFIX}.job.failed",
-                    job,
-                    f"training failed: {ev.get('reason')}",
-                    {"reason": ev.get("reason")},
-                )
-            ]
-        return []
 
     def _replace_instance(self, rank: int) -> list[Happening]:
         """The failed rank's node is gone: release it; the standby's instance now holds the rank; order another."""
@@ -550,7 +549,7 @@ class Supervisor:
         # The coordinator is waiting for a standby: one more process starts cold on the woken node.
         # The next policy decision lowers the target again if the risk does not pay for it.
         self.warm_target += 1
-        self._steer("set_standby_target", self.warm_target)
+        self._set_standby_target(self.warm_target)
         how = (f"woke parked standby {woken}" if woken == parked
                else f"no capacity to wake {parked} ({outcome.summary()}): launched {woken} instead")
         return [Happening(f"{EVENT_PREFIX}.standby.woken", f"{EVENT_PREFIX}.node.{woken}",
@@ -572,25 +571,24 @@ class Supervisor:
                           f"ordered {missing} replacement standby instance(s): {', '.join(new)}", {"instances": new})]
 
     # -- hosts mode: the instances run the job -------------------------------------------------------
-    def _on_host_event(self, ev: dict[str, Any]) -> list[Happening]:
-        kind = ev.get("event")
+    def _on_host_event(self, ev: Placed | GenerationStarted | HostLost | Recovered) -> list[Happening]:
         out: list[Happening] = []
-        if kind == "placed":
-            self._where[str(ev["proc"])] = str(ev["host"])
-        elif kind == "generation":
-            self._members = {int(m["rank"]): str(m["proc"]) for m in ev.get("members", [])}
-            if self.job is not None and not self._replaying:
-                self.job.connect()  # the job runs: its store answers
-        elif kind == "host_lost":
-            lost = str(ev.get("host"))
-            if lost in self.parked or lost not in self._launched:
-                return out  # a parked instance powered off, or one released already
-            self._terminate([lost])
-            out.append(Happening(f"{EVENT_PREFIX}.node.lost", f"{EVENT_PREFIX}.node.{lost}",
-                                 f"instance {lost} lost ({ev.get('cause')}): terminated, its ranks move to standbys",
-                                 {"node": lost, "cause": ev.get("cause"), "processes": ev.get("procs", [])}))
+        match ev:
+            case Placed(proc=proc, host=host):
+                self._where[proc] = host
+            case GenerationStarted(members=members):
+                self._members = {int(m["rank"]): str(m["proc"]) for m in members}
+                if self.job is not None and not self._replaying:
+                    self.job.connect()  # the job runs: its store answers
+            case HostLost(host=lost, cause=cause, procs=procs):
+                if lost in self.parked or lost not in self._launched:
+                    return out  # a parked instance powered off, or one released already
+                self._terminate([lost])
+                out.append(Happening(f"{EVENT_PREFIX}.node.lost", f"{EVENT_PREFIX}.node.{lost}",
+                                     f"instance {lost} lost ({cause}): terminated, its ranks move to standbys",
+                                     {"node": lost, "cause": cause, "processes": procs}))
         self._sync_hosts()
-        if kind in ("host_lost", "recovered"):
+        if isinstance(ev, HostLost | Recovered):
             out += self._order_standbys()
         return out
 
@@ -630,7 +628,8 @@ class Supervisor:
             log.warning("notices: %s", exc)
             return out
         for rank, n in notice_moves(notices, self.workers):
-            self._steer("move", [rank], n.kind)
+            if self.job is not None:
+                self.job.move([rank], n.kind)
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.node.notice",
@@ -666,7 +665,7 @@ class Supervisor:
             self.warm += [i.instance_id for i in self._launch("standby", change.launch_warm)]
         if change.retarget:
             self.warm_target = warm
-            self._steer("set_standby_target", warm)
+            self._set_standby_target(warm)
         if raised:
             assert self.scorer is not None
             out.append(Happening(
@@ -713,20 +712,20 @@ class Supervisor:
 
     def report(self) -> RunReport:
         ev = self.events
-        start = next((e["time"] for e in ev if e.get("event") == "generation"), None)
-        end = next((e["time"] for e in ev if e.get("event") in ("job_finished", "job_failed")), None)
+        start = next((e.time for e in ev if isinstance(e, GenerationStarted)), None)
+        end = next((e.time for e in ev if isinstance(e, JobFinished | JobFailed)), None)
         if start is not None and end is None:
             end = time.time()  # a report of a run stopped midway: what ran until now (event times are epoch)
         wall_s = float(end - start) if start is not None and end is not None else 0.0
-        fin = next((e for e in ev if e.get("event") == "job_finished"), None)
-        failed = next((e for e in ev if e.get("event") == "job_failed"), None)
+        fin = next((e for e in ev if isinstance(e, JobFinished)), None)
+        failed = next((e for e in ev if isinstance(e, JobFailed)), None)
         hours = {k: v * self.time_scale / 3600.0 for k, v in self._standby_seconds.items()}
         # Downtimes are the wall seconds measured; the run's length and the standby hours are on its clock.
         bill = bill_run(self.costs, self.run.tier_prices(), hours, [i.lost_time_s for i in self.interruptions],
                         wall_s * self.time_scale)
         exit_code = self.job.returncode if self.job is not None and self.job.returncode is not None else -1
         if failed:
-            message = str(failed.get("reason"))
+            message = failed.reason
         elif exit_code > 0:  # the launcher or coordinator stopped before the job ran: its own last word says why
             message = self._last_log_line() or f"the job's coordinator exited with code {exit_code}"
         else:
@@ -739,7 +738,7 @@ class Supervisor:
             wall_s=wall_s,
             steps=self.steps_done,
             interruptions=list(self.interruptions),
-            final_digest=fin.get("final_digest") if fin else None,
+            final_digest=fin.final_digest if fin else None,
         )
 
     def _last_log_line(self) -> str:

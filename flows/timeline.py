@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from runtime.event_records import Event, MemberFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +40,9 @@ class Timeline:
             self.samples.append(Sample(at, int(step), warm, parked))
 
 
-def interruptions_of(events: Sequence[dict[str, Any]]) -> list[tuple[float, int, str]]:
+def interruptions_of(events: Sequence[Event]) -> list[tuple[float, int, str]]:
     """(epoch seconds, rank, cause) of every worker failure or planned move in the coordinator's events."""
-    return [(float(e["time"]), int(e["rank"]), str(e.get("cause", "failed")))
-            for e in events if e.get("event") == "member_failed" and "time" in e and "rank" in e]
+    return [(e.time, e.rank, e.cause) for e in events if isinstance(e, MemberFailed)]
 
 
 def plot_timeline(samples: Sequence[Sample], interruptions: Sequence[tuple[float, int, str]], path: Path,

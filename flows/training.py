@@ -52,6 +52,7 @@ from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
 from flows.timeline import interruptions_of, markdown_image, plot_timeline
 from policy.online import OnlineScorer
+from runtime.event_records import JobFailed
 
 TICK_S = 0.2
 MAX_WALL_S = 365 * 86400.0
@@ -278,7 +279,7 @@ def conclude(sup: Supervisor, run: TrainingRun, ending: Ending, time_scale: floa
             publish_artifacts(report, run, time_scale, ending)
             publish_timeline(sup)
         # The job's own failure was announced as it happened (the coordinator's job_failed), with its reason.
-        if not (ending.kind == "failed" and any(e.get("event") == "job_failed" for e in sup.events)):
+        if not (ending.kind == "failed" and any(isinstance(e, JobFailed) for e in sup.events)):
             announce(
                 Happening(
                     ending.event,

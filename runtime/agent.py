@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from runtime.auth import ENV_SECRET
-from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN
+from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN, FORK_SERVER, KNOBS, flag
 from runtime.netaddr import interface_of
 from runtime.protocol import (
     NOTICE_KINDS,
@@ -73,26 +73,26 @@ class AgentError(RuntimeError):
     """A setting the user got wrong, or a coordinator that could not be joined; the message says what to do."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AgentConfig:
-    coordinator: str
-    """HOST:PORT of the coordinator's agent port."""
-    slots: int
-    """Processes this host runs at once (one per GPU)."""
+    """Everything `trainmover agent` takes; its command line is made of these fields (runtime.cli)."""
+
+    coordinator: str = field(metadata=flag("--coordinator", "the coordinator's agent port", metavar="HOST:PORT"))
+    slots: int = field(default=1, metadata=flag(
+        "--slots", "processes this host runs (one per GPU; default %(default)s)"))
     secret: str = field(repr=False)
-    name: str = field(default_factory=socket.gethostname)
-    """This host's name in the job's events."""
-    address: str | None = None
+    name: str = field(default_factory=socket.gethostname, metadata=flag(
+        "--name", "this host's name in the job's events (default: the hostname)"))
+    address: str | None = field(default=None, metadata=flag(
+        "--address", "address this host's processes listen on (default: the one facing the coordinator)"))
     """Where this host's processes listen for their peers; default: this end of the link to the coordinator."""
-    job_id: str = ""
-    """Join only this job (empty: whichever job the coordinator runs)."""
-    connect_timeout_s: float = 60.0
-    """How long to keep trying to reach the coordinator, at start and after being fenced."""
-    rejoin: bool = True
-    """After being fenced, come back as a new host (a standby host) instead of exiting."""
-    fork_server: bool = False
-    """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
-    milliseconds instead of seconds. Gloo only; when the zygote is not ready or fails, processes start as usual."""
+    job_id: str = field(default="", metadata=flag("--job-id", "join only this job (default: whichever job the "
+                                                              "coordinator runs)"))
+    connect_timeout_s: float = field(default=KNOBS.agent_connect_timeout_s, metadata=flag(
+        "--connect-timeout", "how long to keep trying to reach the coordinator (default %(default)s s)", metavar="S"))
+    rejoin: bool = field(default=True, metadata=flag(
+        "--rejoin", "after being fenced, come back as a new host (a standby host) instead of exiting"))
+    fork_server: bool = field(default=KNOBS.fork_server, metadata={"flag": FORK_SERVER})
     notices: NoticeWatch | None = None
     """This host's cloud notices (spot interruption, eviction, maintenance), forwarded to the coordinator, which
     moves the host's ranks to standbys before the cloud acts."""
@@ -162,7 +162,7 @@ Outcome = Literal["stop", "fenced", "lease", "closed"]
 
 
 class NoticeSource(Protocol):
-    """This host's notice endpoint (cloud.aws_notices.ImdsNoticeSource, cloud.azure_notices.ScheduledEventsSource):
+    """This host's notice endpoint (cloud.aws.notices.ImdsNoticeSource, cloud.azure.notices.ScheduledEventsSource):
     each notice once, with `kind`, `deadline_at` (epoch seconds or None) and `detail`."""
 
     def poll(self) -> list[Any]: ...
@@ -405,6 +405,9 @@ class Agent:
         nccl = order.env.get(ENV_BACKEND) == "nccl"
         if nccl:
             env["CUDA_VISIBLE_DEVICES"] = str(order.slot)
+            if self.zygote is not None:  # an NCCL job never forks from it (on by default): free what it holds
+                self.zygote.close()
+                self.zygote = None
         pid = None
         if order.role == "standby" and self.zygote is not None and not nccl:
             pid = self.zygote.spawn(env, list(order.argv))

@@ -8,35 +8,40 @@ events file and its control store; a supervisor never builds the former nor pars
   hosts' agents (a job across hosts).
 - `RuntimeJob.start` spawns the job's launcher (its own process group, the job's secret in its environment only);
   `RuntimeJob.attach` takes over a job another process started, by its launcher's pid (a supervisor that died).
-- `RuntimeJob.read_events` returns the events written since the last call, whole lines only; `steer` sends a control
-  command (`set_standby_target`, `move`) that a job which ended meanwhile simply does not need; `committed_step`
-  reads the last committed step; `stop` ends the launcher and everything it started.
+- `RuntimeJob.read_events` returns the events written since the last call, whole lines only, as typed records
+  (`runtime.event_records`: `match event: case Recovered(...)`); `set_standby_target` and `move` send the control
+  commands, which a job that ended meanwhile simply does not need (`steer` is their deprecated by-name form);
+  `committed_step` reads the last committed step; `stop` ends the launcher and everything it started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from runtime.auth import ENV_SECRET
+from runtime.config import KNOBS, Backend
 from runtime.control import JobControl, JobEnded
+from runtime.event_records import ENDINGS, Event, EventError, parse_event
+
+log = logging.getLogger("trainmover.client")
 
 CONTROL_TIMEOUT_S = 60.0
 """How long a new control connection waits for the job's store to answer."""
 
 STOP_GRACE_S = 20.0
 """How long `stop` waits after SIGTERM for the launcher to stop what it started, before SIGKILL."""
-
-ENDINGS = ("job_finished", "job_failed")
-
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
@@ -45,9 +50,9 @@ class JobSpec:
 
     script: Path
     workers: int
-    standby: int = 0
+    standby: int = KNOBS.standby
     script_args: tuple[str, ...] = ()
-    backend: Literal["gloo", "nccl"] = "gloo"
+    backend: Backend = KNOBS.backend
     faults: str | None = None
     steps: int | None = None
     threads: int = 1
@@ -93,13 +98,15 @@ def coordinator_argv(spec: JobSpec, events: Path, placement: Placement) -> list[
 
 class EventTail:
     """The events a job wrote to its JSON-lines file since the last `read`: whole lines only (a line being written
-    is read the next time), malformed ones skipped."""
+    is read the next time), as records (`runtime.event_records.parse_event`); a line that is not JSON or not an
+    event is skipped, with a warning when it is JSON that names an event."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._offset = 0
 
-    def read(self) -> list[dict[str, Any]]:
+    def read_objects(self) -> list[dict[str, Any]]:
+        """The new lines' JSON objects, as written."""
         if not self.path.exists():
             return []
         with self.path.open("rb") as f:
@@ -115,10 +122,19 @@ class EventTail:
                     out.append(ev)
         return out
 
+    def read(self) -> list[Event]:
+        out: list[Event] = []
+        for raw in self.read_objects():
+            try:
+                out.append(parse_event(raw))
+            except EventError as exc:
+                log.warning("%s: skipped a line that is not an event: %s", self.path, exc)
+        return out
+
 
 def finished_in(events: Path) -> bool:
-    """Whether a job's events file records that the job finished."""
-    return any(ev.get("event") == "job_finished" for ev in EventTail(events).read())
+    """Whether a job's events file records that the job finished (its kind is enough)."""
+    return any(ev.get("event") == "job_finished" for ev in EventTail(events).read_objects())
 
 
 class Launcher(Protocol):
@@ -223,22 +239,40 @@ class RuntimeJob:
             self.control = JobControl(self.host, self.port, timeout_s=CONTROL_TIMEOUT_S, secret=self._secret)
         return self.control is not None
 
-    def read_events(self) -> list[dict[str, Any]]:
-        """The events written since the last call. Once the job's end is among them, the control connection is
-        closed: the job's store is about to go and no call may reach it any more."""
+    def read_events(self) -> list[Event]:
+        """The events written since the last call, as records. Once the job's end is among them, the control
+        connection is closed: the job's store is about to go and no call may reach it any more."""
         events = self._tail.read()
-        if any(ev.get("event") in ENDINGS for ev in events):
+        if any(isinstance(ev, ENDINGS) for ev in events):
             self.over = True
             self._disconnect()
         return events
 
+    def set_standby_target(self, n: int) -> bool:
+        """Keep `n` unpromoted standbys from now on. False when there is no one to tell (not connected yet, or
+        over): a job that ends meanwhile needs no steering, its end is read from its events."""
+        return self._send(lambda control: control.set_standby_target(n))
+
+    def move(self, ranks: Sequence[int], reason: str) -> bool:
+        """Move these ranks' processes to standbys, on purpose (`reason`: the cause `planned_move:<reason>` in the
+        events). False when there is no one to ask (not connected yet, or over)."""
+        return self._send(lambda control: control.move(list(ranks), reason))
+
     def steer(self, command: Literal["set_standby_target", "move"], *args: Any) -> bool:
-        """Send `command` to the job; False when there is no one to send it to (not connected yet, or over). A job
-        that ends meanwhile needs no steering: its end is read from its events."""
+        """Deprecated: call `set_standby_target(n)` or `move(ranks, reason)`."""
+        warnings.warn("RuntimeJob.steer is deprecated: call set_standby_target or move", DeprecationWarning,
+                      stacklevel=2)
+        if command == "set_standby_target":
+            return self.set_standby_target(*args)
+        if command == "move":
+            return self.move(*args)
+        raise ValueError(f"no command {command!r}: set_standby_target or move")
+
+    def _send(self, command: Callable[[JobControl], object]) -> bool:
         if self.control is None:
             return False
         try:
-            getattr(self.control, command)(*args)
+            command(self.control)
         except JobEnded:
             return False
         return True

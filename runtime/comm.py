@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from runtime.config import KNOBS
+
 log = logging.getLogger("trainmover.runtime")
 
 STALE_GRACE_S = 1.0
@@ -113,7 +115,8 @@ class Communicator:
         """The TCP sockets this generation's groups opened (`track_sockets`), shut when a newer one forms."""
         self.sockets_shut = 0
 
-    def build(self, gen: int, rank: int, world_size: int, connect_timeout_s: float = 30.0) -> None:
+    def build(self, gen: int, rank: int, world_size: int,
+              connect_timeout_s: float = KNOBS.connect_timeout_s) -> None:
         """Join generation `gen`'s group. Connecting is bounded by `connect_timeout_s` (a member that dies
         between the store barrier and this call leaves the others waiting that long at most); collectives
         then get the long collective timeout, since hangs are caught by heartbeats instead."""

@@ -28,7 +28,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -36,8 +36,27 @@ import torch.distributed as dist
 from runtime import store as keys
 from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
+from runtime.config import KNOBS
 from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.decisions import MoveContext, move_refusal
+from runtime.event_records import (
+    ChaosInjected,
+    ChaosUnresolved,
+    ControlRejected,
+    Event,
+    GenerationStarted,
+    JobFinished,
+    JobStarted,
+    MemberFailed,
+    MoveAccepted,
+    StandbyLost,
+    StandbyTargetChanged,
+    StandbyWarm,
+    UntrustedValue,
+)
+from runtime.event_records import (
+    JobFailed as JobFailedEvent,
+)
 from runtime.events import EventLog
 from runtime.faults import parse_plan
 from runtime.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
@@ -63,47 +82,123 @@ from runtime.recoveries import Death, Recoveries
 from runtime.standbys import StandbyPool
 
 __all__ = ["Coordinator", "CoordinatorSettings", "JobFailed", "JobResult", "Member", "ProcessHandle", "ProcessPool",
-           "configure_logging", "describe_exit"]
+           "SimplePool", "configure_logging", "describe_exit"]
 
 log = logging.getLogger("trainmover.coordinator")
 
 LOOP_S = 0.005
 HEALTH_EVERY_S = 0.2
-HOST_SETTLE_S = 0.05
-"""Across hosts, how long after the last declared death the coordinator waits for more before it publishes the
-new generation: losses seen together move together. A pool may say otherwise with a `settle_s` attribute (one
-host: 0)."""
 
 
 class ProcessPool(Protocol):
-    """Where processes come from. Optional methods, looked up with getattr: wake_fd, drain_wake, helpers, describe,
-    take_events, free_slots, suspect, announce (runtime.hosts' pool across hosts has them all); and an optional
-    attribute, settle_s (see HOST_SETTLE_S)."""
+    """Where processes come from, and everything the coordinator asks of it: `runtime.hosts.HostPool` across hosts
+    (and `runtime.launcher.LocalHostPool`, its one-machine form); `SimplePool` gives the answers of a pool with no
+    hosts behind it (tests' simulated pools)."""
 
-    def spawn(self, name: str, role: str) -> ProcessHandle: ...
+    settle_s: float
+    """After a declared death, how long to wait for more before publishing the new generation: across hosts, losses
+    seen together move together (0: replace at once)."""
+
+    def spawn(self, name: str, role: str) -> ProcessHandle:
+        """Start process `name` in `role` ("worker" or "standby"); NoSlot when there is no room for it."""
+        ...
+
+    def wake_fd(self) -> int | None:
+        """A descriptor that turns readable when a process exited or a host was lost (None: the processes' own exit
+        descriptors say so); `drain_wake` empties it."""
+        ...
+
+    def drain_wake(self) -> None: ...
+
+    def helpers(self) -> dict[str, int]:
+        """Helper processes (a zygote) by name, with their pids, for the job_started event."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Extra fields of the job_started event (`JobStarted`'s agent_port and hosts)."""
+        ...
+
+    def take_events(self) -> list[Event]:
+        """Events the pool saw since the last call (hosts joined or lost, placements), for the event log."""
+        ...
+
+    def take_notices(self) -> list[tuple[str, str, str]]:
+        """(host, incarnation, kind) of each notice a host's cloud sent since the last call."""
+        ...
+
+    def procs_on(self, host_name: str, incarnation: str) -> list[str]:
+        """The live processes placed on that incarnation of a host."""
+        ...
+
+    def free_slots(self) -> int | None:
+        """How many more processes fit (None: no limit)."""
+        ...
+
+    def suspect(self, name: str) -> bool:
+        """Whether process `name` may be lost with its host (its hang is then left to the host's timeout)."""
+        ...
+
+    def announce(self, gen: int, members: list[str]) -> None:
+        """A new generation was published with these members."""
+        ...
+
+
+class SimplePool:
+    """The answers of a pool with no hosts behind it: processes signal their exits themselves, nothing to describe,
+    no events or notices, no slot limit, nobody suspect. A pool of simulated processes subclasses it and adds
+    `spawn`."""
+
+    settle_s: float = 0.0
+
+    def wake_fd(self) -> int | None:
+        return None
+
+    def drain_wake(self) -> None:
+        pass
+
+    def helpers(self) -> dict[str, int]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def take_events(self) -> list[Event]:
+        return []
+
+    def take_notices(self) -> list[tuple[str, str, str]]:
+        return []
+
+    def procs_on(self, host_name: str, incarnation: str) -> list[str]:
+        return []
+
+    def free_slots(self) -> int | None:
+        return None
+
+    def suspect(self, name: str) -> bool:
+        return False
+
+    def announce(self, gen: int, members: list[str]) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorSettings:
-    """Detection and replacement knobs (the launcher fills them from its command line)."""
+    """Detection and replacement knobs (the launcher fills them from its command line); the shared knobs' defaults
+    and meanings are runtime.config.KNOBS's."""
 
     job_id: str
     job_token: str
     nproc: int
     standby: int
-    hang_timeout_s: float = 2.0
-    """A process whose heartbeat is silent this long is declared hung, fenced (SIGKILL) and replaced."""
+    hang_timeout_s: float = KNOBS.hang_timeout_s
     startup_timeout_s: float = 180.0
     """Longest a process may take from start to its first heartbeat."""
-    standby_wait_s: float = 30.0
-    """With no standby ready, how long to wait for one (a replacement warming up) before stopping the job."""
-    replenish: bool = True
-    """Start a new standby whenever one is promoted or lost, keeping the pool at the standby target."""
+    standby_wait_s: float = KNOBS.standby_wait_s
+    replenish: bool = KNOBS.replenish
     exit_grace_s: float = 60.0
     """After training completes, how long processes may take to exit before they are killed."""
     faults: str = ""
-    start_when_standbys_ready: bool = False
-    """Hold the workers at generation 0 until every standby is warm, so that the first failure is covered."""
+    start_when_standbys_ready: bool = KNOBS.wait_for_standbys
     chaos: str = ""
     """Random faults the coordinator injects itself (runtime.chaos), for soak tests and benchmarks."""
     max_standby_failures: int = 5
@@ -116,7 +211,7 @@ class JobResult:
 
     exit_code: int
     message: str
-    events: list[dict[str, Any]]
+    events: list[Event]
     digests: dict[str, str]
 
 
@@ -150,14 +245,13 @@ class Coordinator:
         """The store through the job's seal: every record read is verified, every record written is sealed."""
         self.procs: dict[str, Member] = {}
         self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
-        suspect = getattr(pool, "suspect", None)
         self.health = HealthWatch(self.records, settings.hang_timeout_s, settings.startup_timeout_s, wall,
-                                  (lambda name: bool(suspect(name))) if suspect is not None else (lambda _: False))
+                                  pool.suspect)
         # Through a weak reference, for the same reason: the standby pool must not keep the coordinator alive.
         me = weakref.proxy(self)
         self.standbys = StandbyPool(self.procs, lambda name, role: me._spawn(name, role), events, settings.standby,
                                     settings.max_standby_failures, clock, self.health.looks_alive,
-                                    getattr(pool, "free_slots", None))
+                                    pool.free_slots)
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
         self.recoveries = Recoveries(self.records, events)
@@ -185,12 +279,10 @@ class Coordinator:
         self._health_due = True
         self._next_health = 0.0
         self._t0 = 0.0
-        self._wake_fd: int | None = getattr(pool, "wake_fd", lambda: None)()
+        self._wake_fd = pool.wake_fd()
         """A pool across hosts (runtime.hosts) wakes the loop through this when a process exits or a host is lost."""
         if self._wake_fd is not None:
             self._selector.register(self._wake_fd, selectors.EVENT_READ, None)
-        self._settle_s: float = getattr(pool, "settle_s", HOST_SETTLE_S if self._wake_fd is not None else 0.0)
-        """How long to wait for more losses before replacing (across hosts, hosts failing together move together)."""
 
     @property
     def standby_target(self) -> int:
@@ -214,9 +306,8 @@ class Coordinator:
         the standbys to be warm)."""
         self._t0 = self.wall()
         self.records.put(keys.k_job_config(), JobConfig(self.s.nproc, self.s.job_id))
-        helpers: dict[str, int] = getattr(self.pool, "helpers", dict)()
-        self.events.emit("job_started", job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
-                         port=self.store.port, helpers=helpers, **getattr(self.pool, "describe", dict)())
+        self.events.emit(JobStarted(job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
+                                    port=self.store.port, helpers=self.pool.helpers(), **self.pool.describe()))
         self._pool_events()
         for name in self.gen.members:
             self._spawn(name, "worker")
@@ -257,18 +348,18 @@ class Coordinator:
         self.recoveries.flush(self.gen.gen, final=True)
         for name, at in self._chaos_hit.items():
             if not self.procs[name].dead:  # a hang injected too close to the end to be detected before it
-                self.events.emit("chaos_unresolved", proc=name, pid=self.procs[name].handle.pid, time=at,
-                                 reason="the job ended before the fault was detected")
+                self.events.emit(ChaosUnresolved(proc=name, pid=self.procs[name].handle.pid, time=at,
+                                                 reason="the job ended before the fault was detected"))
         digests = self._digests()
         refused = dict(self.records.sealer.refused)
         if result.exit_code == 0:
             progress = self.records.get_record(keys.k_progress(), Progress)
-            self.events.emit("job_finished", wall_s=self.wall() - self._t0, generation=self.gen.gen,
-                             digests=digests, step=progress.step if progress is not None else -1,
-                             final_digest=digests.get(self.gen.members[0]), refused_values=refused)
+            self.events.emit(JobFinished(wall_s=self.wall() - self._t0, generation=self.gen.gen,
+                                         digests=digests, step=progress.step if progress is not None else -1,
+                                         final_digest=digests.get(self.gen.members[0]), refused_values=refused))
         else:
-            self.events.emit("job_failed", wall_s=self.wall() - self._t0, reason=result.message,
-                             exit_code=result.exit_code, refused_values=refused)
+            self.events.emit(JobFailedEvent(wall_s=self.wall() - self._t0, reason=result.message,
+                                       exit_code=result.exit_code, refused_values=refused))
         self._shutdown(result.message)
         return JobResult(result.exit_code, result.message, list(self.events.events), digests)
 
@@ -321,7 +412,7 @@ class Coordinator:
         seen = self.wall()
         for key, _ in ready:
             if key.data is None:
-                self.pool.drain_wake()  # type: ignore[attr-defined]
+                self.pool.drain_wake()
                 continue
             self._selector.unregister(key.fileobj)
             self._exit_fds.pop(key.data, None)
@@ -343,9 +434,9 @@ class Coordinator:
 
     def _pool_events(self) -> None:
         """Hosts that joined or were lost, as the pool across hosts saw them; notices their agents sent."""
-        for kind, fields in getattr(self.pool, "take_events", list)():
-            self.events.emit(kind, **fields)
-        for host, incarnation, kind in getattr(self.pool, "take_notices", list)():
+        for event in self.pool.take_events():
+            self.events.emit(replace(event, time=time.time()))  # stamped when logged, as every other event
+        for host, incarnation, kind in self.pool.take_notices():
             self._host_notices.setdefault((host, incarnation), kind)
 
     def _move_noticed_hosts(self) -> None:
@@ -355,7 +446,7 @@ class Coordinator:
         if not self._host_notices or not self.started or self.completing_since is not None:
             return
         for (host, incarnation), kind in list(self._host_notices.items()):
-            procs = set(self.pool.procs_on(host, incarnation))  # type: ignore[attr-defined]
+            procs = set(self.pool.procs_on(host, incarnation))
             if not procs:
                 del self._host_notices[(host, incarnation)]  # lost already, or nothing of the job runs there
                 continue
@@ -374,7 +465,7 @@ class Coordinator:
                 self._fence(proc, f"host_notice:{kind}")
             if ranks:
                 moving = [self.gen.members[r] for r in ranks]
-                self.events.emit("move_accepted", seq=None, ranks=ranks, procs=moving, reason=kind, host=host)
+                self.events.emit(MoveAccepted(seq=None, ranks=ranks, procs=moving, reason=kind, host=host))
                 log.warning("host %s: %s: moving rank(s) %s (%s) to standbys", host, kind, ranks, ", ".join(moving))
                 for proc in moving:
                     self._fence(proc, f"planned_move:{kind}")
@@ -406,8 +497,8 @@ class Coordinator:
         if rank is None:
             if code == 0:
                 return  # a standby that joined and then left on its own (the job is ending): nothing lost
-            self.events.emit("standby_lost", proc=name, pid=m.handle.pid, cause=cause, was_ready=m.ready,
-                             failure_at=failure, declared_at=now_wall, detect_s=now_wall - failure)
+            self.events.emit(StandbyLost(proc=name, pid=m.handle.pid, cause=cause, was_ready=m.ready,
+                                         failure_at=failure, declared_at=now_wall, detect_s=now_wall - failure))
             log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
             self.standbys.lost(name, cause, m.ready)
             if self.s.replenish:
@@ -419,9 +510,9 @@ class Coordinator:
         if self.waiting_since is None:
             self.waiting_since = self.clock()
         step = fault.step if fault else None
-        self.events.emit("member_failed", generation=self.gen.gen, rank=rank, proc=name, pid=m.handle.pid,
-                         cause=cause, step=step, failure_at=failure, declared_at=now_wall,
-                         detect_s=now_wall - failure)
+        self.events.emit(MemberFailed(generation=self.gen.gen, rank=rank, proc=name, pid=m.handle.pid,
+                                      cause=cause, step=step, failure_at=failure, declared_at=now_wall,
+                                      detect_s=now_wall - failure))
         where = f" at step {step}" if step is not None else ""
         log.warning("worker %s (rank %d, pid %d) %s%s", name, rank, m.handle.pid, cause, where)
         self._update_holders()  # a promoted standby may have finished its handoff since the last tick
@@ -449,8 +540,8 @@ class Coordinator:
         for warm in verdicts.warm:
             m = self.procs[warm.proc]
             self.standbys.became_warm(warm.proc)
-            self.events.emit("standby_ready", proc=warm.proc, pid=m.handle.pid, warmup_s=warm.warmup_s,
-                             ready_after_s=warm.ready_after_s)
+            self.events.emit(StandbyWarm(proc=warm.proc, pid=m.handle.pid, warmup_s=warm.warmup_s,
+                                         ready_after_s=warm.ready_after_s))
 
     def _fence(self, name: str, cause: str, failure_at: float | None = None) -> None:
         """Make sure a process declared dead cannot come back and write into the job (kill, then reap)."""
@@ -478,9 +569,11 @@ class Coordinator:
             else:
                 self._apply_move(command.request)
 
-    def _reject(self, control: str, reason: str, **fields: Any) -> None:
+    def _reject(self, control: str, reason: str, *, value: str | None = None, seq: int | None = None,
+                ranks: list[int] | None = None, host: str | None = None) -> None:
         log.warning("ignored a %s request: %s", control, reason)
-        self.events.emit("control_rejected", control=control, reason=reason, **fields)
+        self.events.emit(ControlRejected(control=control, reason=reason, value=value, seq=seq, ranks=ranks,
+                                         host=host))
 
     def _apply_standby_target(self, raw: str) -> None:
         try:
@@ -491,7 +584,7 @@ class Coordinator:
         old = self.standbys.target
         if target == old:
             return
-        self.events.emit("standby_target_changed", old=old, new=target)
+        self.events.emit(StandbyTargetChanged(old=old, new=target))
         log.info("standby target changed from %d to %d", old, target)
         self.standbys.set_target(target, len(self.pending_deaths))
 
@@ -510,8 +603,8 @@ class Coordinator:
             self._answer_move(request.seq, refusal)
             return
         procs = [self.gen.members[r] for r in request.ranks]
-        self.events.emit("move_accepted", seq=request.seq, ranks=list(request.ranks), procs=procs,
-                         reason=request.reason)
+        self.events.emit(MoveAccepted(seq=request.seq, ranks=list(request.ranks), procs=procs,
+                                      reason=request.reason))
         self._answer_move(request.seq, None)
         log.warning("moving rank(s) %s (%s) to standbys: %s", list(request.ranks), ", ".join(procs), request.reason)
         # Leaving on purpose takes the failure path: after a SIGKILL the survivors' recovery is the one that is
@@ -613,9 +706,10 @@ class Coordinator:
             else:
                 os.kill(m.handle.pid, signal.SIGKILL if shot.signal == "kill" else signal.SIGSTOP)
             state = next(c.state for c in candidates if c.proc == shot.proc)
-            self.events.emit("chaos_injected", proc=shot.proc, pid=m.handle.pid, signal=shot.signal,
-                             role="worker" if shot.proc in members else "standby", state=state, time=at,
-                             rank=members.get(shot.proc), generation=self.gen.gen, n=self.chaos.injected)
+            self.events.emit(ChaosInjected(proc=shot.proc, pid=m.handle.pid, signal=shot.signal,
+                                           role="worker" if shot.proc in members else "standby", state=state,
+                                           time=at, rank=members.get(shot.proc), generation=self.gen.gen,
+                                           n=self.chaos.injected))
             log.warning("chaos: %s %s (pid %d, %s)", shot.signal, shot.proc, m.handle.pid, state)
         if self.chaos.exhausted:
             self._chaos_over = True
@@ -675,7 +769,8 @@ class Coordinator:
     def _replace(self, now: float) -> None:
         ready = self.standbys.ready()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
-        if self._settle_s > 0 and self.wall() - max(d.declared_at for d in deaths) < self._settle_s:
+        settle_s = self.pool.settle_s
+        if settle_s > 0 and self.wall() - max(d.declared_at for d in deaths) < settle_s:
             return  # across hosts, hosts failing together (a rack, a switch) are seen within ms: one generation
         if len(ready) < len(deaths):
             if self.s.replenish:
@@ -684,7 +779,7 @@ class Coordinator:
             if now - self.waiting_since > self.s.standby_wait_s:
                 lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
                 hint = ("Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS).")
-                if getattr(self.pool, "free_slots", None) is not None:
+                if self.pool.free_slots() is not None:
                     hint = ("No standby host is left: start `trainmover agent` on another host (it joins as a standby "
                             "host), or keep more standby slots (--standby K), or allow a longer --standby-wait.")
                 raise JobFailed(
@@ -711,17 +806,15 @@ class Coordinator:
             self.records.put(keys.k_assign(proc), Assignment(gen.gen))
         self.records.put(keys.k_current_gen(), CurrentGeneration(gen.gen))
         self.gen = gen
-        announce = getattr(self.pool, "announce", None)
-        if announce is not None:
-            announce(gen.gen, list(gen.members))
+        self.pool.announce(gen.gen, list(gen.members))
 
     def _emit_generation(self, gen: Generation) -> None:
-        self.events.emit(
-            "generation", generation=gen.gen, reason=gen.reason, world_size=gen.world_size,
+        self.events.emit(GenerationStarted(
+            generation=gen.gen, reason=gen.reason, world_size=gen.world_size,
             members=[{"rank": r, "proc": p, "pid": self.procs[p].handle.pid if p in self.procs else None}
                      for r, p in enumerate(gen.members)],
             replaced=[{"rank": r, "old": a, "new": b} for r, a, b in gen.replaced],
-        )
+        ))
 
     def _digests(self) -> dict[str, str]:
         out = {}
@@ -734,7 +827,7 @@ class Coordinator:
 def _refusal_reporter(events: EventLog) -> Callable[[str, str, str], None]:
     def refused(kind: str, key: str, why: str) -> None:
         """A value the job's seal refused (someone without the secret wrote it, or replayed an old one)."""
-        events.emit("untrusted_value", key=key, key_kind=kind, reason=why)
+        events.emit(UntrustedValue(key=key, key_kind=kind, reason=why))
 
     return refused
 

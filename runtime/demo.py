@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import examples.train_mlp
 from runtime.coordinator import JobResult
+from runtime.event_records import ENDINGS, Event, GenerationStarted, MemberFailed, Recovered
+from runtime.events import of_type
 from runtime.launcher import LaunchConfig, launch
 
 KILL_PHASE = "exchange"
@@ -22,9 +23,9 @@ def _training_wall_s(result: JobResult) -> float:
     # A difference of these two walls is not the failure's cost here: on a shared 2-core machine it drifts by
     # more than the recovery takes. The cost is read from the recovery's own timings instead.
     """From the moment generation 0 was published (workers start training) to the end of the job."""
-    start = next(e["time"] for e in result.events if e["event"] == "generation")
-    end = next(e["time"] for e in result.events if e["event"] in ("job_finished", "job_failed"))
-    return float(end - start)
+    start = next(e.time for e in result.events if isinstance(e, GenerationStarted))
+    end = next(e.time for e in result.events if isinstance(e, ENDINGS))
+    return end - start
 
 
 def _run(steps: int, faults: str, events_path: str | None) -> JobResult:
@@ -60,9 +61,9 @@ def run_demo(steps: int = 60, events_path: str | None = None) -> int:
     same = set(faulted.digests.values()) == set(clean.digests.values())
     print(f"   {_training_wall_s(faulted):.2f} s of training; final state {_short(faulted.digests)}")
     print(f"   bit-for-bit identical to the uninterrupted run: {'yes' if same else 'NO'}")
-    recovered = [e for e in faulted.events if e["event"] == "recovered"]
+    recovered = of_type(faulted.events, Recovered)
     if recovered:
-        down = recovered[0]["recovery_s"] + recovered[0]["warmup_penalty_s"]
+        down = recovered[0].recovery_s + recovered[0].warmup_penalty_s
         print(f"\nWhat the failure cost: the job was down for {down:.3f} s, from the kill to training at full "
               "speed again (the replayed step and the slower first steps included); no step was lost.")
     print("Checkpoint-restart would have restarted every worker, reloaded the last checkpoint and redone the "
@@ -77,19 +78,20 @@ def _short(digests: dict[str, str]) -> str:
     return f"{next(iter(values))[:12]}… ({agree}: {', '.join(sorted(digests))})"
 
 
-def _describe(events: list[dict[str, Any]]) -> list[str]:
+def _describe(events: list[Event]) -> list[str]:
     lines = []
     for e in events:
-        if e["event"] == "member_failed":
-            lines.append(f"worker {e['proc']} (rank {e['rank']}, pid {e['pid']}) {e['cause']} at step {e['step']}; "
-                         f"the coordinator declared it dead {e['detect_s'] * 1000:.0f} ms later")
-        elif e["event"] == "generation" and e["generation"] > 0:
-            moved = ", ".join(f"rank {r['rank']}: {r['old']} -> {r['new']}" for r in e["replaced"])
-            lines.append(f"generation {e['generation']}: {moved}; survivors stay in their processes")
-        elif e["event"] == "recovered":
-            lines.append(
-                f"recovered in {e['recovery_s']:.3f} s: reconfigure {e['reconfigure_s']:.3f} s, handoff "
-                f"{e['handoff_s']:.3f} s ({e['handoff_bytes'] / 1e6:.1f} MB from rank {e['sources']} memory), "
-                f"replay of step {e['step']} {e['replay_s']:.3f} s, warm-up penalty {e['warmup_penalty_s']:.3f} s"
-            )
+        match e:
+            case MemberFailed():
+                lines.append(f"worker {e.proc} (rank {e.rank}, pid {e.pid}) {e.cause} at step {e.step}; "
+                             f"the coordinator declared it dead {e.detect_s * 1000:.0f} ms later")
+            case GenerationStarted() if e.generation > 0:
+                moved = ", ".join(f"rank {r['rank']}: {r['old']} -> {r['new']}" for r in e.replaced)
+                lines.append(f"generation {e.generation}: {moved}; survivors stay in their processes")
+            case Recovered():
+                lines.append(
+                    f"recovered in {e.recovery_s:.3f} s: reconfigure {e.reconfigure_s:.3f} s, handoff "
+                    f"{e.handoff_s:.3f} s ({e.handoff_bytes / 1e6:.1f} MB from rank {e.sources} memory), "
+                    f"replay of step {e.step} {e.replay_s:.3f} s, warm-up penalty {e.warmup_penalty_s:.3f} s"
+                )
     return lines

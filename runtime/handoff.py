@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from runtime.auth import derive, prove
 from runtime.comm import CommFailure, error_text
+from runtime.config import KNOBS
 from runtime.state import TrainingState
 
 TAG_NONCE = 1
@@ -168,7 +169,7 @@ class GlooLinks:
     Every wait is bounded by `timeout_s` (a peer that stops sending without dying fails the handoff instead of
     holding it for the group's collective timeout); a new generation aborts the group sooner still."""
 
-    def __init__(self, timeout_s: float = 600.0) -> None:
+    def __init__(self, timeout_s: float = KNOBS.collective_timeout_s) -> None:
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
@@ -215,7 +216,7 @@ class HandoffSession:
     members: tuple[str, ...]
     job_id: str
     token: str = field(repr=False)
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = KNOBS.chunk_bytes
     fault: Callable[..., bool | None] = lambda *_, **__: None
 
     def proof(self, role: str, source: int, receiver: int, nonce_r: bytes, nonce_s: bytes) -> bytes:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.config import KNOBS
+from runtime.event_records import AgentRefused, Event, HostJoined, HostLost, HostNoticed, Placed
 from runtime.protocol import (
     Beat,
     Exited,
@@ -57,12 +59,13 @@ class NoSlot(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HostTiming:
-    heartbeat_s: float = 0.5
-    """Beats each way."""
-    lease_s: float = 2.0
-    """An agent that hears nothing for this long kills its processes."""
-    host_timeout_s: float = 3.0
-    """A host silent this long is lost. Longer than the lease plus a beat: its processes are fenced by then."""
+    """The agent links' timing (defaults: runtime.config.KNOBS's agent_heartbeat_s, agent_lease_s and
+    host_timeout_s). The host timeout is longer than the lease plus a beat: a lost host's processes are fenced by
+    then."""
+
+    heartbeat_s: float = KNOBS.agent_heartbeat_s
+    lease_s: float = KNOBS.agent_lease_s
+    host_timeout_s: float = KNOBS.host_timeout_s
 
     def validate(self) -> None:
         if self.heartbeat_s <= 0:
@@ -138,7 +141,7 @@ class RemoteProcess:
 class HostPool:
     """Places processes on the agents' hosts; see the module's docstring."""
 
-    settle_s = 0.05
+    settle_s: float = 0.05
     """After a process is lost, how long the coordinator waits for more losses before replacing: hosts failing
     together (a rack, a switch) are seen within milliseconds, and their ranks then move in one generation."""
 
@@ -156,7 +159,7 @@ class HostPool:
         self._cond = threading.Condition()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._events: list[tuple[str, dict[str, Any]]] = []
+        self._events: list[Event] = []
         self.notices: list[tuple[str, str, str]] = []
         self._doomed: set[tuple[str, str]] = set()  # hosts whose cloud announced they will go: nothing new there
         """(host, incarnation, kind) of each notice an agent sent; the coordinator takes them (`take_notices`)."""
@@ -182,7 +185,11 @@ class HostPool:
             while os.read(self._wake_r, 4096):
                 pass
 
-    def take_events(self) -> list[tuple[str, dict[str, Any]]]:
+    def helpers(self) -> dict[str, int]:
+        """Helper processes of the pool, by name: none here (the agents own theirs)."""
+        return {}
+
+    def take_events(self) -> list[Event]:
         with self._cond:
             out, self._events = self._events, []
         return out
@@ -228,8 +235,8 @@ class HostPool:
             if handle.pid < 0 and handle.code is None:
                 why = handle.start_error or f"its agent did not answer within {SPAWN_ANSWER_S:.0f} s"
                 self._exit(handle, 127, f"could not start on host {host.key}: {why}", time.time())
-            self._events.append(("placed", {"proc": name, "role": role, "host": host.name,
-                                            "incarnation": host.incarnation, "slot": slot, "pid": handle.pid}))
+            self._events.append(Placed(proc=name, role=role, host=host.name, incarnation=host.incarnation,
+                                       slot=slot, pid=handle.pid))
         return handle
 
     def _new_handle(self, name: str, role: str, host: Host, slot: int) -> RemoteProcess:
@@ -384,7 +391,7 @@ class HostPool:
             self._drop(sock)
             log.warning("refused an agent link from %s: %s", _peer_name(sock), exc)
             with self._cond:
-                self._events.append(("agent_refused", {"peer": _peer_name(sock), "reason": str(exc)}))
+                self._events.append(AgentRefused(peer=_peer_name(sock), reason=str(exc)))
                 if isinstance(peer, Host):
                     self._lose(peer, f"it sent a bad frame ({exc})", time.time())
             return
@@ -433,15 +440,15 @@ class HostPool:
                 return
             self.hosts.append(host)
             self._by_sock[sock] = host
-            self._events.append(("host_joined", {"host": host.name, "incarnation": host.incarnation,
-                                                 "slots": host.slots, "address": host.address}))
+            self._events.append(HostJoined(host=host.name, incarnation=host.incarnation, slots=host.slots,
+                                           address=host.address))
             self._cond.notify_all()
         log.info("host %s joined with %d slots at %s", host.key, host.slots, host.address)
 
     def _refuse(self, sock: socket.socket, why: str) -> None:
         log.warning("refused an agent from %s: %s", _peer_name(sock), why)
         with self._cond:
-            self._events.append(("agent_refused", {"peer": _peer_name(sock), "reason": why}))
+            self._events.append(AgentRefused(peer=_peer_name(sock), reason=why))
         self._drop(sock)
 
     def _on_message(self, host: Host, msg: Message) -> None:
@@ -462,9 +469,8 @@ class HostPool:
             return
         if isinstance(msg, HostNotice):
             procs = sorted(p.name for p in host.procs.values() if p.code is None)
-            self._events.append(("host_notice", {"host": host.name, "incarnation": host.incarnation,
-                                                 "notice": msg.kind, "deadline_at": msg.deadline_at,
-                                                 "detail": msg.detail[:200], "procs": procs}))
+            self._events.append(HostNoticed(host=host.name, incarnation=host.incarnation, notice=msg.kind,
+                                            deadline_at=msg.deadline_at, detail=msg.detail[:200], procs=procs))
             self.notices.append((host.name, host.incarnation, msg.kind))
             self._doomed.add((host.name, host.incarnation))
             with contextlib.suppress(OSError):
@@ -507,8 +513,8 @@ class HostPool:
             return
         log.warning("host %s lost: %s", host.key, why)
         procs = list(host.procs.values())
-        self._events.append(("host_lost", {"host": host.name, "incarnation": host.incarnation, "cause": why,
-                                           "procs": [p.name for p in procs], "failure_at": failure_at}))
+        self._events.append(HostLost(host=host.name, incarnation=host.incarnation, cause=why,
+                                     procs=[p.name for p in procs], failure_at=failure_at))
         with contextlib.suppress(OSError):
             host.link.sock.setblocking(False)
             host.link.sock.send(host.link.encode(Fence(f"host lost: {why}")))

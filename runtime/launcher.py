@@ -14,202 +14,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import select
 import signal
 import socket
 import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
 
 import torch.distributed as dist
 
 from runtime.agent import Agent, AgentConfig, Child
-from runtime.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
-from runtime.chaos import parse_chaos
-from runtime.config import ProcessConfig
+from runtime.auth import ENV_SECRET
+from runtime.config import ConfigError, LaunchConfig, ProcessConfig
 from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.events import EventLog
-from runtime.faults import parse_plan
 from runtime.hosts import Host, HostPool, HostTiming, RemoteProcess
 from runtime.netaddr import interface_of
 
 log = logging.getLogger("trainmover.launcher")
-
-
-class ConfigError(ValueError):
-    """A launch setting a user got wrong; the message says what to change."""
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchConfig:
-    """Everything `trainmover run` takes."""
-
-    script: str
-    """The training script (run with this Python interpreter)."""
-    args: tuple[str, ...] = ()
-    """Arguments passed to the script."""
-    nproc: int = 2
-    """Number of workers: logical data-parallel ranks 0..nproc-1."""
-    standby: int = 1
-    """Number of warm standby processes kept ready."""
-    backend: Literal["gloo", "nccl"] = "gloo"
-    """gloo (CPU) or nccl (one GPU per process: workers and standbys alike)."""
-    events_path: str | None = None
-    """Write membership and recovery events here as JSON lines."""
-    hang_timeout_s: float = 2.0
-    """Heartbeat silence after which a process is declared hung and fenced."""
-    heartbeat_s: float = 0.25
-    """Heartbeat interval of every process."""
-    standby_wait_s: float = 30.0
-    """With no standby ready, how long to wait for one before stopping the job."""
-    replenish: bool = True
-    """Start a replacement standby whenever one is promoted or lost."""
-    num_threads: int | None = None
-    """torch threads per process (equal everywhere, for bit-exact replays); default: cores / nproc."""
-    faults: str = ""
-    """Fault-injection plan (runtime.faults) for demos and tests."""
-    chaos: str = ""
-    """Random faults the coordinator injects (runtime.chaos), e.g. "seed=1,every_s=1.5,max=100,signals=kill|stop"."""
-    host: str = "127.0.0.1"
-    """Address the coordinator's store listens on (that address only), and where Gloo listens too."""
-    secret: str | None = field(default=None, repr=False)
-    """The job's secret, which signs every control record and proves membership. Default: the
-    `TRAINMOVER_JOB_SECRET` environment variable, else the contents of `secret_file`, else a fresh one."""
-    secret_file: str | None = None
-    """A file holding the job's secret (mode 600); created with a fresh secret if it does not exist, so that an
-    orchestrator started later can read it."""
-    port: int = 0
-    """Port of the coordinator's store, where an orchestrator connects to steer the job (`runtime.control`);
-    0 picks a free one (the `job_started` event names it)."""
-    recovery_timeout_s: float = 120.0
-    """Longest a member waits for a new generation or for its peers to join one."""
-    chunk_bytes: int = 64 << 20
-    """Largest message of a state handoff."""
-    job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    """Name of the job, in events and proofs."""
-    quiet: bool = False
-    """Log only errors."""
-    wait_for_standbys: bool = False
-    """Start training only once every standby is warm (the first failure is then always covered)."""
-    handoff_transport: Literal["gloo", "tls"] = "gloo"
-    """How the state travels to a new member: over the generation's Gloo/NCCL group (fast, not encrypted), or
-    "tls": mutual-TLS connections (Python's ssl), for standbys across a trust boundary."""
-    tls_cert: str | None = None
-    """With tls: the job's certificate (PEM) every member presents; default: a fresh self-signed one per job."""
-    tls_key: str | None = None
-    """Its private key (PEM, mode 600)."""
-    tls_ca: str | None = None
-    """What a peer's certificate must chain to; default: the job's certificate."""
-    agents: int = 0
-    """0: every process runs on this machine. N > 0: the coordinator alone; it waits for N agents
-    (`trainmover agent`, one per host) and places every process in their slots, never starting one itself."""
-    agent_port: int = 0
-    """Where the agents connect (with --agents); 0 picks a free one (the `job_started` event names it)."""
-    host_timeout_s: float = 3.0
-    """With --agents: a host whose agent is silent this long is lost, with every process on it."""
-    agent_heartbeat_s: float = 0.5
-    """With --agents: beats each way on every agent link; an agent's lease is host_timeout - 2 beats."""
-    agents_wait_s: float = 120.0
-    """With --agents: how long to wait for the agents to join before giving up."""
-    fork_server: bool = True
-    """Fork standbys from a zygote that imported torch once (runtime.zygote): a replacement standby starts in
-    milliseconds instead of seconds. Gloo only; without it (or when the zygote fails) processes start as usual."""
-
-    def validate(self) -> None:
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.job_id):
-            raise ConfigError(f"--job-id must be 1-64 letters, digits, '.', '_' or '-', got {self.job_id!r}")
-        if self.standby < 0:
-            raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
-        if self.agents < 0:
-            raise ConfigError(f"--agents must be 0 (this machine) or the number of hosts, got {self.agents}")
-        if self.agents == 0 and not Path(self.script).is_file():
-            raise ConfigError(f"training script {self.script!r} does not exist")
-        if self.agents and self.handoff_transport == "tls" and self.tls_cert is None:
-            raise ConfigError("--handoff-transport tls across hosts needs --tls-cert and --tls-key files at the same "
-                              "path on every host (a per-job certificate made here would not be on the hosts)")
-        if self.agents:
-            try:
-                self.host_timing().validate()
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        if not 0 <= self.agent_port <= 65535:
-            raise ConfigError(f"--agent-port must be a TCP port (0 picks a free one), got {self.agent_port}")
-        if self.hang_timeout_s <= self.heartbeat_s * 2:
-            raise ConfigError(
-                f"--hang-timeout ({self.hang_timeout_s} s) must exceed two heartbeats ({2 * self.heartbeat_s} s), "
-                "or healthy workers would be declared hung"
-            )
-        try:
-            socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
-        except OSError:
-            raise ConfigError(f"--host {self.host!r} is not an address of this machine") from None
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be a TCP port (0 picks a free one), got {self.port}")
-        if self.standby_wait_s < 0:
-            raise ConfigError(f"--standby-wait must be 0 or more seconds, got {self.standby_wait_s}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"--threads must be 1 or more torch threads per process, got {self.num_threads}; "
-                              "leave it out for cores / nproc")
-        if self.handoff_transport not in ("gloo", "tls"):
-            raise ConfigError(f"--handoff-transport must be gloo or tls, got {self.handoff_transport!r}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("--tls-cert and --tls-key go together (or leave both out for a per-job certificate)")
-        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(f"{flag} {path!r} is not a file")
-        if self.handoff_transport == "gloo" and (self.tls_cert or self.tls_ca):
-            raise ConfigError("--tls-cert/--tls-ca apply to --handoff-transport tls only")
-        try:
-            plan = parse_plan(self.faults)
-            parse_chaos(self.chaos)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if not self.agents and any(f.action == "host" for f in plan):
-            raise ConfigError("the fault action host kills a whole host (its agent and every process on it): it needs "
-                              "hosts of their own (--agents with `trainmover agent`); on one machine use kill")
-        if self.backend == "nccl":
-            import torch
-
-            needed = self.nproc + self.standby
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if have < needed:
-                raise ConfigError(
-                    f"--backend nccl gives each process its own GPU: {needed} processes need {needed} GPUs, "
-                    f"this machine has {have}. Use --backend gloo, or fewer workers/standbys."
-                )
-
-    def job_secret(self) -> str:
-        """The secret from the config, the environment or the secret file (created if absent); never logged."""
-        try:
-            if self.secret is not None:
-                return check_secret(self.secret, "the launch config")
-            if os.environ.get(ENV_SECRET):
-                return check_secret(os.environ[ENV_SECRET], ENV_SECRET)
-            if self.secret_file is not None:
-                if Path(self.secret_file).exists():
-                    return read_secret_file(self.secret_file)
-                secret = new_token()
-                write_secret_file(self.secret_file, secret)
-                return secret
-        except (ValueError, OSError) as exc:
-            raise ConfigError(str(exc)) from None
-        return new_token()
-
-    def host_timing(self) -> HostTiming:
-        beat = self.agent_heartbeat_s
-        return HostTiming(heartbeat_s=beat, lease_s=self.host_timeout_s - 2 * beat, host_timeout_s=self.host_timeout_s)
-
-    def threads(self) -> int:
-        return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)
 
 
 LOCAL_TIMING = HostTiming(heartbeat_s=0.5, lease_s=30.0, host_timeout_s=60.0)

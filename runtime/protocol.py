@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -404,6 +405,14 @@ def _is(value: Any, kind: str) -> bool:
             for v in value)
     if kind == "list[Any]":
         return isinstance(value, list)
+    if kind == "list[int]":
+        return isinstance(value, list) and all(_is(v, "int") for v in value)
+    if kind == "list[dict[str, Any]]":
+        return isinstance(value, list) and all(isinstance(v, dict) for v in value)
+    if kind == "dict[str, Any]":
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    if kind in ("dict[str, str]", "dict[str, int]"):
+        return isinstance(value, dict) and all(isinstance(k, str) and _is(v, kind[10:-1]) for k, v in value.items())
     if kind.startswith("Literal["):
         return value in [part.strip().strip("'\"") for part in kind[len("Literal["):-1].split(",")]
     raise TypeError(f"no check for field type {kind}")  # a record declared with a type this module cannot check
@@ -460,17 +469,24 @@ class StoreRecord:
         if version not in READABLE_VERSIONS:
             raise RecordError(f"{name}: record version {version!r}, this side reads {list(READABLE_VERSIONS)}: run "
                               "the same trainmover version in every process of the job")
-        values = {}
-        for f in fields:
-            if f.name not in raw:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise RecordError(f"{name}: missing field {f.name!r}")
-                continue
-            value = raw[f.name]
-            if not _is(value, str(f.type)):
-                raise RecordError(f"{name}: field {f.name!r} must be {f.type}, got {value!r:.40}")
-            values[f.name] = _convert(value, str(f.type))
-        return cls(**values)
+        return cls(**checked_fields(fields, raw, name))
+
+
+def checked_fields(fields: Iterable[dataclasses.Field[Any]], raw: dict[str, Any], name: str,
+                   error: type[Exception] = RecordError) -> dict[str, Any]:
+    """The values of a record's `fields` in the JSON object `raw`, each checked against its annotation and in its
+    Python form; a field with a default may be missing. Raises `error` naming the record (`name`) and the field."""
+    values = {}
+    for f in fields:
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise error(f"{name}: missing field {f.name!r}")
+            continue
+        value = raw[f.name]
+        if not _is(value, str(f.type)):
+            raise error(f"{name}: field {f.name!r} must be {f.type}, got {value!r:.40}")
+        values[f.name] = _convert(value, str(f.type))
+    return values
 
 
 # -- coordinator -> processes --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime import store as keys
 from runtime.decisions import recovery_metrics
+from runtime.event_records import Recovered
 from runtime.events import EventLog
 from runtime.protocol import Generation, RecoveryReport
 
@@ -108,15 +109,16 @@ class Recoveries:
 
     def _emit(self, rec: PendingRecovery) -> None:
         m = recovery_metrics([(d.failure_at, d.declared_at) for d in rec.deaths], list(rec.reports.values()))
-        self.events.emit(
-            "recovered", generation=rec.gen.gen, step=m["step"],
+        self.events.emit(Recovered(
+            generation=rec.gen.gen, step=m["step"],
             ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
             causes=[d.cause for d in rec.deaths], recovery_s=m["recovery_s"],
             handoff_bytes=m["handoff_bytes"], sources=m["sources"],
-            **{k: m[k] for k in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+            detect_s=m["detect_s"], reconfigure_s=m["reconfigure_s"], handoff_s=m["handoff_s"],
+            replay_s=m["replay_s"], warmup_penalty_s=m["warmup_penalty_s"],
             reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
             failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
-        )
+        ))
         for d in rec.deaths:
             new = rec.gen.members[d.rank]
             log.warning("worker %s (pid %d) died at step %d (%s); standby %s took rank %d in %.2f s "

@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from runtime.event_records import StandbyReleased, StandbySpawned
 from runtime.events import EventLog
 from runtime.health import JobFailed, Member
 
@@ -36,7 +37,7 @@ class StandbyPool:
         max_failures_in_row: int,
         clock: Callable[[], float],
         looks_alive: Callable[[Member, float], bool],
-        free_slots: Callable[[], int] | None = None,
+        free_slots: Callable[[], int | None],
     ) -> None:
         self.procs = procs
         self._spawn = spawn
@@ -50,7 +51,7 @@ class StandbyPool:
         self.clock = clock
         self.looks_alive = looks_alive
         self.free_slots = free_slots
-        """A pool across hosts (runtime.hosts) says how many slots are free; a local pool has no limit."""
+        """A pool across hosts (runtime.hosts) says how many slots are free; None: the pool has no limit."""
         self.next_index = 0
         self.spawned = 0
         self._spawn_times: deque[float] = deque()
@@ -69,7 +70,7 @@ class StandbyPool:
     # -- starting and stopping ------------------------------------------------------------------------
     def spawn_one(self) -> str | None:
         """Start a standby; None when no host has a free slot (a pool across hosts), tried again later."""
-        if self.free_slots is not None and self.free_slots() < 1:
+        if (free := self.free_slots()) is not None and free < 1:
             return None
         name = f"s{self.next_index}"
         self.next_index += 1
@@ -81,7 +82,7 @@ class StandbyPool:
         """Start standbys for `lost` workers beyond those already warming up (no standby was ready for them)."""
         for _ in range(lost - len(self.unpromoted())):
             if (proc := self.spawn_one()) is not None:
-                self.events.emit("standby_spawned", proc=proc, reason="cover a lost worker")
+                self.events.emit(StandbySpawned(proc=proc, reason="cover a lost worker"))
 
     def top_up(self, reason: str) -> None:
         """Start standbys until the unpromoted ones (warming up included) reach the target, at a bounded rate:
@@ -95,7 +96,7 @@ class StandbyPool:
             if proc is None:
                 return  # no free slot; the next tick tries again (a new host may join)
             self._spawn_times.append(now)
-            self.events.emit("standby_spawned", proc=proc, reason=reason)
+            self.events.emit(StandbySpawned(proc=proc, reason=reason))
 
     def release_surplus(self, reason: str, keep_at_least: int = 0) -> None:
         """Stop unpromoted standbys beyond the target, never one that a pending death is waiting for
@@ -111,7 +112,7 @@ class StandbyPool:
             m.dead = True  # released, not lost: nothing replaces it
             m.handle.kill()
             m.exit_code = m.handle.wait(5.0)
-            self.events.emit("standby_released", proc=name, pid=m.handle.pid, was_ready=m.ready, reason=reason)
+            self.events.emit(StandbyReleased(proc=name, pid=m.handle.pid, was_ready=m.ready, reason=reason))
             log.info("released standby %s (pid %d): %s", name, m.handle.pid, reason)
 
     def set_target(self, target: int, pending_deaths: int) -> int:

@@ -2,8 +2,9 @@
 milliseconds instead of starting Python and importing torch again (1.5 s of CPU here, 3-4 s on a busy machine).
 
 That start-up is what a job waits for when its warm standbys are used up: replacing a promoted or lost standby
-quickly keeps the next failure covered. The launcher starts one zygote per job (`ZygoteClient`); each request
-carries the new process's environment and argv. The zygote forks twice, so that the training process is orphaned
+quickly keeps the next failure covered. The launcher starts one zygote per job (`ZygoteClient`); each request, a
+`ForkRequest` sent as one JSON line, carries the new process's environment and argv, and the zygote answers with
+the new process's pid on a line of its own. The zygote forks twice, so that the training process is orphaned
 at once and adopted by the launcher, which marks itself a child subreaper: the launcher then owns it exactly like a
 subprocess it started itself (it reaps it, reads its exit status, watches its pidfd).
 
@@ -28,10 +29,33 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36
 REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ForkRequest:
+    """What the zygote forks: a process running `argv` (the script first) with exactly `env` as its environment."""
+
+    env: dict[str, str]
+    argv: list[str]
+
+    def to_json(self) -> bytes:
+        """The request as the line the zygote reads."""
+        return json.dumps({"env": self.env, "argv": self.argv}).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, line: bytes | str) -> ForkRequest:
+        """The request in one line; ValueError when it is not one."""
+        raw = json.loads(line)
+        env, argv = (raw.get("env"), raw.get("argv")) if isinstance(raw, dict) else (None, None)
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("a fork request needs its environment as an object of strings")
+        if not isinstance(argv, list) or not argv:
+            raise ValueError("a fork request needs a non-empty argv")
+        return cls(env, [str(a) for a in argv])
 
 
 def become_subreaper(on: bool = True) -> bool:
@@ -151,7 +175,7 @@ class ZygoteClient:
         if not self.ready() or self.sock is None:
             return None
         try:
-            self.sock.sendall(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
+            self.sock.sendall(ForkRequest(env, argv).to_json())
             pid = int(self._read_line(REQUEST_TIMEOUT_S))
         except (OSError, ValueError, TimeoutError):
             self.stop()  # dead, hung or confused: never ask it again (and no stray fork of it is left)
@@ -229,7 +253,7 @@ def forks_adopted_by(parent: int) -> set[int]:
 
 
 # -- the zygote process ------------------------------------------------------------------------------------
-def _child(request: dict[str, Any], sock: socket.socket) -> None:
+def _child(request: ForkRequest, sock: socket.socket) -> None:
     """In the forked training process: become what `python script args` would have been, then run it."""
     import runpy
 
@@ -238,8 +262,8 @@ def _child(request: dict[str, Any], sock: socket.socket) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
-    os.environ.update(request["env"])
-    argv = [str(a) for a in request["argv"]]
+    os.environ.update(request.env)
+    argv = request.argv
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     random.seed()  # a new interpreter seeds from the OS; a fork would share the zygote's state
@@ -274,7 +298,7 @@ def serve(fd: int) -> None:
         buffer += chunk
         while b"\n" in buffer:
             line, _, buffer = buffer.partition(b"\n")
-            request = json.loads(line)
+            request = ForkRequest.from_json(line)
             r, w = os.pipe()
             middle = os.fork()
             if middle == 0:

@@ -28,7 +28,6 @@ Smoke check: ``python -m bench.peers.checkpoint_restart --quick`` prints the res
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import itertools
@@ -55,12 +54,10 @@ from bench.peers.common import (
     ProcessSet,
     attach_flat_grads,
     check_flat_grads,
-    fast_exit,
     log_tail,
     process_start_time,
     read_json,
     read_step_log,
-    register_worker_pid,
     rounded,
     run_dir,
     state_digest,
@@ -68,6 +65,7 @@ from bench.peers.common import (
     worker_env,
     write_json_atomic,
 )
+from bench.peers.script import end_worker, parse_peer_args, peer_parser, start_worker
 from bench.workload import WorkloadSpec, batch, build, loss_fn
 
 MODULE = "bench.peers.checkpoint_restart"
@@ -466,9 +464,8 @@ def lost_time_checkpoint_restart(
 
 
 def _worker() -> None:
-    register_worker_pid()
+    start_worker()
     t_spawn = process_start_time()
-    torch.set_num_threads(1)
     spec = WorkloadSpec.from_env()
     d = Path(os.environ["TM_CR_DIR"])
     steps = int(os.environ["TM_CR_STEPS"])
@@ -555,18 +552,14 @@ def _worker() -> None:
                 "ckpt_bytes": ckpt.stat().st_size,
             },
         )
-    dist.destroy_process_group()
-    fast_exit()
+    end_worker()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="small model, one kill")
+    parser = peer_parser(__doc__, "small model, one kill")
     parser.add_argument("--cost-only", action="store_true", help="only measure the checkpoint cost")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker()
+    args = parse_peer_args(parser, argv, _worker)
+    if args is None:
         return
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec.full()
     result = measure_checkpoint_cost(spec) if args.cost_only else lost_time_checkpoint_restart(spec, args.quick)

@@ -16,7 +16,6 @@ Smoke check: ``python -m bench.peers.p2p --quick`` prints the result as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,10 +29,8 @@ import torch.distributed as dist
 
 from bench.peers.common import (
     ProcessSet,
-    fast_exit,
     free_port,
     read_json,
-    register_worker_pid,
     rounded,
     run_dir,
     wait_all,
@@ -41,6 +38,7 @@ from bench.peers.common import (
     worker_env,
     write_json_atomic,
 )
+from bench.peers.script import end_worker, parse_peer_args, peer_parser, start_worker
 from bench.workload import WorkloadSpec
 
 MODULE = "bench.peers.p2p"
@@ -89,8 +87,7 @@ def measure_p2p_bandwidth(nbytes: int) -> float:
 
 
 def _worker() -> None:
-    register_worker_pid()
-    torch.set_num_threads(1)
+    start_worker()
     rank = int(os.environ["RANK"])
     nbytes = int(os.environ["TM_P2P_BYTES"])
     reps = int(os.environ["TM_P2P_REPS"])
@@ -113,18 +110,14 @@ def _worker() -> None:
         raise RuntimeError("received buffer does not hold what was sent")
     if rank == 0:
         write_json_atomic(Path(os.environ["TM_P2P_RESULT"]), {"seconds": seconds})
-    dist.destroy_process_group()
-    fast_exit()
+    end_worker()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="64 MiB instead of the full state size")
+    parser = peer_parser(__doc__, "64 MiB instead of the full state size")
     parser.add_argument("--nbytes", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker()
+    args = parse_peer_args(parser, argv, _worker)
+    if args is None:
         return
     # Full: about the size of the full workload's model + AdamW state (630 MB).
     nbytes = args.nbytes or (64 << 20 if args.quick else 630_000_000)

@@ -12,7 +12,6 @@ Smoke check: ``python -m bench.peers.plain --quick`` prints the result as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,17 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bench.peers.common import (
     ProcessSet,
     attach_flat_grads,
     check_flat_grads,
-    fast_exit,
     free_port,
     read_json,
-    register_worker_pid,
     rounded,
     run_dir,
     state_digest,
@@ -40,6 +36,7 @@ from bench.peers.common import (
     worker_env,
     write_json_atomic,
 )
+from bench.peers.script import end_worker, parse_peer_args, peer_parser, start_worker
 from bench.workload import WorkloadSpec, batch, build, loss_fn
 
 MODULE = "bench.peers.plain"
@@ -92,8 +89,7 @@ def run_plain(spec: WorkloadSpec, steps: int, nproc: int = 2, timeout_s: float |
 
 
 def _worker() -> None:
-    register_worker_pid()
-    torch.set_num_threads(1)
+    start_worker()
     spec = WorkloadSpec.from_env()
     steps = int(os.environ["TM_PLAIN_STEPS"])
     rank = int(os.environ["RANK"])
@@ -120,18 +116,14 @@ def _worker() -> None:
             Path(os.environ["TM_PLAIN_RESULT"]),
             {"step_times": times, "t_train_start": t_train_start, "digest": state_digest(model, optimizer)},
         )
-    dist.destroy_process_group()
-    fast_exit()
+    end_worker()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="small model (WorkloadSpec.quick())")
+    parser = peer_parser(__doc__, "small model (WorkloadSpec.quick())")
     parser.add_argument("--steps", type=int, default=None, help="steps (default: 30 quick, 20 full)")
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker()
+    args = parse_peer_args(parser, argv, _worker)
+    if args is None:
         return
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec.full()
     steps = args.steps or (30 if args.quick else 20)

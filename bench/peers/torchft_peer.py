@@ -26,7 +26,6 @@ Smoke check: ``python -m bench.peers.torchft_peer --quick`` prints the result as
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,8 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench.peers.common import (
     PeerError,
     ProcessSet,
@@ -48,7 +45,6 @@ from bench.peers.common import (
     fast_exit,
     free_port,
     read_step_log,
-    register_worker_pid,
     rounded,
     run_dir,
     state_digest,
@@ -61,6 +57,7 @@ from bench.peers.common import (
     worker_env,
     write_json_atomic,
 )
+from bench.peers.script import parse_peer_args, peer_parser, start_worker
 from bench.workload import WorkloadSpec, batch, build, loss_fn
 
 MODULE = "bench.peers.torchft_peer"
@@ -333,8 +330,7 @@ def _kill_result(
 
 
 def _worker() -> None:
-    register_worker_pid()
-    torch.set_num_threads(1)
+    start_worker()
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
@@ -417,15 +413,12 @@ def _worker() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="small model, 25 steps")
+    parser = peer_parser(__doc__, "small model, 25 steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_MS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        _worker()
+    args = parse_peer_args(parser, argv, _worker)
+    if args is None:
         return
     spec = WorkloadSpec.quick() if args.quick else WorkloadSpec.full()
     # The kill comes early so that, after the Lighthouse's heartbeat timeout and the replacement's cold

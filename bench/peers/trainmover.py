@@ -147,7 +147,8 @@ def run_job(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        return collect(out, list(result.events), result.exit_code, result.message, dict(result.digests), check)
+        events = [e.to_dict() for e in result.events]
+        return collect(out, events, result.exit_code, result.message, dict(result.digests), check)
 
 
 def collect(out: Path, events: list[dict[str, Any]], exit_code: int, message: str, digests: dict[str, str],

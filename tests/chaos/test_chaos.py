@@ -16,6 +16,15 @@ from typing import Any
 import pytest
 
 from runtime.coordinator import JobResult
+from runtime.event_records import (
+    ChaosInjected,
+    ChaosUnresolved,
+    GenerationStarted,
+    JobStarted,
+    MemberFailed,
+    Recovered,
+    StandbyLost,
+)
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +64,7 @@ def _alive(pid: int) -> bool:
 
 def _pids(result: JobResult) -> set[int]:
     pids: set[int] = set()
-    for e in result.events:
+    for e in (ev.to_dict() for ev in result.events):
         if isinstance(e.get("pid"), int):
             pids.add(e["pid"])
         for m in e.get("members", []) or []:
@@ -66,24 +75,24 @@ def _pids(result: JobResult) -> set[int]:
 
 def _check_accounting(result: JobResult) -> dict[str, Any]:
     """Every chaos_injected matched by the job's reaction to that process."""
-    injected = events_of(result, "chaos_injected")
-    reacted: dict[str, dict[str, Any]] = {}
+    injected = events_of(result, ChaosInjected)
+    reacted: dict[str, MemberFailed | StandbyLost] = {}
     for e in result.events:
-        if e["event"] in ("member_failed", "standby_lost"):
-            reacted[e["proc"]] = e
-    unresolved = {e["proc"] for e in events_of(result, "chaos_unresolved")}
-    final_members = {m["proc"] for m in events_of(result, "generation")[-1]["members"]}
+        if isinstance(e, MemberFailed | StandbyLost):
+            reacted[e.proc] = e
+    unresolved = {e.proc for e in events_of(result, ChaosUnresolved)}
+    final_members = {m["proc"] for m in events_of(result, GenerationStarted)[-1].members}
     for shot in injected:
-        proc = shot["proc"]
+        proc = shot.proc
         if proc in unresolved:
             # Only a hang of a process outside the final generation may still be undetected at the end.
-            assert shot["signal"] == "stop" and proc not in final_members, shot
+            assert shot.signal == "stop" and proc not in final_members, shot
             continue
         assert proc in reacted, f"fault {shot} has no member_failed/standby_lost"
         reaction = reacted[proc]
-        assert reaction["failure_at"] == pytest.approx(shot["time"]), "detection is measured from the fault"
-        assert reaction["declared_at"] >= shot["time"]
-    return {"injected": len(injected), "members_lost": len(events_of(result, "member_failed"))}
+        assert reaction.failure_at == pytest.approx(shot.time), "detection is measured from the fault"
+        assert reaction.declared_at >= shot.time
+    return {"injected": len(injected), "members_lost": len(events_of(result, MemberFailed))}
 
 
 @pytest.mark.parametrize(("script", "args", "steps", "faults", "signals", "targets"), JOBS,
@@ -101,12 +110,12 @@ def test_random_faults_leave_the_job_exact_and_accounted(
     counts = _check_accounting(result)
     assert counts["injected"] == faults, f"training ended before the monkey was done: {counts}"
     INJECTED[f"{script.stem}{args}"] = counts["injected"]
-    assert counts["members_lost"] >= 1 and events_of(result, "recovered")
+    assert counts["members_lost"] >= 1 and events_of(result, Recovered)
     reference = clean_digest(2, steps, script, _without_pace(args))
     assert sorted(result.digests.values()) == [reference, reference], "every rank ends exactly as a clean run"
     left = [pid for pid in _pids(result) if _alive(pid)]
     assert not left, f"processes left behind: {left}"
-    port = events_of(result, "job_started")[0]["port"]
+    port = events_of(result, JobStarted)[0].port
     with socket.socket() as s, pytest.raises(OSError):
         s.settimeout(2.0)
         s.connect(("127.0.0.1", port))

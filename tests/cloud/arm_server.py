@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests.cloud.loopback import LoopbackServer
+from tests.cloud.loopback import LoopbackServer, MadeWithServer, QuietHandler, send_reply
 
 # ------------------------------------------------------------------------------------------------------ TLS
 
@@ -160,13 +160,15 @@ class _Operation:
 # ------------------------------------------------------------------------------------------------------ ARM server
 
 
-class ArmServer:
+class ArmServer(MadeWithServer):
     """A threaded HTTPS server for one subscription, its resource groups and locations.
 
     `locations` maps a location to the VM sizes offered there. `permissions` is the effective-permissions answer
     (`[{"actions": [...], "notActions": [...]}]`), full access by default. Each long-running operation reports
     InProgress for `polls_per_operation` status polls before it finishes.
     """
+
+    scheme = "https"
 
     def __init__(
         self,
@@ -194,17 +196,6 @@ class ArmServer:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert_path, key_path)
         self._server = LoopbackServer(_make_handler(self), "arm-server", tls=context)
-
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self._server.port}"
-
-    def start(self) -> ArmServer:
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.stop()
 
     # ---------------------------------------------------------------------------------- test-side helpers
 
@@ -548,7 +539,7 @@ def _make_handler(server: ArmServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-class _JsonHandler(BaseHTTPRequestHandler):
+class _JsonHandler(QuietHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go out as separate writes: avoid 40 ms delayed-ACK stalls
 
@@ -583,23 +574,14 @@ class _JsonHandler(BaseHTTPRequestHandler):
 
     def reply(self, reply: _Reply) -> None:
         payload = b"" if reply.body is None else json.dumps(reply.body).encode()
-        self.send_response(reply.status)
-        for name, value in reply.headers.items():
-            self.send_header(name, value)
-        if payload:
-            self.send_header("Content-Type", "application/json; charset=utf-8")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # quiet: pytest shows failures, not every request
+        content_type = {"Content-Type": "application/json; charset=utf-8"} if payload else {}
+        send_reply(self, reply.status, payload, {**reply.headers, **content_type})
 
 
 # ------------------------------------------------------------------------------------------------------ IMDS
 
 
-class ImdsServer:
+class ImdsServer(MadeWithServer):
     """Plain-http instance metadata with the Scheduled Events document of one VM's view of the world.
 
     `served` is set after each GET of the document, so a test can change the events between two polls of a
@@ -621,17 +603,6 @@ class ImdsServer:
                 self.reply(outer._handle(method, self.path, self.lower_headers(), self.read_json()))
 
         self._server = LoopbackServer(Handler, "imds-server")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.port}"
-
-    def start(self) -> ImdsServer:
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.stop()
 
     def add_event(self, event: Mapping[str, Any]) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from moto.server import ThreadedMotoServer
 
-from tests.cloud.loopback import LoopbackServer
+from tests.cloud.loopback import LoopbackServer, QuietHandler, StartedOnDemand, send_reply
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade"}
 
@@ -40,22 +40,22 @@ def moto_server() -> Iterator[str]:
         server.stop()
 
 
+def _error_xml(root: str, error: str, request_id_tag: str) -> bytes:
+    """An XML error body: `error` and a fresh request id (in `request_id_tag`) inside `root`."""
+    request_id = f"<{request_id_tag}>{uuid.uuid4()}</{request_id_tag}>"
+    return f'<?xml version="1.0" encoding="UTF-8"?>\n<{root}>{error}{request_id}</{root}>'.encode()
+
+
 def ec2_error_xml(code: str, message: str) -> bytes:
     """An error body exactly as EC2 sends it (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html)."""
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<Response><Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors>"
-        f"<RequestID>{uuid.uuid4()}</RequestID></Response>"
-    ).encode()
+    error = f"<Errors><Error><Code>{code}</Code><Message>{message}</Message></Error></Errors>"
+    return _error_xml("Response", error, "RequestID")
 
 
 def query_error_xml(code: str, message: str) -> bytes:
     """An error body of the other query-protocol services (STS)."""
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<ErrorResponse><Error><Type>Sender</Type><Code>{code}</Code><Message>{message}</Message></Error>"
-        f"<RequestId>{uuid.uuid4()}</RequestId></ErrorResponse>"
-    ).encode()
+    error = f"<Error><Type>Sender</Type><Code>{code}</Code><Message>{message}</Message></Error>"
+    return _error_xml("ErrorResponse", error, "RequestId")
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Seen:
 
 
 @dataclass
-class FaultProxy:
+class FaultProxy(StartedOnDemand):
     """An HTTP proxy in front of `upstream` that answers chosen actions itself and forwards the rest."""
 
     upstream: str
@@ -96,9 +96,7 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        host, port = self._server.httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return self._url()
 
     def fail(
         self,
@@ -138,10 +136,7 @@ class FaultProxy:
     def start(self) -> None:
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 proxy._handle(self)
 
@@ -155,10 +150,6 @@ class FaultProxy:
                 proxy._handle(self)
 
         self._server = LoopbackServer(Handler, "fault-proxy").start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
 
     # request handling ---------------------------------------------------------------------------------------
 
@@ -208,13 +199,7 @@ class FaultProxy:
 
     @staticmethod
     def _reply(handler: BaseHTTPRequestHandler, status: int, headers: dict[str, str], payload: bytes) -> None:
-        handler.send_response(status)
-        for key, value in headers.items():
-            handler.send_header(key, value)
-        handler.send_header("Content-Length", str(len(payload)))
-        handler.send_header("Connection", "close")
-        handler.end_headers()
-        handler.wfile.write(payload)
+        send_reply(handler, status, payload, {**headers, "Connection": "close"})
 
 
 def _code_and_message(ec2_body: bytes) -> tuple[str, str]:
@@ -345,7 +330,7 @@ def fault_proxy(upstream: str) -> Iterator[FaultProxy]:
 # ------------------------------------------------------------------------------------------------ IMDS
 
 
-class ImdsServer:
+class ImdsServer(StartedOnDemand):
     """A fake EC2 instance metadata service with IMDSv2 tokens; the test sets what it posts."""
 
     def __init__(self) -> None:
@@ -355,13 +340,10 @@ class ImdsServer:
         self._tokens: set[str] = set()
         self._gets: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        host, port = self._server.httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return self._url()
 
     def post_spot_action(self, action: str, when: str) -> None:
         with self._cond:
@@ -388,10 +370,7 @@ class ImdsServer:
     def start(self) -> None:
         imds = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_PUT(self) -> None:
                 ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
                 if self.path != "/latest/api/token" or ttl is None or not ttl.isdigit():
@@ -420,16 +399,9 @@ class ImdsServer:
                 self._send(status, body)
 
             def _send(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_reply(self, status, body)
 
         self._server = LoopbackServer(Handler, "imds").start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from tests.cloud.arm_server import make_tls_files
-from tests.cloud.loopback import LoopbackServer
+from tests.cloud.loopback import LoopbackServer, QuietHandler, StartedOnDemand, send_reply
 
 API_VERSION = "7.4"
 _ROUTE = re.compile(r"/secrets/([0-9A-Za-z-]{1,127})(?:/([0-9a-f]{32}))?/?")
@@ -64,7 +64,7 @@ class TokenBook:
             return token in self._tokens
 
 
-class KeyVaultServer:
+class KeyVaultServer(StartedOnDemand):
     def __init__(self, tls_dir: Path, tokens: TokenBook) -> None:
         self.tokens = tokens
         self.ca_path, cert_path, key_path = make_tls_files(tls_dir)
@@ -76,12 +76,10 @@ class KeyVaultServer:
         self._faults: list[tuple[int, str]] = []
         self.requests: list[KvRequest] = []
         self._lock = threading.Lock()
-        self._server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"https://127.0.0.1:{self._server.port}"
+        return self._url("https")
 
     def client_ssl_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca_path))
@@ -99,10 +97,7 @@ class KeyVaultServer:
     def start(self) -> None:
         vault = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_PUT(self) -> None:
                 vault._handle(self, "PUT")
 
@@ -113,10 +108,6 @@ class KeyVaultServer:
                 vault._handle(self, "DELETE")
 
         self._server = LoopbackServer(Handler, "keyvault", tls=self._tls).start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
 
     # ---------------------------------------------------------------------------------------------- requests
 
@@ -189,41 +180,30 @@ class KeyVaultServer:
     @staticmethod
     def _send(handler: BaseHTTPRequestHandler, status: int, payload: dict[str, Any],
               headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json; charset=utf-8")
-        for key, value in (headers or {}).items():
-            handler.send_header(key, value)
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
+        content_type = {"Content-Type": "application/json; charset=utf-8"}
+        send_reply(handler, status, json.dumps(payload).encode(), {**content_type, **(headers or {})})
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
-class ManagedIdentityImds:
+class ManagedIdentityImds(StartedOnDemand):
     """The managed-identity token endpoint of Azure's IMDS (plain http), issuing tokens from `tokens`."""
 
     def __init__(self, tokens: TokenBook) -> None:
         self.tokens = tokens
         self.requests: list[dict[str, str]] = []  # each request's query and whether it had Metadata: true
         self._lock = threading.Lock()
-        self._server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.port}"
+        return self._url()
 
     def start(self) -> None:
         imds = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 parts = urlsplit(self.path)
                 query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -242,18 +222,9 @@ class ManagedIdentityImds:
                         "access_token": imds.tokens.issue(), "expires_on": str(int(time.time()) + 3600),
                         "resource": query["resource"], "token_type": "Bearer",
                     }
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_reply(self, status, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
         self._server = LoopbackServer(Handler, "azure-imds").start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
 
 
 @contextmanager

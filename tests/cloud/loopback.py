@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ssl
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
 
 
 class LoopbackServer:
@@ -33,3 +35,52 @@ class LoopbackServer:
             self.httpd.shutdown()
             self._thread.join(timeout=10)
         self.httpd.server_close()
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing: pytest shows failures, not every request."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def send_reply(handler: BaseHTTPRequestHandler, status: int, body: bytes, headers: Mapping[str, str] = {}) -> None:
+    """Answer the request `handler` serves: `status`, `headers` in their order, the Content-Length, then `body`."""
+    handler.send_response(status)
+    for key, value in headers.items():
+        handler.send_header(key, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+class StartedOnDemand:
+    """A test server whose `LoopbackServer` its `start` makes: `stop` stops it when there is one."""
+
+    _server: LoopbackServer | None = None
+
+    def _url(self, scheme: str = "http") -> str:
+        assert self._server is not None, "not started"
+        return f"{scheme}://127.0.0.1:{self._server.port}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+class MadeWithServer:
+    """A test server that makes its `LoopbackServer` when made (as `_server`): `start` gives the test server back."""
+
+    _server: LoopbackServer
+    scheme = "http"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self._server.port}"
+
+    def start(self) -> Self:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()

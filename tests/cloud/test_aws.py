@@ -25,8 +25,9 @@ import boto3
 import pytest
 
 from cloud.aws import AwsProvider, delete_notice_queue, ensure_notice_queue, notice_resource_names
-from cloud.aws_network import job_resource_name, rule_atoms
-from cloud.aws_notices import (
+from cloud.aws.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
+from cloud.aws.network import job_resource_name, rule_atoms
+from cloud.aws.notices import (
     REBALANCE_PATH,
     SPOT_ACTION_PATH,
     ImdsNoticeSource,
@@ -55,7 +56,6 @@ from cloud.base import (
 )
 from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init, render_units
 from cloud.capacity import Fallbacks, wake_or_replace
-from cloud.iam import AWS_EXAMPLE, KMS_FOR_EBS_VOLUMES, AwsJobScope, aws_job_policy
 from cloud.local import LocalProvider
 from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, SecretRef
 from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server, moto_server
@@ -69,6 +69,14 @@ NOT_RUNNING = {"terminating", "terminated"}
 
 def dummy_session() -> boto3.Session:
     return boto3.Session(aws_access_key_id="testing", aws_secret_access_key="not-a-real-secret", region_name=REGION)
+
+
+def session_with_instance_profile(moto_url: str, job: str) -> tuple[boto3.Session, str]:
+    """A session, and the name of the job's node instance profile it created in moto."""
+    session = dummy_session()
+    profile = f"trainmover-node-{job}"
+    session.client("iam", endpoint_url=moto_url).create_instance_profile(InstanceProfileName=profile)
+    return session, profile
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -416,9 +424,7 @@ def test_a_job_network_is_validated_when_the_request_is_made(aws: AwsProvider, p
 def test_a_bootstrapped_instance_holds_the_bootstrap_not_the_secret_and_keeps_it_when_parked_and_woken(
     proxy: FaultProxy, moto_url: str, job: str
 ) -> None:
-    session = dummy_session()
-    profile = f"trainmover-node-{job}"
-    session.client("iam", endpoint_url=moto_url).create_instance_profile(InstanceProfileName=profile)
+    session, profile = session_with_instance_profile(moto_url, job)
     store = AwsSecretsManagerStore(
         REGION, reader_role_arn=f"arn:aws:iam::123456789012:role/{profile}", session=session, endpoint_url=moto_url
     )
@@ -1157,7 +1163,7 @@ def test_imds_is_never_asked_through_a_proxy(imds: ImdsServer, monkeypatch: pyte
 def test_importing_cloud_aws_needs_no_boto3_and_launching_says_how_to_install() -> None:
     script = (
         "import sys; sys.modules['boto3'] = None\n"
-        "import cloud.aws, cloud.aws_notices\n"
+        "import cloud.aws, cloud.aws.notices\n"
         "try:\n"
         "    cloud.aws.AwsProvider('us-east-1')\n"
         "except ImportError as err:\n"
@@ -1184,9 +1190,7 @@ _IMPLIED = {
 def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
     proxy: FaultProxy, moto_url: str, job: str
 ) -> None:
-    session = dummy_session()
-    profile = f"trainmover-node-{job}"
-    session.client("iam", endpoint_url=moto_url).create_instance_profile(InstanceProfileName=profile)
+    session, profile = session_with_instance_profile(moto_url, job)
     queue_url = ensure_notice_queue(job, region=REGION, session=session, endpoint_url=proxy.url)
     try:
         provider = AwsProvider(

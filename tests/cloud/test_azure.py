@@ -25,7 +25,7 @@ from azure.core.credentials import AccessToken
 from azure.identity import CredentialUnavailableError
 
 from cloud.azure import REQUIRED_ACTIONS, AzureProvider, action_allowed
-from cloud.azure_notices import ScheduledEventsSource
+from cloud.azure.notices import ScheduledEventsSource
 from cloud.base import (
     JOB_TAG,
     ROLE_TAG,
@@ -624,7 +624,7 @@ def test_check_when_permissions_cannot_be_read(provider: AzureProvider, arm: Arm
 
 
 def test_action_wildcards_are_case_insensitive() -> None:
-    from cloud.azure import _Permission
+    from cloud.azure.provider import _Permission
 
     grants = [_Permission(("microsoft.compute/*",), ("Microsoft.Compute/virtualMachines/delete",))]
     assert action_allowed("Microsoft.Compute/virtualMachines/start/action", grants)
@@ -761,7 +761,7 @@ def test_sdk_is_imported_lazily_and_its_absence_is_explained() -> None:
     # A fresh interpreter where the Azure SDK cannot be imported (None in sys.modules blocks an import).
     script = (
         "import sys\n"
-        "import cloud.azure, cloud.azure_notices\n"
+        "import cloud.azure, cloud.azure.notices\n"
         "assert not [m for m in sys.modules if m.startswith('azure')], 'cloud.azure imported the SDK eagerly'\n"
         "sys.modules['azure.mgmt.compute'] = None\n"
         "from cloud.base import CloudError\n"

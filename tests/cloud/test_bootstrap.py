@@ -179,7 +179,7 @@ def test_hostile_script_arguments_reach_the_coordinator_exactly_and_run_nothing(
     parser = argparse.ArgumentParser()
     add_coordinator_parser(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(received["argv"])
-    assert ns.script == script and tuple(ns.script_args) == args
+    assert ns.script == script and tuple(ns.args) == args  # the LaunchConfig field the option fills
 
 
 def test_the_agent_starts_with_the_secret_fetched_from_secrets_manager_into_a_root_only_file(

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from cloud.aws.iam import AWS_EXAMPLE, aws_job_policy
+from cloud.azure.iam import azure_job_role
 from cloud.base import InvalidRequestError, LaunchRequest
 from cloud.cli import format_checks, format_instances
-from cloud.iam import AWS_EXAMPLE, aws_job_policy, azure_job_role
 from cloud.local import LocalProvider
 from cloud.registry import PROVIDER_NAMES, make_provider
 from trainmover.cli import main

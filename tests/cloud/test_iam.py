@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from cloud.aws import notice_resource_names
+from cloud.aws.iam import AWS_EXAMPLE, AwsJobScope, aws_job_policy
+from cloud.azure.iam import azure_job_role
 from cloud.base import JOB_TAG, ROLE_TAG, InvalidRequestError
-from cloud.iam import AWS_EXAMPLE, AwsJobScope, aws_job_policy, azure_job_role
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "iam"
 READS = {

@@ -17,7 +17,7 @@ import pytest
 from cloud.base import InvalidRequestError, LaunchRequest, NotFoundError, PermissionDeniedError, UnsupportedError
 from cloud.bootstrap import AgentBootstrap
 from cloud.local import LocalProvider
-from cloud.local_hosts import LocalHosts, NamespaceHosts, ProcessHosts, agent_argv, namespaces_unavailable
+from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts, agent_argv, namespaces_unavailable
 from cloud.secrets import LocalFileStore, SecretRef, fetch_secret
 
 SECRET = "s" * 48

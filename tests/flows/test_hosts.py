@@ -15,7 +15,7 @@ import pytest
 
 from cloud.base import CapacityError
 from cloud.local import LocalProvider
-from cloud.local_hosts import NamespaceHosts, namespaces_unavailable
+from cloud.local.hosts import NamespaceHosts, namespaces_unavailable
 from flows.hosts import job_hosts
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor

@@ -17,6 +17,7 @@ from cloud.local import LocalProvider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor
+from runtime.event_records import GenerationStarted
 from tests.diagnostics import explained
 
 SCRIPT = Path(examples.train_mlp.__file__)
@@ -112,7 +113,7 @@ def test_release_terminates_everything_even_when_the_job_is_still_running(tmp_pa
     sup.provision()
     sup.start(SCRIPT)
     deadline = time.monotonic() + 60.0
-    while not any(e.get("event") == "generation" for e in sup.events):
+    while not any(isinstance(e, GenerationStarted) for e in sup.events):
         assert time.monotonic() < deadline
         sup.tick()
         time.sleep(0.1)

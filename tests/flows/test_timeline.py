@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.timeline import Timeline, interruptions_of, markdown_image, plot_timeline
+from runtime.event_records import GenerationStarted, MemberFailed, StandbySpawned
 
 
 def test_samples_are_kept_every_interval_or_when_the_standbys_change() -> None:
@@ -22,9 +23,10 @@ def test_the_plot_marks_each_failure_and_embeds_as_a_data_uri(tmp_path: Path) ->
     t = Timeline(every_s=0.0)
     for i in range(30):
         t.record(1000.0 + i, 3 * i if i < 10 else 30 + 3 * (i - 12), 1 if i < 11 else 0, 0)
-    events = [{"event": "generation", "time": 999.0},
-              {"event": "member_failed", "time": 1010.2, "rank": 1, "cause": "killed by SIGKILL"},
-              {"event": "recovered", "time": 1011.0}]
+    events = [GenerationStarted(time=999.0, generation=0, reason="", world_size=2, members=[]),
+              MemberFailed(time=1010.2, generation=0, rank=1, proc="w1", pid=7, cause="killed by SIGKILL", step=9,
+                           failure_at=1010.1, declared_at=1010.2, detect_s=0.1),
+              StandbySpawned(time=1011.0, proc="s1", reason="replace a promoted standby")]
     assert interruptions_of(events) == [(1010.2, 1, "killed by SIGKILL")]
     png = tmp_path / "timeline.png"
     assert plot_timeline(t.samples, interruptions_of(events), png, "job")

@@ -53,7 +53,7 @@ def test_train_writes_a_model_that_loads_and_a_report(trained: tuple[Path, Path]
     report = json.loads(report_path.read_text())
     assert report["seeds"] == [1, 2]
     assert report["rows"] > report["positives"] > 0
-    assert report["features_s"] >= 0 and report["fit_s"] >= 0
+    assert 0 < report["features_s"] < 300 and 0 < report["fit_s"] < 300, "the report times both stages"
     assert report["model"] == str(model_path)
     expected = {"nodes": 24, "days": 30.0, "horizon_h": DEFAULT_HORIZON_H, "max_iter": 10}
     assert {k: report["parameters"][k] for k in expected} == expected

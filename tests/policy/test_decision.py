@@ -10,6 +10,7 @@ import pytest
 
 from policy.costs import TIER_NAMES, StandbyCosts, TierCosts
 from policy.decision import FleetState, NodeHazards, StandbyPlan, decide_standby, poisson_binomial_tail
+from tests.policy.round_costs import round_costs
 
 
 def hazards(*p: float) -> NodeHazards:
@@ -18,17 +19,7 @@ def hazards(*p: float) -> NodeHazards:
 
 def warm_only(**overrides: object) -> StandbyCosts:
     """One tier with round numbers: C_avoid = 1 h x 1000 USD/h = 1000 USD, threshold = 10 x 1 / 1000 = 0.01."""
-    fields: dict[str, object] = {
-        "job_price_usd_per_h": 1000.0,
-        "restart_downtime_s": 3600.0,
-        "replacement_h": 0.0,  # an uncovered failure costs the restart alone: round numbers for the rule
-        "lead_time_h": 1.0,
-        "tiers": {"warm": TierCosts(price_usd_per_h=10.0, takeover_s=0.0)},
-        "hysteresis": 0.0,
-        "min_hold_s": 0.0,
-    }
-    fields.update(overrides)
-    return StandbyCosts.model_validate(fields)
+    return round_costs(1.0, 0.0, overrides)
 
 
 NO_FLEET = FleetState()

@@ -29,21 +29,12 @@ from policy.simulator import (
     static_pools,
 )
 from policy.traces import FaultRecord, FaultTrace, load_infinitehbd
+from tests.policy.round_costs import round_costs
 
 
 def costs(**overrides: object) -> StandbyCosts:
     """Round numbers: job 1000 USD/h, restart 1 h, warm takeover 36 s (0.01 h) at 10 USD/h, lead time 2 h."""
-    fields: dict[str, object] = {
-        "job_price_usd_per_h": 1000.0,
-        "restart_downtime_s": 3600.0,
-        "replacement_h": 0.0,  # an uncovered failure costs the restart alone: round numbers for the replay
-        "lead_time_h": 2.0,
-        "tiers": {"warm": TierCosts(price_usd_per_h=10.0, takeover_s=36.0)},
-        "hysteresis": 0.0,
-        "min_hold_s": 0.0,
-    }
-    fields.update(overrides)
-    return StandbyCosts.model_validate(fields)
+    return round_costs(2.0, 36.0, overrides)
 
 
 def trace(*faults: tuple[str, float, float | None], n_nodes: int = 10, duration_h: float = 100.0) -> FaultTrace:

@@ -6,15 +6,19 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from runtime.auth import new_token
 from runtime.coordinator import JobResult
+from runtime.event_records import Event
+from runtime.events import of_type
 from runtime.hosts import HostPool, HostTiming
 from runtime.launcher import LaunchConfig, launch
 from tests.diagnostics import explained
+
+E = TypeVar("E", bound=Event)
 
 FAST = HostTiming(heartbeat_s=0.05, lease_s=0.3, host_timeout_s=0.5)
 """Host timing for in-process agent tests: a silent host is lost in half a second."""
@@ -53,8 +57,8 @@ def run_job(*, nproc: int = 2, standby: int = 1, steps: int = 20, faults: str = 
             return launch(cfg)
 
 
-def events_of(result: JobResult, kind: str) -> list[dict[str, Any]]:
-    return [e for e in result.events if e["event"] == kind]
+def events_of(result: JobResult, kind: type[E]) -> list[E]:
+    return of_type(result.events, kind)
 
 
 _REFERENCES: dict[tuple[int, int, str, tuple[str, ...]], str] = {}

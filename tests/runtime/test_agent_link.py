@@ -8,11 +8,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from runtime.agent import Agent, AgentConfig, AgentError
 from runtime.auth import new_token
+from runtime.event_records import AgentRefused, Event, HostLost
+from runtime.events import of_type
 from runtime.hosts import HostPool, NoSlot
 from runtime.protocol import (
     VERSION,
@@ -29,6 +32,8 @@ from runtime.protocol import (
     session_key,
     to_json,
 )
+
+E = TypeVar("E", bound=Event)
 
 
 def _pair() -> tuple[Link, Link]:
@@ -70,18 +75,19 @@ def test_sealed_frames_refuse_tampering_replays_and_other_sessions() -> None:
 
 
 def _agent(port: int, token: str, slots: int = 2, **kw: object) -> tuple[Agent, threading.Thread]:
+    """A real agent in a thread; without a fork server (these tests start plain scripts, test_zygote forks)."""
     agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{port}", slots=slots, secret=token, name="hx",
-                              connect_timeout_s=5.0, **kw))  # type: ignore[arg-type]
+                              connect_timeout_s=5.0, **{"fork_server": False, **kw}))  # type: ignore[arg-type]
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     return agent, t
 
 
-def _events(pool: HostPool, kind: str, timeout_s: float = 10.0) -> list[dict[str, object]]:
-    seen: list[dict[str, object]] = []
+def _events(pool: HostPool, kind: type[E], timeout_s: float = 10.0) -> list[E]:
+    seen: list[E] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        seen += [f for k, f in pool.take_events() if k == kind]
+        seen += of_type(pool.take_events(), kind)
         if seen:
             return seen
         time.sleep(0.01)  # polling another thread's state
@@ -120,8 +126,8 @@ def test_a_real_agent_starts_kills_and_reports_and_its_death_loses_the_host(pool
     agent_sock.shutdown(socket.SHUT_RDWR)
     assert p.wait_exit(s, 5) == -9 and "lost" in (s.exit_cause() or "")
     assert time.monotonic() - t0 < 5
-    lost = _events(p, "host_lost")
-    assert lost[0]["procs"] == ["s0"]
+    lost = _events(p, HostLost)
+    assert lost[0].procs == ["s0"]
     thread.join(timeout=15)
     assert not thread.is_alive() and agent.fenced >= 1
 
@@ -139,16 +145,16 @@ def test_a_silent_host_is_lost_after_the_timeout_and_an_outsider_is_refused(pool
     assert link.check_last()
     link.send(Beat())
     p.wait_for_hosts(1, 5)
-    lost = _events(p, "host_lost", 10)
-    assert lost[0]["host"] == "mute" and str(lost[0]["cause"]).startswith("no heartbeat")
+    lost = _events(p, HostLost, 10)
+    assert lost[0].host == "mute" and lost[0].cause.startswith("no heartbeat")
     # An outsider without the secret: its unsealed second frame is refused, it is never admitted.
     out = socket.create_connection(("127.0.0.1", p.port))
     olink = Link(out, "agent")
     olink.send(Hello("job1", "evil", "1", 8, "127.0.0.1", 1, new_nonce()))
     olink.recv(5)
     olink.send(Beat())  # unsealed (no key)
-    refused = _events(p, "agent_refused")
-    assert "not sealed" in str(refused[0]["reason"])
+    refused = _events(p, AgentRefused)
+    assert "not sealed" in refused[0].reason
     assert [h.name for h in p.live_hosts()] == []
     # Another job's agent is told so and refused.
     other = socket.create_connection(("127.0.0.1", p.port))
@@ -163,7 +169,7 @@ def test_a_silent_host_is_lost_after_the_timeout_and_an_outsider_is_refused(pool
 def test_an_agent_refuses_an_impostor_coordinator(pool: tuple[HostPool, str]) -> None:
     p, _ = pool
     agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{p.port}", slots=1, secret=new_token(), name="hx",
-                              connect_timeout_s=5.0, rejoin=False))
+                              connect_timeout_s=5.0, rejoin=False, fork_server=False))
     sock = socket.create_connection(("127.0.0.1", p.port))
     with pytest.raises(AgentError, match="could not prove"):
         agent._serve(sock)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from runtime import store as keys
 from runtime.auth import Sealer, check_secret, read_secret_file, write_secret_file
 from runtime.coordinator import Coordinator, CoordinatorSettings
+from runtime.event_records import StandbyTargetChanged, UntrustedValue
 from runtime.events import EventLog
 from runtime.launcher import ConfigError, LaunchConfig
 from tests.runtime.conftest import TINY_JOB
@@ -131,10 +132,10 @@ def test_the_coordinator_obeys_sealed_commands_once_and_refuses_unsealed_and_sta
     store.set(key, old)  # a genuine command, replayed
     c._poll_control()
     assert c.standby_target == 2
-    refused = [e for e in c.events.events if e["event"] == "untrusted_value"]
-    assert [e["reason"] for e in refused] == ["not signed with the job's secret",
+    refused = c.events.of_type(UntrustedValue)
+    assert [e.reason for e in refused] == ["not signed with the job's secret",
                                               "stale (seq 5, the last applied is 6)"]
-    assert [(e["old"], e["new"]) for e in c.events.events if e["event"] == "standby_target_changed"] == [
+    assert [(e.old, e.new) for e in c.events.of_type(StandbyTargetChanged)] == [
         (1, 3), (3, 2)]
 
 

@@ -11,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from runtime.client import AttachedLauncher, EventTail, JobSpec, Placement, RuntimeJob, coordinator_argv, run_argv
+from runtime.event_records import StandbyLost, StandbySpawned
 
 
 def test_the_runtime_writes_its_own_command_lines(tmp_path: Path) -> None:
@@ -29,16 +32,21 @@ def test_the_runtime_writes_its_own_command_lines(tmp_path: Path) -> None:
     assert remote[-5:] == local[-5:]
 
 
-def test_the_tail_reads_whole_lines_once_and_skips_garbage(tmp_path: Path) -> None:
+def test_the_tail_reads_whole_lines_once_as_records_and_skips_garbage(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     tail = EventTail(path)
     assert tail.read() == [], "no file yet: nothing"
+    spawned = StandbySpawned(proc="s1", reason="keep the standby target", time=5.0)
+    lost = json.dumps(StandbyLost(proc="s0", pid=7, cause="killed by SIGKILL", was_ready=True, failure_at=1.0,
+                                  declared_at=1.1, detect_s=0.1, time=6.0).to_dict())
     with path.open("w") as f:
-        f.write(json.dumps({"event": "generation"}) + "\n" + "not json\n" + "[1, 2]\n" + '{"event": "recov')
-    assert tail.read() == [{"event": "generation"}], "garbage skipped, the half-written line left for later"
+        f.write(json.dumps(spawned.to_dict()) + "\n" + "not json\n" + "[1, 2]\n"
+                + json.dumps({"event": "standby_ready", "proc": "s1"}) + "\n" + lost[:20])
+    assert tail.read() == [spawned], "garbage and an event without its fields skipped, the half-written line left"
     with path.open("a") as f:
-        f.write('ered"}\n')
-    assert tail.read() == [{"event": "recovered"}]
+        f.write(lost[20:] + "\n")
+    (read,) = tail.read()
+    assert isinstance(read, StandbyLost) and read.cause == "killed by SIGKILL" and read.to_dict() == json.loads(lost)
     assert tail.read() == []
 
 
@@ -75,7 +83,10 @@ def test_stop_ends_the_launchers_whole_group_and_a_job_without_control_is_not_st
     launcher = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     job = RuntimeJob(launcher, tmp_path / "events.jsonl", "127.0.0.1", 1, "secret")
     try:
-        assert not job.steer("set_standby_target", 2), "nothing to steer before a connection"
+        assert not job.set_standby_target(2), "nothing to steer before a connection"
+        assert not job.move([1], "maintenance")
+        with pytest.warns(DeprecationWarning):
+            assert not job.steer("set_standby_target", 2), "the deprecated form calls the same"
         assert job.committed_step() is None
         assert job.wait(0.01) is None and job.running()
         for _ in range(300):

@@ -13,14 +13,27 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch.distributed as dist
 
 from runtime import store as keys
 from runtime.auth import Sealer
-from runtime.coordinator import HEALTH_EVERY_S, LOOP_S, Coordinator, CoordinatorSettings, JobFailed
+from runtime.coordinator import HEALTH_EVERY_S, LOOP_S, Coordinator, CoordinatorSettings, JobFailed, SimplePool
+from runtime.event_records import (
+    Event,
+    GenerationStarted,
+    MemberFailed,
+    Recovered,
+    StandbyLost,
+    StandbyReleased,
+    StandbySpawned,
+    StandbyTargetChanged,
+    StandbyWarm,
+    UntrustedValue,
+)
+from runtime.event_records import JobFailed as JobFailedEvent
 from runtime.events import EventLog
 from runtime.protocol import (
     Assignment,
@@ -42,6 +55,8 @@ BEAT_S = 0.25
 TICK = HEALTH_EVERY_S + 2 * LOOP_S
 """How late after a deadline a rule may fire: the next health tick (and the loop turn that reaches it)."""
 _pids = itertools.count(800_000)
+
+E = TypeVar("E", bound=Event)
 
 
 class FakeClock:
@@ -131,7 +146,7 @@ class SimProcess:
         pass
 
 
-class SimPool:
+class SimPool(SimplePool):
     def __init__(self, clock: FakeClock, records: keys.Records, scripts: Callable[[str, str], Script]) -> None:
         self.clock, self.records, self.scripts = clock, records, scripts
         self.procs: dict[str, SimProcess] = {}
@@ -171,8 +186,8 @@ class Scene:
         end = self.now + seconds
         self.until(lambda: self.now >= end, seconds + 1.0)
 
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.c.events.events if e["event"] == kind]
+    def events(self, kind: type[E]) -> list[E]:
+        return self.c.events.of_type(kind)
 
 
 def _standby_warm_at(at: float, **worker: Any) -> Callable[[str, str], Script]:
@@ -191,18 +206,18 @@ def test_a_worker_whose_heartbeat_stops_is_declared_hung_after_the_hang_timeout_
     declared = scene.until(lambda: w1.dead, 5.0)
     assert 2.0 < declared - last_seen <= 2.0 + TICK, "hung exactly at the first health tick past the timeout"
     assert scene.pool.procs["w1"].killed, "fenced before it is replaced"
-    (failed,) = scene.events("member_failed")
-    assert failed["rank"] == 1 and failed["cause"].startswith("hung (no heartbeat for 2.")
-    assert failed["failure_at"] == pytest.approx(scene.clock.wall() - (declared - last_seen))
+    (failed,) = scene.events(MemberFailed)
+    assert failed.rank == 1 and failed.cause.startswith("hung (no heartbeat for 2.")
+    assert failed.failure_at == pytest.approx(scene.clock.wall() - (declared - last_seen))
     # The warm standby takes the rank in the same turn, and a new standby replaces it in the pool.
-    (gen1,) = [e for e in scene.events("generation") if e["generation"] == 1]
-    assert gen1["replaced"] == [{"rank": 1, "old": "w1", "new": "s0"}]
-    assert scene.member.get_record(keys.k_gen(1), Generation) == Generation(1, ("w0", "s0"), gen1["reason"],
+    (gen1,) = [e for e in scene.events(GenerationStarted) if e.generation == 1]
+    assert gen1.replaced == [{"rank": 1, "old": "w1", "new": "s0"}]
+    assert scene.member.get_record(keys.k_gen(1), Generation) == Generation(1, ("w0", "s0"), gen1.reason,
                                                                              ((1, "w1", "s0"),))
     assert scene.member.get_record(keys.k_assign("s0"), Assignment) == Assignment(1)
     assert scene.member.get_record(keys.k_current_gen(), CurrentGeneration) == CurrentGeneration(1)
-    spawned = scene.events("standby_spawned")
-    assert [(e["proc"], e["reason"]) for e in spawned] == [("s1", "replace a promoted standby")]
+    spawned = scene.events(StandbySpawned)
+    assert [(e.proc, e.reason) for e in spawned] == [("s1", "replace a promoted standby")]
     assert scene.c.standbys.unpromoted() == ["s1"]
 
 
@@ -229,12 +244,12 @@ def test_a_standby_that_never_starts_is_fenced_at_the_startup_timeout_and_replac
     scene.c.start()
     fenced = scene.until(lambda: scene.c.procs["s0"].dead, 10.0)
     assert 5.0 < fenced <= 5.0 + TICK
-    (lost,) = scene.events("standby_lost")
-    assert lost["proc"] == "s0" and lost["cause"] == "did not start within 5 s" and not lost["was_ready"]
+    (lost,) = scene.events(StandbyLost)
+    assert lost.proc == "s0" and lost.cause == "did not start within 5 s" and not lost.was_ready
     assert scene.pool.procs["s0"].killed
-    assert [(e["proc"], e["reason"]) for e in scene.events("standby_spawned")] == [("s1", "replace a lost standby")]
+    assert [(e.proc, e.reason) for e in scene.events(StandbySpawned)] == [("s1", "replace a lost standby")]
     assert scene.c.standbys.failures_in_row == 1
-    assert not scene.events("member_failed"), "the workers beat: only the standby is lost"
+    assert not scene.events(MemberFailed), "the workers beat: only the standby is lost"
 
 
 @pytest.mark.timeout(20)
@@ -243,7 +258,7 @@ def test_standbys_that_never_get_warm_stop_the_job_after_the_failures_in_a_row()
     result = scene.c.run()
     assert result.exit_code == 1
     assert result.message.startswith("3 standbys in a row died before they were warm (the last, s2, did not start")
-    assert [e["proc"] for e in scene.events("standby_lost")] == ["s0", "s1", "s2"]
+    assert [e.proc for e in scene.events(StandbyLost)] == ["s0", "s1", "s2"]
     assert "s3" not in scene.pool.procs, "the third loss stops the job instead of starting a fourth"
     assert 15.0 < scene.now <= 15.0 + 3 * TICK, "each one given its full startup timeout"
     stop = scene.member.get_record(keys.k_stop(), StopOrder)
@@ -256,7 +271,7 @@ def test_a_warm_standby_resets_the_count_of_failures_in_a_row() -> None:
                   startup_timeout_s=5.0, max_standby_failures=2)
     scene.c.start()
     scene.until(lambda: scene.c.standbys.failures_in_row == 1, 10.0)  # s0 never started
-    scene.until(lambda: bool(scene.events("standby_ready")), 5.0)  # s1 did
+    scene.until(lambda: bool(scene.events(StandbyWarm)), 5.0)  # s1 did
     assert scene.c.standbys.failures_in_row == 0
 
 
@@ -270,15 +285,15 @@ def test_no_standby_left_stops_the_job_after_the_standby_wait_with_what_to_do() 
         "lost rank 1 (w1, killed by SIGKILL) and no standby became ready within 5 s; the job was stopped.")
     assert "Start more standbys (--standby K)" in result.message
     # A standby was started to cover the loss; it never got warm, and the job waited exactly the standby wait.
-    assert [(e["proc"], e["reason"]) for e in scene.events("standby_spawned")] == [("s0", "cover a lost worker")]
-    (failed,) = scene.events("member_failed")
-    assert failed["failure_at"] == pytest.approx(failed["declared_at"])
+    assert [(e.proc, e.reason) for e in scene.events(StandbySpawned)] == [("s0", "cover a lost worker")]
+    (failed,) = scene.events(MemberFailed)
+    assert failed.failure_at == pytest.approx(failed.declared_at)
     assert 6.0 < scene.now <= 6.0 + 2 * LOOP_S
     assert scene.member.get_record(keys.k_stop(), StopOrder) == StopOrder(result.message)
     assert scene.member.get_record(keys.k_assign("s0"), Assignment) == Assignment(-1)
     assert scene.pool.procs["s0"].killed
-    (ended,) = scene.events("job_failed")
-    assert ended["reason"] == result.message
+    (ended,) = scene.events(JobFailedEvent)
+    assert ended.reason == result.message
 
 
 @pytest.mark.timeout(20)
@@ -288,15 +303,15 @@ def test_a_lower_standby_target_releases_the_warming_ones_first_and_a_higher_one
     scene.until(lambda: len(scene.c.standbys.ready()) == 2, 2.0)
     scene.orchestrator.put(keys.k_control_standby_target(), ControlCommand(1, "1"))
     scene.until(lambda: scene.c.standby_target == 1, 1.0)
-    assert [(e["old"], e["new"]) for e in scene.events("standby_target_changed")] == [(3, 1)]
-    assert [(e["proc"], e["was_ready"]) for e in scene.events("standby_released")] == [("s2", False), ("s1", True)]
+    assert [(e.old, e.new) for e in scene.events(StandbyTargetChanged)] == [(3, 1)]
+    assert [(e.proc, e.was_ready) for e in scene.events(StandbyReleased)] == [("s2", False), ("s1", True)]
     assert scene.pool.procs["s2"].killed and scene.pool.procs["s1"].killed and not scene.pool.procs["s0"].killed
     assert scene.c.standbys.unpromoted() == ["s0"]
     scene.run_for(2.0)
-    assert not scene.events("standby_spawned"), "released standbys are not replaced"
+    assert not scene.events(StandbySpawned), "released standbys are not replaced"
     scene.orchestrator.put(keys.k_control_standby_target(), ControlCommand(2, "2"))
     scene.until(lambda: scene.c.standby_target == 2, 1.0)
-    assert [(e["proc"], e["reason"]) for e in scene.events("standby_spawned")] == [
+    assert [(e.proc, e.reason) for e in scene.events(StandbySpawned)] == [
         ("s3", "standby target raised to 2")]
 
 
@@ -310,11 +325,11 @@ def test_a_malformed_record_from_a_member_is_refused_once_and_a_well_formed_one_
     scene.store.set(key, scene.member.sealer.seal(key, newer))  # sealed by the job, but not a record it reads
     scene.store.add(keys.k_failed_count(0), 1)
     scene.run_for(3.0)  # longer than the hang timeout: a report it could read would have rebuilt the groups
-    refused = [e for e in scene.events("untrusted_value") if e["key_kind"] == "gen/#/failed/w#"]
+    refused = [e for e in scene.events(UntrustedValue) if e.key_kind == "gen/#/failed/w#"]
     assert len(refused) == 1, "read every tick, refused (and reported) once"
-    assert "not a FailureReport record" in refused[0]["reason"] and "version 9" in refused[0]["reason"]
+    assert "not a FailureReport record" in refused[0].reason and "version 9" in refused[0].reason
     assert scene.c.records.sealer.refused["gen/#/failed/w#"] == 1
-    assert [e["generation"] for e in scene.events("generation")] == [0]
+    assert [e.generation for e in scene.events(GenerationStarted)] == [0]
     scene.member.put(keys.k_failed(0, "w1"), FailureReport("peer lost", 1.0, 3))
     scene.until(lambda: scene.c.gen.gen == 1, 3.0)
     assert scene.c.gen.reason == "collective error without a lost member: peer lost"
@@ -332,8 +347,8 @@ def test_a_heartbeat_that_is_not_a_count_is_no_sign_of_life() -> None:
         scene.store.set(key, scene.member.sealer.seal(key, {"count": 100 + i}))
         scene.run_for(0.2)
     assert scene.c.procs["w1"].dead
-    (failed,) = scene.events("member_failed")
-    assert failed["proc"] == "w1" and failed["cause"].startswith("hung")
+    (failed,) = scene.events(MemberFailed)
+    assert failed.proc == "w1" and failed.cause.startswith("hung")
     assert scene.c.records.sealer.refused["proc/w#/heartbeat"] >= 5, "each value refused and counted"
 
 
@@ -354,7 +369,7 @@ def test_a_recovery_is_reported_once_every_member_sent_its_final_report() -> Non
                   hang_timeout_s=2.0)
     scene.c.start()
     scene.until(lambda: scene.c.gen.gen == 1, 5.0)
-    (failed,) = scene.events("member_failed")
+    (failed,) = scene.events(MemberFailed)
     t = scene.clock.wall()
 
     def report(rank: int, role: str, final: bool) -> RecoveryReport:
@@ -365,15 +380,15 @@ def test_a_recovery_is_reported_once_every_member_sent_its_final_report() -> Non
     scene.member.put(keys.k_report(1, 0), report(0, "source", final=True))
     scene.member.put(keys.k_report(1, 1), report(1, "receiver", final=False))  # the replay committed
     scene.run_for(1.0)
-    assert not scene.events("recovered"), "waits for every final report"
+    assert not scene.events(Recovered), "waits for every final report"
     assert scene.c.recoveries
     scene.member.put(keys.k_report(1, 1), report(1, "receiver", final=True))
-    scene.until(lambda: bool(scene.events("recovered")), 1.0)
-    (recovered,) = scene.events("recovered")
-    assert recovered["generation"] == 1 and recovered["step"] == 8
-    assert recovered["ranks"] == [{"rank": 1, "old": "w1", "new": "s0"}]
-    assert recovered["recovery_s"] == pytest.approx(t + 0.4 - failed["failure_at"])
-    assert recovered["handoff_bytes"] == 1000 and recovered["sources"] == [0] and recovered["generations"] == 1
+    scene.until(lambda: bool(scene.events(Recovered)), 1.0)
+    (recovered,) = scene.events(Recovered)
+    assert recovered.generation == 1 and recovered.step == 8
+    assert recovered.ranks == [{"rank": 1, "old": "w1", "new": "s0"}]
+    assert recovered.recovery_s == pytest.approx(t + 0.4 - failed.failure_at)
+    assert recovered.handoff_bytes == 1000 and recovered.sources == [0] and recovered.generations == 1
     assert not scene.c.recoveries
 
 
@@ -388,6 +403,6 @@ def test_a_peer_named_untrusted_is_fenced_and_a_rank_outside_the_generation_is_i
     assert not any(m.dead for m in scene.c.procs.values()), "rank 7 is no member: nobody is fenced"
     scene.member.put(keys.k_failed(0, "w0"), FailureReport("bad proof", 1.0, 3, "comm", untrusted_rank=1))
     scene.until(lambda: scene.c.procs["w1"].dead, 1.0)
-    (failed,) = scene.events("member_failed")
-    assert failed["cause"] == "failed to prove it belongs to the job during a handoff"
+    (failed,) = scene.events(MemberFailed)
+    assert failed.cause == "failed to prove it belongs to the job during a handoff"
     assert scene.c.gen.members == ("w0", "s0"), "and its rank goes to the warm standby"

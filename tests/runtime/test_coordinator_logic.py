@@ -16,8 +16,9 @@ import torch.distributed as dist
 from runtime import store as keys
 from runtime.auth import Sealer
 from runtime.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_chaos
-from runtime.coordinator import Coordinator, CoordinatorSettings
-from runtime.events import EventLog
+from runtime.coordinator import Coordinator, CoordinatorSettings, SimplePool
+from runtime.event_records import Event, GenerationStarted, MemberFailed, StandbyLost
+from runtime.events import EventLog, of_type
 from runtime.protocol import Finished
 from runtime.store import Records
 
@@ -53,7 +54,7 @@ class FakeProcess:
         pass
 
 
-class FakePool:
+class FakePool(SimplePool):
     def __init__(self, behaviour: Callable[[str, str], tuple[int | None, int]]) -> None:
         self.behaviour = behaviour
         self.spawned: list[FakeProcess] = []
@@ -65,7 +66,7 @@ class FakePool:
         return p
 
 
-def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, str, list[dict[str, object]]]:
+def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, str, list[Event]]:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     if done:  # every worker already finished the last step of generation 0
@@ -91,7 +92,7 @@ def test_standbys_dying_before_they_are_warm_stop_the_job_after_five_in_a_row() 
     code, message, events = run(pool)
     assert code == 1
     assert "5 standbys in a row died before they were warm" in message
-    assert sum(e["event"] == "standby_lost" for e in events) == 5
+    assert len(of_type(events, StandbyLost)) == 5
     assert sum(p.role == "standby" for p in pool.spawned) == 5  # each replaced once, the fifth not
 
 
@@ -101,7 +102,7 @@ def test_losing_every_holder_of_the_state_stops_the_job_at_once() -> None:
     code, message, events = run(pool)
     assert code == 1
     assert "every copy of the training state was lost" in message
-    assert not [e for e in events if e["event"] == "generation" and e["generation"] > 0]
+    assert not [e for e in of_type(events, GenerationStarted) if e.generation > 0]
 
 
 @pytest.mark.timeout(30)
@@ -109,7 +110,7 @@ def test_workers_that_finished_and_left_before_the_loop_noticed_complete_the_job
     pool = FakePool(lambda name, role: (0, 0) if role == "worker" else (None, 0))  # gone at the first look
     code, message, events = run(pool, done=True)
     assert code == 0, message
-    assert not [e for e in events if e["event"] == "member_failed"]
+    assert not of_type(events, MemberFailed)
 
 
 def test_chaos_specs_parse_and_bad_ones_say_what_is_expected() -> None:

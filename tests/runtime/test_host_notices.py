@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from bench.netns import Events
-from cloud.aws_notices import ImdsNoticeSource
+from cloud.aws.notices import ImdsNoticeSource
 from runtime.agent import Agent, AgentConfig, NoticeWatch
+from runtime.event_records import HostNoticed
+from runtime.events import of_type
 from runtime.hosts import HostPool, NoSlot
 from runtime.protocol import HostNotice, ProtocolError, decode, to_json
 from tests.cloud.aws_servers import ImdsServer, imds_server
@@ -56,7 +58,8 @@ def test_an_agent_forwards_its_hosts_spot_notice_once_and_the_host_gets_nothing_
     with imds_server() as imds:
         watch = NoticeWatch(ImdsNoticeSource("host-a", endpoint=imds.url), every_s=0.05)
         agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{p.port}", slots=2, secret=token, name="host-a",
-                                  connect_timeout_s=5.0, rejoin=False, notices=watch))
+                                  connect_timeout_s=5.0, rejoin=False, fork_server=False,
+                                  notices=watch))
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()
         try:
@@ -66,8 +69,8 @@ def test_an_agent_forwards_its_hosts_spot_notice_once_and_the_host_gets_nothing_
             ((host, incarnation, kind),) = _wait("the notice at the coordinator", p.take_notices)  # type: ignore[misc]
             assert (host, kind) == ("host-a", "spot_interruption")
             assert p.procs_on(host, incarnation) == ["w0"]
-            events = [f for k, f in p.take_events() if k == "host_notice"]
-            assert events and events[0]["procs"] == ["w0"] and events[0]["deadline_at"] > 0
+            events = of_type(p.take_events(), HostNoticed)
+            assert events and events[0].procs == ["w0"] and events[0].deadline_at > 0
             # The host still has a free slot, but it is going: a new standby must go elsewhere.
             with pytest.raises(NoSlot):
                 p.spawn("s0", "standby")

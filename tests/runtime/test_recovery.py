@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from runtime.event_records import GenerationStarted, JobFailed, MemberFailed, Recovered
 from tests.runtime.conftest import events_of, run_job
 
 pytestmark = pytest.mark.slow
@@ -32,19 +33,22 @@ def test_a_worker_killed_at_each_point_of_a_step_is_replaced_bit_exactly(referen
     result = run_job(nproc=2, standby=2, steps=20, faults=faults)
 
     assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
-    failed = events_of(result, "member_failed")
-    assert [(e["rank"], e["cause"]) for e in failed] == [(rank, "killed by SIGKILL") for rank, _ in PHASE_KILLS]
-    recovered = events_of(result, "recovered")
+    failed = events_of(result, MemberFailed)
+    assert [(e.rank, e.cause) for e in failed] == [(rank, "killed by SIGKILL") for rank, _ in PHASE_KILLS]
+    recovered = events_of(result, Recovered)
     assert len(recovered) == len(PHASE_KILLS), "each kill is a recovery of its own"
     holder = {0: "w0", 1: "w1"}
     for (rank, phase), e, rec in zip(PHASE_KILLS, failed, recovered, strict=True):
-        assert e["proc"] == holder[rank], f"the kill at {phase} hit the process holding rank {rank}"
-        (moved,) = rec["ranks"]
+        assert e.proc == holder[rank], f"the kill at {phase} hit the process holding rank {rank}"
+        (moved,) = rec.ranks
         assert moved["rank"] == rank and moved["old"] == holder[rank] and moved["new"].startswith("s"), (phase, rec)
-        for key in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s", "recovery_s"):
-            assert rec[key] >= 0.0, (phase, key)
-        assert rec["handoff_bytes"] > 0, phase
-        assert rec["generations"] == 1, phase
+        # Bounds, not timings: each part lies within the recovery, and the recovery within its timeout.
+        assert 0.0 < rec.recovery_s < 60.0, (phase, rec.recovery_s)
+        for key in ("detect_s", "reconfigure_s", "handoff_s", "replay_s"):
+            assert 0.0 <= getattr(rec, key) <= rec.recovery_s, (phase, key, getattr(rec, key), rec.recovery_s)
+        assert 0.0 <= rec.warmup_penalty_s < 60.0, (phase, rec.warmup_penalty_s)  # measured after the recovery
+        assert rec.handoff_bytes > 0, phase
+        assert rec.generations == 1, phase
         holder[rank] = moved["new"]
     assert set(result.digests) == set(holder.values()), "the standbys that took the ranks hold them at the end"
 
@@ -54,18 +58,18 @@ def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Refe
                      faults="kill:rank=1,step=8,phase=exchange;kill:role=sender,phase=handoff_send,chunk=2")
 
     assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
-    dead = {e["proc"] for e in events_of(result, "member_failed")}
+    dead = {e.proc for e in events_of(result, MemberFailed)}
     assert dead == {"w1", "w0"} or dead == {"w1", "w2"}, dead
-    assert len(events_of(result, "generation")) == 3
+    assert len(events_of(result, GenerationStarted)) == 3
     # One recovery that took two generations: timed from the first kill to the step that committed.
-    (recovered,) = events_of(result, "recovered")
-    assert recovered["generations"] == 2 and recovered["generation"] == 2
-    assert [a["generation"] for a in recovered["failed_attempts"]] == [1]
-    assert "killed by SIGKILL" in recovered["failed_attempts"][0]["failed"]
-    first_kill = min(e["failure_at"] for e in events_of(result, "member_failed"))
-    assert recovered["recovery_s"] >= max(e["declared_at"] for e in events_of(result, "member_failed")) - first_kill
-    lost = sorted(e["rank"] for e in events_of(result, "member_failed"))
-    assert sorted(r["rank"] for r in recovered["ranks"]) == lost
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.generations == 2 and recovered.generation == 2
+    assert [a["generation"] for a in recovered.failed_attempts] == [1]
+    assert "killed by SIGKILL" in recovered.failed_attempts[0]["failed"]
+    first_kill = min(e.failure_at for e in events_of(result, MemberFailed))
+    assert recovered.recovery_s >= max(e.declared_at for e in events_of(result, MemberFailed)) - first_kill
+    lost = sorted(e.rank for e in events_of(result, MemberFailed))
+    assert sorted(r["rank"] for r in recovered.ranks) == lost
 
 
 def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_other_source(
@@ -75,9 +79,9 @@ def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_othe
                      faults="kill:rank=1,step=8,phase=exchange;corrupt:role=sender,phase=handoff_send,chunk=2")
 
     assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
-    (recovered,) = events_of(result, "recovered")
-    assert recovered["refetched_chunks"] == 1 and recovered["generations"] == 1
-    assert len(events_of(result, "generation")) == 2, "repaired within the handoff, no new generation"
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.refetched_chunks == 1 and recovered.generations == 1
+    assert len(events_of(result, GenerationStarted)) == 2, "repaired within the handoff, no new generation"
 
 
 def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exact(reference_digest: Reference) -> None:
@@ -85,9 +89,9 @@ def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exac
                      faults="kill:rank=2,step=8,phase=exchange;corrupt:role=sender,phase=handoff_send,chunk=3")
 
     assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
-    (recovered,) = events_of(result, "recovered")
-    assert recovered["handoff_bytes"] > 0 and recovered["sources"] == [0, 1]
-    assert recovered["refetched_chunks"] == 1, "the MAC and the refetch work over TLS too"
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.handoff_bytes > 0 and recovered.sources == [0, 1]
+    assert recovered.refetched_chunks == 1, "the MAC and the refetch work over TLS too"
 
 
 def test_standby_killed_while_taking_over_the_next_standby_serves(reference_digest: Reference) -> None:
@@ -95,7 +99,7 @@ def test_standby_killed_while_taking_over_the_next_standby_serves(reference_dige
                      faults="kill:rank=1,step=8,phase=exchange;kill:role=receiver,phase=handoff_recv")
 
     assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
-    first, second = (e["proc"] for e in events_of(result, "member_failed"))
+    first, second = (e.proc for e in events_of(result, MemberFailed))
     assert first == "w1" and second in {"s0", "s1"}, "the promoted standby is the one killed while receiving"
     assert set(result.digests) == {"w0", ({"s0", "s1"} - {second}).pop()}
 
@@ -105,10 +109,10 @@ def test_two_workers_killed_at_once_two_standbys_take_both_ranks(reference_diges
                      faults="kill:rank=1,step=8,phase=exchange;kill:rank=2,step=8,phase=exchange")
 
     assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
-    assert sorted(e["rank"] for e in events_of(result, "member_failed")) == [1, 2]
+    assert sorted(e.rank for e in events_of(result, MemberFailed)) == [1, 2]
     assert set(result.digests) == {"w0", "s0", "s1"}
-    recovered = events_of(result, "recovered")
-    assert sorted(r["rank"] for e in recovered for r in e["ranks"]) == [1, 2]
+    recovered = events_of(result, Recovered)
+    assert sorted(r["rank"] for e in recovered for r in e.ranks) == [1, 2]
 
 
 def test_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(reference_digest: Reference) -> None:
@@ -116,10 +120,10 @@ def test_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(reference_dige
                      hang_timeout_s=1.5)
 
     assert_recovered_exactly(result, reference_digest(2, 20), nproc=2)
-    (failed,) = events_of(result, "member_failed")
-    assert failed["proc"] == "w1" and failed["cause"].startswith("hung")
+    (failed,) = events_of(result, MemberFailed)
+    assert failed.proc == "w1" and failed.cause.startswith("hung")
     # Declared hung 1.5 s after its last heartbeat, which may precede the stop by up to one heartbeat (0.25 s).
-    assert 1.5 - 0.25 <= failed["detect_s"] < 10.0
+    assert 1.5 - 0.25 <= failed.detect_s < 10.0
 
 
 def test_without_a_standby_the_job_waits_then_stops_with_a_clear_message() -> None:
@@ -129,7 +133,7 @@ def test_without_a_standby_the_job_waits_then_stops_with_a_clear_message() -> No
     assert result.exit_code == 1
     assert "no standby became ready within 1 s" in result.message
     assert "--standby" in result.message
-    assert events_of(result, "job_failed")
+    assert events_of(result, JobFailed)
 
 
 def test_a_bug_in_the_training_script_stops_the_job_instead_of_burning_standbys() -> None:
@@ -137,4 +141,4 @@ def test_a_bug_in_the_training_script_stops_the_job_instead_of_burning_standbys(
 
     assert result.exit_code == 1
     assert "a bug in the training script at step 6" in result.message
-    assert not events_of(result, "recovered")
+    assert not events_of(result, Recovered)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.event_records import GenerationStarted, MemberFailed, Recovered, StandbyLost, StandbySpawned
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 BN_AUG = SCRIPTS / "bn_aug_job.py"
@@ -31,7 +32,7 @@ def test_ordinary_scripts_recover_bit_exactly(script: Path, args: tuple[str, ...
     result = run_job(nproc=2, standby=2, steps=steps, faults=faults, script=script, script_args=args)
 
     assert result.exit_code == 0, result.message
-    assert len(events_of(result, "member_failed")) == faults.count(";") + 1
+    assert len(events_of(result, MemberFailed)) == faults.count(";") + 1
     reference = clean_digest(2, steps, script, args)
     assert sorted(result.digests.values()) == [reference, reference], "every rank ends exactly as a clean run"
 
@@ -47,7 +48,7 @@ def test_per_rank_buffers_make_recovery_refuse_with_a_clear_message() -> None:
                      script_args=("--per-rank-buffers",))
     assert result.exit_code == 1
     assert "broadcast_buffers=False" in result.message and "broadcast_buffers=True" in result.message
-    assert not events_of(result, "recovered")
+    assert not events_of(result, Recovered)
 
 
 def test_standbys_killed_while_warming_up_and_while_parked_are_replaced_and_the_job_completes() -> None:
@@ -55,11 +56,11 @@ def test_standbys_killed_while_warming_up_and_while_parked_are_replaced_and_the_
     # warms up, parks, and dies there (ready); a third one is started in its place.
     result = run_job(nproc=2, standby=1, steps=12, faults="kill:phase=warmup;kill:phase=standby_wait")
     assert result.exit_code == 0, result.message
-    lost = events_of(result, "standby_lost")
-    assert len(lost) == 2 and all("SIGKILL" in e["cause"] for e in lost), lost
-    assert not lost[0]["was_ready"], "the first was lost while warming up"
-    assert lost[0]["proc"] != lost[1]["proc"], "the second loss is its replacement, killed where it waited"
-    assert len(events_of(result, "standby_spawned")) >= 2, "each lost standby is replaced"
+    lost = events_of(result, StandbyLost)
+    assert len(lost) == 2 and all("SIGKILL" in e.cause for e in lost), lost
+    assert not lost[0].was_ready, "the first was lost while warming up"
+    assert lost[0].proc != lost[1].proc, "the second loss is its replacement, killed where it waited"
+    assert len(events_of(result, StandbySpawned)) >= 2, "each lost standby is replaced"
 
 
 @pytest.mark.parametrize("mode", ["exit0", "raise"])
@@ -70,7 +71,7 @@ def test_a_script_that_leaves_before_joining_stops_the_job_with_one_message(mode
         assert "before joining the job" in result.message and "runtime.init()" in result.message
     else:
         assert "exited with code 1 before joining the job" in result.message
-    assert len(events_of(result, "standby_spawned")) <= 1
+    assert len(events_of(result, StandbySpawned)) <= 1
 
 
 def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() -> None:
@@ -78,7 +79,7 @@ def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() 
                      faults="kill:rank=0,step=5,phase=exchange;kill:rank=1,step=5,phase=exchange")
     assert result.exit_code == 1
     assert "every copy of the training state was lost" in result.message
-    assert len(events_of(result, "generation")) <= 2  # generation 0, at most one attempt: no rebuild loop
+    assert len(events_of(result, GenerationStarted)) <= 2  # generation 0, at most one attempt: no rebuild loop
 
 
 @pytest.mark.parametrize("odd", ["w1", "s0"])
@@ -86,7 +87,7 @@ def test_a_process_that_builds_another_model_is_a_script_error_naming_the_tensor
     result = run_job(nproc=2, standby=1, steps=12, script_args=("--odd-proc", odd))
     assert result.exit_code == 1
     assert "different model" in result.message and "model.0.weight" in result.message
-    assert not events_of(result, "recovered")
+    assert not events_of(result, Recovered)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_the_examples_recover_bit_exactly(example: str, args: tuple[str, ...]) -
     result = run_job(nproc=2, standby=1, steps=steps, script=script, script_args=args,
                      faults="kill:rank=1,step=6,phase=exchange")
     assert result.exit_code == 0, result.message
-    assert len(events_of(result, "recovered")) == 1
+    assert len(events_of(result, Recovered)) == 1
     reference = clean_digest(2, steps, script, args)
     assert sorted(result.digests.values()) == [reference, reference]
 
@@ -136,12 +137,12 @@ def test_a_worker_killed_from_outside_is_timed_from_its_exit_not_from_when_it_wa
     result = run_job(nproc=2, standby=1, steps=60, script_args=("--pace-ms", "40"), events_path=str(events_path))
     watcher.join(60)
     assert killed and result.exit_code == 0, result.message
-    failed = events_of(result, "member_failed")
+    failed = events_of(result, MemberFailed)
     assert len(failed) == 1
     death = failed[0]
     # The failure's moment is the exit seen on the pidfd: after the signal, before the declaration, and close to it.
-    assert killed[0] <= death["failure_at"] <= death["declared_at"]
-    assert 0 < death["detect_s"] < 1.0
-    assert death["failure_at"] - killed[0] < 0.5
-    recovered = events_of(result, "recovered")[0]
-    assert recovered["recovery_s"] >= recovered["detect_s"] > 0
+    assert killed[0] <= death.failure_at <= death.declared_at
+    assert 0 < death.detect_s < 1.0
+    assert death.failure_at - killed[0] < 0.5
+    recovered = events_of(result, Recovered)[0]
+    assert recovered.recovery_s >= recovered.detect_s > 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runtime.buddy import BuddyStatus, plan_restore
+from runtime.event_records import MemberFailed, Recovered
 from runtime.handoff import HandoffPlan, MemberStatus, StateLost
 from runtime.sharded import MeshSpec, plan_sharded_handoff
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
@@ -125,12 +126,12 @@ def test_hsdp_ranks_killed_at_each_point_of_a_step_are_replaced_bit_exactly() ->
     faults = ";".join(f"kill:rank={r},step={s},phase={p}" for r, s, p in kills)
     result = _run("hsdp", faults)
     _assert_exact(result, "hsdp", 16)
-    recovered = events_of(result, "recovered")
-    assert [e["ranks"][0]["rank"] for e in recovered] == [r for r, _, _ in kills]
+    recovered = events_of(result, Recovered)
+    assert [e.ranks[0]["rank"] for e in recovered] == [r for r, _, _ in kills]
     for e in recovered:
-        (moved,) = e["ranks"]
-        assert e["sources"] == [(moved["rank"] + 2) % 4], "the same shard, in the other replica group"
-        assert e["handoff_bytes"] > 0, "the shard travelled from its replica peer"
+        (moved,) = e.ranks
+        assert e.sources == [(moved["rank"] + 2) % 4], "the same shard, in the other replica group"
+        assert e.handoff_bytes > 0, "the shard travelled from its replica peer"
 
 
 @pytest.mark.slow
@@ -138,22 +139,22 @@ def test_hsdp_with_tied_embeddings_bf16_and_accumulation_two_ranks_of_different_
     extra = ("--tied", "--bf16", "--accumulation-steps", "2")
     result = _run("hsdp", "kill:rank=0,step=5,phase=exchange;kill:rank=3,step=5,phase=exchange", *extra, steps=10)
     _assert_exact(result, "hsdp", 10, *extra)
-    (rec,) = events_of(result, "recovered")
-    assert sorted(r["rank"] for r in rec["ranks"]) == [0, 3]
+    (rec,) = events_of(result, Recovered)
+    assert sorted(r["rank"] for r in rec.ranks) == [0, 3]
 
 
 @pytest.mark.slow
 def test_dp_x_tp_a_tensor_parallel_rank_killed_twice_is_replaced_bit_exactly() -> None:
     result = _run("dp-tp", "kill:rank=1,step=4,phase=exchange;kill:rank=2,step=9,phase=optimizer")
     _assert_exact(result, "dp-tp", 16)
-    assert [e["ranks"][0]["rank"] for e in events_of(result, "recovered")] == [1, 2]
+    assert [e.ranks[0]["rank"] for e in events_of(result, Recovered)] == [1, 2]
 
 
 @pytest.mark.slow
 def test_hsdp_a_standby_killed_while_receiving_its_shard_the_next_standby_takes_it() -> None:
     result = _run("hsdp", "kill:rank=1,step=5,phase=exchange;kill:role=receiver,phase=handoff_recv")
     _assert_exact(result, "hsdp", 16)
-    assert len(events_of(result, "member_failed")) == 2
+    assert len(events_of(result, MemberFailed)) == 2
 
 
 @pytest.mark.slow
@@ -161,8 +162,8 @@ def test_fsdp_without_replicas_a_lost_rank_comes_back_from_its_buddy_copy_and_re
     # Copies every 4 steps: the kill at step 11 restores step 8 (rank 3's copy of rank 1) and replays 3 steps.
     result = _run("fsdp", "kill:rank=1,step=11,phase=before_exchange", "--buddy-every", "4")
     _assert_exact(result, "fsdp", 16, "--buddy-every", "4")
-    (rec,) = events_of(result, "recovered")
-    assert rec["sources"] == [3] and rec["handoff_bytes"] > 0
+    (rec,) = events_of(result, Recovered)
+    assert rec.sources == [3] and rec.handoff_bytes > 0
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime.event_records import Recovered
 from runtime.launcher import LaunchConfig, launch
-from runtime.zygote import ForkedProcess, ZygoteClient, forks_adopted_by
+from runtime.zygote import ForkedProcess, ForkRequest, ZygoteClient, forks_adopted_by
 from tests.runtime.conftest import TINY_JOB, clean_digest, events_of
 
 PROBE = """
@@ -137,6 +138,17 @@ def test_a_job_whose_zygote_is_killed_or_stopped_still_replaces_workers_exactly(
     watcher.join(60)
     assert killed, "the job named no zygote"
     assert result.exit_code == 0, result.message
-    assert len(events_of(result, "recovered")) == 2
+    assert len(events_of(result, Recovered)) == 2
     reference = clean_digest(2, 20, TINY_JOB)
     assert set(result.digests.values()) == {reference}
+
+
+def test_a_fork_request_is_one_json_line_read_back_whole_or_refused() -> None:
+    request = ForkRequest({"TM_PROC": "s3", "PATH": "/bin"}, ["train.py", "--steps", "5"])
+    line = request.to_json()
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {"env": {"TM_PROC": "s3", "PATH": "/bin"}, "argv": ["train.py", "--steps", "5"]}
+    assert ForkRequest.from_json(line) == request
+    for bad in (b"[]", b'{"env": {"A": 1}, "argv": ["x"]}', b'{"env": {}, "argv": []}', b"not json"):
+        with pytest.raises(ValueError):
+            ForkRequest.from_json(bad)

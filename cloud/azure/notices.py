@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloud.base import Notice, NoticeKind, NoticeSource, ServiceUnavailableError
+from cloud.notices import IMDS_URL, SeenOnce, imds_opener
 
 API_VERSION = "2020-07-01"
 SOURCE = "scheduled-events"
@@ -48,14 +49,12 @@ class ScheduledEventsSource(NoticeSource):
     same availability set or scale set appear in the same document and are ignored.
     """
 
-    def __init__(self, vm_name: str, *, endpoint: str = "http://169.254.169.254", timeout_s: float = 1.0) -> None:
+    def __init__(self, vm_name: str, *, endpoint: str = IMDS_URL, timeout_s: float = 1.0) -> None:
         self.vm_name = vm_name
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
-        self._seen: set[str] = set()
-        # IMDS must be reached directly: an HTTP(S)_PROXY from the environment would forward the request (and
-        # Azure refuses proxied IMDS calls), so this opener ignores proxies.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._seen: SeenOnce[str] = SeenOnce()
+        self._opener = imds_opener()  # IMDS must be reached directly: Azure refuses proxied IMDS calls
 
     def __repr__(self) -> str:
         return f"ScheduledEventsSource(vm_name={self.vm_name!r}, endpoint={self.endpoint!r})"
@@ -71,9 +70,8 @@ class ScheduledEventsSource(NoticeSource):
         for event in document.get("Events") or []:
             event_id = str(event.get("EventId") or "")
             resources = {str(r).lower() for r in event.get("Resources") or []}
-            if not event_id or event_id in self._seen or self.vm_name.lower() not in resources:
+            if not event_id or self.vm_name.lower() not in resources or not self._seen.first_time(event_id):
                 continue
-            self._seen.add(event_id)
             event_type = str(event.get("EventType") or "")
             kind = _KINDS.get(event_type.lower(), "scheduled_maintenance")
             deadline_at = _parse_not_before(str(event.get("NotBefore") or ""))

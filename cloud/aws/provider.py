@@ -1,15 +1,13 @@
 """The AWS EC2 provider: standbys as tagged EC2 instances, parked by stop/start, warned via EventBridge and SQS.
 
-This module owns every boto3 call TrainMover makes and the translation of their errors into the `CloudError`
-hierarchy; nothing outside it sees a boto3 dict or a botocore exception. boto3 is imported lazily, so importing
+Every boto3 call goes through `cloud.aws.client.AwsApi` (the one boto3 adapter, which also turns botocore errors
+into the `CloudError` hierarchy); nothing here sees a botocore exception. boto3 is imported lazily, so importing
 `cloud.aws` works without it. docs/cloud-aws.md explains the mapping to EC2 and the IAM policy
 (docs/iam/trainmover-aws-policy.json) that lists exactly the actions called here.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import logging
 import re
 import threading
@@ -20,11 +18,9 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from cloud.aws_network import AwsJobNetwork
-from cloud.aws_notices import (
-    HEALTH_EVENT,
-    REBALANCE_RECOMMENDATION,
-    SPOT_INTERRUPTION,
+from cloud.aws.client import AwsApi, api_name, did_you_mean
+from cloud.aws.network import AwsJobNetwork
+from cloud.aws.notices import (
     NoticeEvent,
     Refusal,
     event_refusal,
@@ -36,10 +32,8 @@ from cloud.base import (
     MUTATE,
     ROLE_TAG,
     Capabilities,
-    CapacityError,
     CheckResult,
     CloudError,
-    CredentialsError,
     Health,
     Instance,
     InstanceState,
@@ -50,27 +44,20 @@ from cloud.base import (
     Notice,
     PermissionDeniedError,
     Provider,
-    QuotaError,
     RetryBudget,
     Role,
-    ServiceUnavailableError,
     TagLimits,
-    ThrottledError,
     UnsupportedError,
-    validate_endpoint_url,
     validate_job_id,
     validate_role,
     validate_tags,
-    with_retries,
 )
-from cloud.bootstrap import render_cloud_init
+from cloud.bootstrap import agent_bootstrap, render_cloud_init
 
 if TYPE_CHECKING:
     import boto3
 
-log = logging.getLogger(__name__)
-
-POLICY_DOC = "docs/iam/trainmover-aws-policy.json"
+log = logging.getLogger("cloud.aws")  # the name users configure, as before the move to cloud/aws/
 
 # On-demand list prices, USD per hour, Linux, us-east-1. Source: https://aws.amazon.com/ec2/pricing/on-demand/
 # (AWS price list), as listed in mid-2025, after AWS's June 2025 cut of P4/P5 prices. Other regions differ by up
@@ -129,7 +116,7 @@ TAG_LIMITS = TagLimits(
     doc="https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/Using_Tags.html#tag-restrictions",
 )
 # IMDSv2 only (session tokens; blocks SSRF-style reads of the instance role's credentials); a hop limit of 2 lets
-# a container on the instance reach it. The IAM policy (cloud.iam) refuses launches without HttpTokens=required.
+# a container on the instance reach it. The IAM policy (cloud.aws.iam) refuses launches without HttpTokens=required.
 METADATA_OPTIONS: Mapping[str, Any] = {
     "HttpTokens": "required",
     "HttpEndpoint": "enabled",
@@ -138,257 +125,6 @@ METADATA_OPTIONS: Mapping[str, Any] = {
 # EC2 answers NotFound for an id that never existed; a placeholder lets check() dry-run without an instance.
 _PLACEHOLDER_INSTANCE = "i-00000000000000000"
 
-# Error codes, from https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html and the common
-# errors of the query/JSON protocols. Order matters in `_translate`: InsufficientInstanceCapacity comes back as
-# HTTP 500, and InvalidClientTokenId looks like an invalid parameter.
-_CAPACITY = frozenset(
-    {
-        "InsufficientInstanceCapacity",
-        "InsufficientHostCapacity",
-        "InsufficientReservedInstanceCapacity",
-        "InsufficientCapacity",
-        "SpotMaxPriceTooLow",
-    }
-)
-_QUOTA = frozenset({"InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded"})
-_THROTTLED = frozenset(
-    {
-        "RequestLimitExceeded",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-    }
-)
-_CREDENTIALS = frozenset(
-    {
-        "AuthFailure",
-        "UnrecognizedClientException",
-        "ExpiredToken",
-        "ExpiredTokenException",
-        "InvalidClientTokenId",
-        "SignatureDoesNotMatch",
-        "IncompleteSignature",
-        "MissingAuthenticationToken",
-        "InvalidAccessKeyId",
-        "RequestExpired",
-    }
-)
-_DENIED = frozenset({"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "OptInRequired"})
-_NOT_FOUND = frozenset({"QueueDoesNotExist", "AWS.SimpleQueueService.NonExistentQueue", "ResourceNotFoundException"})
-_INVALID = frozenset(
-    {"Unsupported", "UnsupportedOperation", "MissingParameter", "ValidationError", "IncorrectInstanceState"}
-)
-_UNAVAILABLE = frozenset({"InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"})
-
-
-def _api_name(operation: str) -> str:
-    """The name IAM and the EC2 API use for a boto3 method: run_instances -> RunInstances."""
-    return "".join(part.capitalize() for part in operation.split("_"))
-
-
-def _load_boto3() -> Any:
-    try:
-        import boto3
-    except ImportError as err:  # pragma: no cover - exercised only where boto3 is absent
-        raise ImportError("the AWS provider needs boto3: pip install 'trainmover[aws]'") from err
-    return boto3
-
-
-class _AwsApi:
-    """boto3 clients for one region, each call translated into `CloudError` and retried within a named budget."""
-
-    def __init__(self, region: str, session: boto3.Session | None, endpoint_url: str | None) -> None:
-        self._boto3 = _load_boto3()
-        import botocore.exceptions
-        import botocore.parsers
-
-        self._exc = botocore.exceptions
-        self._parser_error = botocore.parsers.ResponseParserError
-        self.region = region
-        self._session = session if session is not None else self._boto3.Session(region_name=region)
-        self._endpoint_url = validate_endpoint_url(
-            endpoint_url, provider="aws", example="https://ec2.us-east-1.amazonaws.com or http://127.0.0.1:5000"
-        )
-        self._config = one_attempt_config(region, read_timeout_s=30)
-        self._clients: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._validate_region(region)
-
-    def _validate_region(self, region: str) -> None:
-        known: set[str] = set()
-        for partition in self._session.get_available_partitions():
-            known.update(self._session.get_available_regions("ec2", partition_name=partition))
-        if region not in known:
-            close = difflib.get_close_matches(region, sorted(known), n=3)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
-            raise InvalidRequestError(
-                f"unknown AWS region {region!r}: {hint}EC2 regions include us-east-1, us-west-2, eu-west-1, "
-                "ap-northeast-1 (full list: `aws ec2 describe-regions`)",
-                provider="aws",
-                code="InvalidRegion",
-            )
-
-    def client(self, service: str) -> Any:
-        with self._lock:
-            if service not in self._clients:
-                try:
-                    self._clients[service] = self._session.client(
-                        service, region_name=self.region, endpoint_url=self._endpoint_url, config=self._config
-                    )
-                except ValueError as err:  # botocore's "Invalid endpoint: ..."
-                    raise InvalidRequestError(
-                        f"aws: cannot make a {service} client: {err}", provider="aws", code="InvalidEndpointUrl"
-                    ) from err
-            return self._clients[service]
-
-    def call(self, service: str, operation: str, budget: RetryBudget, **params: Any) -> dict[str, Any]:
-        client = self.client(service)
-
-        def once() -> dict[str, Any]:
-            try:
-                response: dict[str, Any] = getattr(client, operation)(**params)
-            except (self._exc.BotoCoreError, self._exc.ClientError, self._parser_error) as err:
-                raise self.translate(err, service, operation) from err
-            return response
-
-        return with_retries(once, budget, on_retry=self._log_retry)
-
-    def dry_run(self, operation: str, **params: Any) -> None:
-        """Run an EC2 call with DryRun=True: returns when AWS says it would have succeeded (DryRunOperation)."""
-        client = self.client("ec2")
-
-        def once() -> None:
-            try:
-                getattr(client, operation)(DryRun=True, **params)
-            except self._exc.ClientError as err:
-                if err.response.get("Error", {}).get("Code") == "DryRunOperation":
-                    return
-                raise self.translate(err, "ec2", operation) from err
-            except (self._exc.BotoCoreError, self._parser_error) as err:
-                raise self.translate(err, "ec2", operation) from err
-
-        with_retries(once, DESCRIBE, on_retry=self._log_retry)
-
-    @staticmethod
-    def _log_retry(err: CloudError, attempt: int, delay_s: float) -> None:
-        log.info("aws: %s (attempt %d); retrying in %.2f s", err, attempt, delay_s)
-
-    def translate(self, err: Exception, service: str, operation: str) -> CloudError:
-        """One `CloudError` for a botocore error, with a message that says what to do."""
-        action = f"{service}:{_api_name(operation)}"
-        where = f"aws {self.region}: {action}"
-        exc = self._exc
-        if isinstance(err, exc.NoCredentialsError | exc.PartialCredentialsError | exc.CredentialRetrievalError):
-            return CredentialsError(
-                f"{where}: no usable AWS credentials ({type(err).__name__}). Provide them through the standard chain "
-                "(AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, an instance "
-                "role), or name a Prefect Secret block in the flow's credentials_block (docs/flows.md).",
-                provider="aws",
-                code=type(err).__name__,
-            )
-        token_errors = tuple(
-            getattr(exc, name)
-            for name in ("TokenRetrievalError", "SSOTokenLoadError", "UnauthorizedSSOTokenError")
-            if hasattr(exc, name)
-        )
-        if token_errors and isinstance(err, token_errors):
-            return CredentialsError(
-                f"{where}: the AWS SSO token is missing or expired: run `aws sso login` (or refresh the credentials "
-                "of the flow's credentials block).",
-                provider="aws",
-                code=type(err).__name__,
-            )
-        if isinstance(err, exc.ClientError):
-            error = err.response.get("Error", {})
-            code = str(error.get("Code", "Unknown"))
-            message = str(error.get("Message", "")).split(" Encoded authorization failure message:")[0]
-            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            return self._from_code(code, message, status, action, where)
-        if isinstance(err, exc.ConnectionError | exc.HTTPClientError | self._parser_error):
-            return ServiceUnavailableError(
-                f"{where}: the AWS API did not answer properly ({type(err).__name__}); it is retried within the "
-                "call's budget. Check network access to the endpoint if this persists.",
-                provider="aws",
-                code=type(err).__name__,
-            )
-        if isinstance(err, exc.ParamValidationError):
-            return InvalidRequestError(f"{where}: invalid parameters: {err}", provider="aws", code="ParamValidation")
-        return CloudError(f"{where}: {type(err).__name__}: {err}", provider="aws", code=type(err).__name__)
-
-    @staticmethod
-    def _from_code(code: str, message: str, status: int, action: str, where: str) -> CloudError:
-        said = f" ({code}: {message})" if message else f" ({code})"
-        if code in _CAPACITY:
-            return CapacityError(
-                f"{where}: AWS has no capacity for this now{said}. Fall back: another zone, instance type or "
-                "standby tier, or try again later.",
-                provider="aws",
-                code=code,
-            )
-        if code in _QUOTA:
-            return QuotaError(
-                f"{where}: an account limit stops this{said}. Ask for a higher EC2 quota in the Service Quotas "
-                "console (e.g. 'Running On-Demand P instances' or 'All P Spot Instance Requests'), or launch fewer.",
-                provider="aws",
-                code=code,
-            )
-        if code in _THROTTLED:
-            return ThrottledError(f"{where}: AWS API rate limit hit{said}.", provider="aws", code=code)
-        if code in _CREDENTIALS:
-            hint = "check this machine's clock" if code == "RequestExpired" else "refresh or replace them"
-            return CredentialsError(
-                f"{where}: AWS refused the credentials ({code}): {hint}, through the standard chain (AWS_PROFILE, "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, instance role) or the flow's "
-                "credentials_block.",
-                provider="aws",
-                code=code,
-            )
-        if code in _DENIED:
-            return PermissionDeniedError(
-                f"{where}: the credentials are not allowed to call {action} ({code}). Grant it: see {POLICY_DOC} "
-                "(`aws sts decode-authorization-message` explains an encoded denial).",
-                provider="aws",
-                code=code,
-            )
-        if code.endswith("NotFound") or code in _NOT_FOUND:
-            return NotFoundError(f"{where}: not found{said}.", provider="aws", code=code)
-        if code.startswith("Invalid") or code in _INVALID:
-            return InvalidRequestError(f"{where}: AWS refused the request as invalid{said}.", provider="aws", code=code)
-        if status >= 500 or code in _UNAVAILABLE:
-            return ServiceUnavailableError(
-                f"{where}: the AWS API failed on its side{said}; retried within the call's budget.",
-                provider="aws",
-                code=code,
-            )
-        if 400 <= status < 500:
-            return InvalidRequestError(f"{where}: AWS refused the request{said}.", provider="aws", code=code)
-        return CloudError(f"{where}: AWS error{said}.", provider="aws", code=code)
-
-
-# ------------------------------------------------------------------------------------------------ provider
-
-
-
-def one_attempt_config(region: str, read_timeout_s: int) -> Any:
-    """The botocore client config of every AWS call of this project.
-
-    botocore retries by itself (legacy mode: 5 attempts on throttling and 5xx). Under `with_retries` that multiplies
-    the attempts and hides how long a call may take, so botocore makes exactly one attempt and the named budgets
-    (MUTATE, DESCRIBE) are the only retry policy. Timeouts bound every call.
-    https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html
-    """
-    import botocore.config
-
-    return botocore.config.Config(
-        region_name=region,
-        retries={"total_max_attempts": 1, "mode": "standard"},
-        connect_timeout=5,
-        read_timeout=read_timeout_s,
-        user_agent_extra="trainmover",
-    )
 
 class AwsProvider(Provider):
     """TrainMover's instances in one AWS region.
@@ -440,7 +176,7 @@ class AwsProvider(Provider):
         self.prices_usd_per_h = dict(prices_usd_per_h or {})
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
-        self._api = _AwsApi(region, session, endpoint_url)
+        self._api = AwsApi(region, session, endpoint_url)
         self._network = AwsJobNetwork(self._api, mutate_budget=mutate_budget, describe_budget=describe_budget)
         self._known_types: dict[str, int] = {}  # type -> EFA interfaces it takes (0: no EFA)
         self._seen_events: deque[str] = deque(maxlen=4096)
@@ -470,6 +206,16 @@ class AwsProvider(Provider):
         validate_tags(request.tags, TAG_LIMITS)
         user_data = self._user_data(request)
         self._check_instance_type(request.instance_type)
+        image = self._check_launch(request)
+        params = self._run_params(request, image)
+        self._add_network(request, params)
+        if user_data:
+            params["UserData"] = user_data  # boto3 base64-encodes it
+        response = self._api.call("ec2", "run_instances", self.mutate_budget, **params)
+        return [self._instance(raw, "unknown") for raw in response.get("Instances", [])]
+
+    def _check_launch(self, request: LaunchRequest) -> str:
+        """The AMI to launch; InvalidRequestError, before any call, for what EC2 would refuse (or misplace)."""
         if request.efa and not self._known_types[request.instance_type]:
             raise InvalidRequestError(
                 f"aws: {request.instance_type} has no Elastic Fabric Adapter: launch without efa, or use a type that "
@@ -502,6 +248,10 @@ class AwsProvider(Provider):
                 f"{request.capacity_reservation}",
                 provider="aws",
             )
+        return image
+
+    def _run_params(self, request: LaunchRequest, image: str) -> dict[str, Any]:
+        """RunInstances' parameters: tags, IMDSv2, instance profile, placement, market and capacity reservation."""
         tags = [
             {"Key": k, "Value": v} for k, v in {**request.tags, JOB_TAG: request.job_id, ROLE_TAG: request.role}.items()
         ]
@@ -542,6 +292,10 @@ class AwsProvider(Provider):
             if request.capacity_block:
                 # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-launch.html
                 params["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+        return params
+
+    def _add_network(self, request: LaunchRequest, params: dict[str, Any]) -> None:
+        """The subnet and security groups (the job's own, created on its first launch), or one EFA per network card."""
         subnet = request.subnet or self.subnet
         if subnet:
             params["SubnetId"] = subnet
@@ -568,16 +322,12 @@ class AwsProvider(Provider):
             ]
         elif security_groups:
             params["SecurityGroupIds"] = security_groups
-        if user_data:
-            params["UserData"] = user_data  # boto3 base64-encodes it
-        response = self._api.call("ec2", "run_instances", self.mutate_budget, **params)
-        return [self._instance(raw, "unknown") for raw in response.get("Instances", [])]
 
     def _user_data(self, request: LaunchRequest) -> str | None:
         """The instance's user-data: the rendered bootstrap (which names the job's secret, never holds it), or the
         request's own user_data. Checked before any call: a host that could not fetch its secret would boot, bill,
         and never join."""
-        spec = request.bootstrap
+        spec = agent_bootstrap(request)
         if spec is None:
             return request.user_data
         if not spec.secret.kind.startswith("aws-"):
@@ -613,8 +363,7 @@ class AwsProvider(Provider):
             found = self._api.call("ec2", "describe_instance_types", self.describe_budget,
                                    InstanceTypes=[instance_type])
         except InvalidRequestError as err:
-            close = difflib.get_close_matches(instance_type, list(ON_DEMAND_USD_PER_H), n=3)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
+            hint = did_you_mean(instance_type, ON_DEMAND_USD_PER_H)
             raise InvalidRequestError(
                 f"aws {self.region}: unknown instance type {instance_type!r}: {hint}GPU types include p5.48xlarge, "
                 "p4d.24xlarge, g6.12xlarge (`aws ec2 describe-instance-types` lists them)",
@@ -657,7 +406,7 @@ class AwsProvider(Provider):
     def set_role(self, instance_id: str, role: Role) -> Instance:
         validate_role(role, provider="aws")
         _refuse_malformed([instance_id], "retag")
-        # Only the role tag: the job's policy (cloud.iam) allows CreateTags on its own instances for this key alone.
+        # Only the role tag: the job's policy (cloud.aws.iam) allows CreateTags on its own instances for this key alone.
         self._api.call(
             "ec2", "create_tags", self.mutate_budget, Resources=[instance_id], Tags=[{"Key": ROLE_TAG, "Value": role}]
         )
@@ -955,7 +704,7 @@ class AwsProvider(Provider):
     def check(self, instance_type: str = "t3.micro", *, job_id: str = "trainmover-check") -> list[CheckResult]:
         """Credentials, then each EC2 permission the provider uses (DryRun for mutating calls); creates nothing.
 
-        `instance_type` and `job_id` are what the dry runs ask for: with a per-job policy (cloud.aws_iam), pass the
+        `instance_type` and `job_id` are what the dry runs ask for: with a per-job policy (cloud.aws.iam), pass the
         job and a type that the policy allows.
         """
         validate_job_id(job_id, provider="aws")
@@ -1010,7 +759,7 @@ class AwsProvider(Provider):
                 ("sqs", "get_queue_attributes", {"QueueUrl": self.notice_queue_url, "AttributeNames": ["QueueArn"]})
             )
         for service, operation, params in reads:
-            name = f"{service}:{_api_name(operation)}"
+            name = f"{service}:{api_name(operation)}"
             try:
                 self._api.call(service, operation, self.describe_budget, **params)
             except CloudError as err:
@@ -1040,7 +789,7 @@ class AwsProvider(Provider):
         return _PLACEHOLDER_INSTANCE, False
 
     def _check_dry_run(self, operation: str, params: dict[str, Any], *, exact: bool = True) -> CheckResult:
-        name = f"ec2:{_api_name(operation)}"
+        name = f"ec2:{api_name(operation)}"
         try:
             self._api.dry_run(operation, **params)
         except PermissionDeniedError as err:
@@ -1092,115 +841,3 @@ def _health_of(status: Mapping[str, Any]) -> Health:
     return "unknown"
 
 
-# ------------------------------------------------------------------------------------------------ notice queue
-
-_NOTICE_PATTERNS: Mapping[str, dict[str, Any]] = {
-    "spot": {"source": ["aws.ec2"], "detail-type": [SPOT_INTERRUPTION]},
-    "rebalance": {"source": ["aws.ec2"], "detail-type": [REBALANCE_RECOMMENDATION]},
-    "health": {
-        "source": ["aws.health"],
-        "detail-type": [HEALTH_EVENT],
-        "detail": {"service": ["EC2"], "eventTypeCategory": ["scheduledChange"]},
-    },
-}
-_TARGET_ID = "trainmover-sqs"
-
-
-def notice_resource_names(job_id: str) -> tuple[str, dict[str, str]]:
-    """The SQS queue name and the EventBridge rule names (by kind) used for `job_id`'s notices."""
-    validate_job_id(job_id, provider="aws")
-    safe = re.sub(r"[^A-Za-z0-9_-]", "-", job_id)
-    if safe != job_id or len(safe) > 32:
-        # Keep names distinct when sanitizing or truncating would make two job ids collide.
-        safe = f"{safe[:23]}-{uuid.uuid5(uuid.NAMESPACE_URL, job_id).hex[:8]}"
-    # Queue names: 80 characters of [A-Za-z0-9_-]; rule names: 64 of [.-_A-Za-z0-9].
-    return f"trainmover-notices-{safe}", {kind: f"trainmover-{safe}-{kind}" for kind in _NOTICE_PATTERNS}
-
-
-def ensure_notice_queue(
-    job_id: str,
-    *,
-    region: str,
-    session: boto3.Session | None = None,
-    endpoint_url: str | None = None,
-    budget: RetryBudget = MUTATE,
-) -> str:
-    """Create (or update, idempotently) the SQS queue and EventBridge rules that deliver `job_id`'s notices;
-    returns the queue URL for `AwsProvider(notice_queue_url=...)`.
-
-    Rules: spot interruption warnings, rebalance recommendations, and AWS Health scheduled changes for EC2. They
-    match every instance of the account in `region` (EventBridge cannot filter these events by tag); consumers
-    pick their own instance ids.
-    """
-    api = _AwsApi(region, session, endpoint_url)
-    queue_name, rule_names = notice_resource_names(job_id)
-    call = api.call
-    queue_url = str(
-        call(
-            "sqs",
-            "create_queue",
-            budget,
-            QueueName=queue_name,
-            # A notice older than a day is history; the same attributes every time keep CreateQueue idempotent.
-            Attributes={"MessageRetentionPeriod": "86400"},
-            tags={JOB_TAG: job_id},
-        )["QueueUrl"]
-    )
-    queue_arn = call("sqs", "get_queue_attributes", budget, QueueUrl=queue_url, AttributeNames=["QueueArn"])[
-        "Attributes"
-    ]["QueueArn"]
-    rule_arns = []
-    for kind, rule_name in rule_names.items():
-        rule = call(
-            "events",
-            "put_rule",
-            budget,
-            Name=rule_name,
-            EventPattern=json.dumps(_NOTICE_PATTERNS[kind]),
-            State="ENABLED",
-            Description=f"TrainMover notices ({kind}) for job {job_id}",
-            Tags=[{"Key": JOB_TAG, "Value": job_id}],
-        )
-        rule_arns.append(rule["RuleArn"])
-        call("events", "put_targets", budget, Rule=rule_name, Targets=[{"Id": _TARGET_ID, "Arn": queue_arn}])
-    # EventBridge needs the queue's permission to send, and only from these rules.
-    # https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-use-resource-based.html#eb-sqs-permissions
-    policy = {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Sid": "TrainMoverNotices",
-                "Effect": "Allow",
-                "Principal": {"Service": "events.amazonaws.com"},
-                "Action": "sqs:SendMessage",
-                "Resource": queue_arn,
-                "Condition": {"ArnEquals": {"aws:SourceArn": rule_arns}},
-            }
-        ],
-    }
-    call("sqs", "set_queue_attributes", budget, QueueUrl=queue_url, Attributes={"Policy": json.dumps(policy)})
-    return queue_url
-
-
-def delete_notice_queue(
-    job_id: str,
-    *,
-    region: str,
-    session: boto3.Session | None = None,
-    endpoint_url: str | None = None,
-    budget: RetryBudget = MUTATE,
-) -> None:
-    """Remove what `ensure_notice_queue` made for `job_id`; what is already gone is not an error."""
-    api = _AwsApi(region, session, endpoint_url)
-    queue_name, rule_names = notice_resource_names(job_id)
-    for rule_name in rule_names.values():
-        try:
-            api.call("events", "remove_targets", budget, Rule=rule_name, Ids=[_TARGET_ID])
-            api.call("events", "delete_rule", budget, Name=rule_name)
-        except NotFoundError:
-            pass
-    try:
-        queue_url = api.call("sqs", "get_queue_url", budget, QueueName=queue_name)["QueueUrl"]
-        api.call("sqs", "delete_queue", budget, QueueUrl=queue_url)
-    except NotFoundError:
-        pass

@@ -5,6 +5,8 @@ image needs no SDK; never through a proxy). `parse_event` turns one EventBridge 
 an SQS queue, into a `NoticeEvent`: its envelope (source, account, region) and its notices. `event_refusal` says why
 an event must not move anything (a source, account or region other than the job's). The AWS provider's
 `poll_notices` reads the queue, applies it, and keeps only the notices of the job's own instances.
+`ensure_notice_queue` / `delete_notice_queue` (one `NoticeQueue`) make and remove that SQS queue and its
+EventBridge rules.
 
 AWS documents the shapes parsed here:
 - spot interruption: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html
@@ -17,17 +19,33 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
-from collections import deque
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Required, TypedDict, Unpack
 
-from cloud.base import Notice, NoticeSource, ServiceUnavailableError, UnsupportedError
+from cloud.aws.client import AwsApi
+from cloud.base import (
+    JOB_TAG,
+    MUTATE,
+    NotFoundError,
+    Notice,
+    NoticeSource,
+    RetryBudget,
+    ServiceUnavailableError,
+    UnsupportedError,
+    validate_job_id,
+)
+from cloud.notices import IMDS_URL, SeenOnce, imds_opener
+
+if TYPE_CHECKING:
+    import boto3
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +251,7 @@ class ImdsNoticeSource(NoticeSource):
         self,
         instance_id: str,
         *,
-        endpoint: str = "http://169.254.169.254",
+        endpoint: str = IMDS_URL,
         timeout_s: float = 1.0,
         token_ttl_s: int = 21600,
     ) -> None:
@@ -246,9 +264,8 @@ class ImdsNoticeSource(NoticeSource):
         self.token_ttl_s = token_ttl_s
         self._token: str | None = None
         self._token_expires_at = 0.0  # time.monotonic()
-        # IMDS is link-local: a proxy from HTTP(S)_PROXY cannot reach it, and must never see its token.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        self._seen: deque[str] = deque(maxlen=_SEEN_MAX)
+        self._opener = imds_opener()  # never through a proxy: it must never see the token
+        self._seen: SeenOnce[str] = SeenOnce(_SEEN_MAX)
 
     def __repr__(self) -> str:  # never show the token
         return f"ImdsNoticeSource(instance_id={self.instance_id!r}, endpoint={self.endpoint!r})"
@@ -271,9 +288,8 @@ class ImdsNoticeSource(NoticeSource):
         return notices
 
     def _new(self, notice: Notice | None) -> list[Notice]:
-        if notice is None or notice.event_id in self._seen:
+        if notice is None or not self._seen.first_time(notice.event_id or ""):
             return []
-        self._seen.append(notice.event_id or "")
         return [notice]
 
     def _spot_notice(self, body: Mapping[str, Any]) -> Notice | None:
@@ -361,3 +377,140 @@ class ImdsNoticeSource(NoticeSource):
         self._token = token
         self._token_expires_at = time.monotonic() + max(1.0, self.token_ttl_s - _TOKEN_MARGIN_S)
         return token
+
+
+# ------------------------------------------------------------------------------------------------ notice queue
+
+_NOTICE_PATTERNS: Mapping[str, dict[str, Any]] = {
+    "spot": {"source": ["aws.ec2"], "detail-type": [SPOT_INTERRUPTION]},
+    "rebalance": {"source": ["aws.ec2"], "detail-type": [REBALANCE_RECOMMENDATION]},
+    "health": {
+        "source": ["aws.health"],
+        "detail-type": [HEALTH_EVENT],
+        "detail": {"service": ["EC2"], "eventTypeCategory": ["scheduledChange"]},
+    },
+}
+_TARGET_ID = "trainmover-sqs"
+
+
+def notice_resource_names(job_id: str) -> tuple[str, dict[str, str]]:
+    """The SQS queue name and the EventBridge rule names (by kind) used for `job_id`'s notices."""
+    validate_job_id(job_id, provider="aws")
+    safe = re.sub(r"[^A-Za-z0-9_-]", "-", job_id)
+    if safe != job_id or len(safe) > 32:
+        # Keep names distinct when sanitizing or truncating would make two job ids collide.
+        safe = f"{safe[:23]}-{uuid.uuid5(uuid.NAMESPACE_URL, job_id).hex[:8]}"
+    # Queue names: 80 characters of [A-Za-z0-9_-]; rule names: 64 of [.-_A-Za-z0-9].
+    return f"trainmover-notices-{safe}", {kind: f"trainmover-{safe}-{kind}" for kind in _NOTICE_PATTERNS}
+
+
+class QueueWhere(TypedDict, total=False):
+    """Where a job's notice queue is: the keyword arguments of `ensure_notice_queue` and `delete_notice_queue`."""
+
+    region: Required[str]
+    session: boto3.Session | None
+    endpoint_url: str | None
+    budget: RetryBudget
+
+
+class NoticeQueue:
+    """The SQS queue and EventBridge rules that deliver one job's notices (`ensure_notice_queue` makes them,
+    `delete_notice_queue` removes them)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        region: str,
+        session: boto3.Session | None = None,
+        endpoint_url: str | None = None,
+        budget: RetryBudget = MUTATE,
+    ) -> None:
+        self.job_id = job_id
+        self.budget = budget
+        self.api = AwsApi(region, session, endpoint_url)
+        self.queue_name, self.rule_names = notice_resource_names(job_id)
+
+    def ensure(self) -> str:
+        """Create (or update, idempotently) the queue and rules; returns the queue URL."""
+        queue_url = str(
+            self.api.call(
+                "sqs",
+                "create_queue",
+                self.budget,
+                QueueName=self.queue_name,
+                # A notice older than a day is history; the same attributes every time keep CreateQueue idempotent.
+                Attributes={"MessageRetentionPeriod": "86400"},
+                tags={JOB_TAG: self.job_id},
+            )["QueueUrl"]
+        )
+        attributes = self.api.call(
+            "sqs", "get_queue_attributes", self.budget, QueueUrl=queue_url, AttributeNames=["QueueArn"]
+        )
+        queue_arn = attributes["Attributes"]["QueueArn"]
+        rule_arns = []
+        for kind, rule_name in self.rule_names.items():
+            rule = self.api.call(
+                "events",
+                "put_rule",
+                self.budget,
+                Name=rule_name,
+                EventPattern=json.dumps(_NOTICE_PATTERNS[kind]),
+                State="ENABLED",
+                Description=f"TrainMover notices ({kind}) for job {self.job_id}",
+                Tags=[{"Key": JOB_TAG, "Value": self.job_id}],
+            )
+            rule_arns.append(rule["RuleArn"])
+            self.api.call(
+                "events", "put_targets", self.budget, Rule=rule_name, Targets=[{"Id": _TARGET_ID, "Arn": queue_arn}]
+            )
+        # EventBridge needs the queue's permission to send, and only from these rules.
+        # https://docs.aws.amazon.com/eventbridge/latest/userguide/eb-use-resource-based.html#eb-sqs-permissions
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Sid": "TrainMoverNotices",
+                    "Effect": "Allow",
+                    "Principal": {"Service": "events.amazonaws.com"},
+                    "Action": "sqs:SendMessage",
+                    "Resource": queue_arn,
+                    "Condition": {"ArnEquals": {"aws:SourceArn": rule_arns}},
+                }
+            ],
+        }
+        self.api.call(
+            "sqs", "set_queue_attributes", self.budget, QueueUrl=queue_url, Attributes={"Policy": json.dumps(policy)}
+        )
+        return queue_url
+
+    def delete(self) -> None:
+        """Remove the queue and rules; what is already gone is not an error."""
+        for rule_name in self.rule_names.values():
+            try:
+                self.api.call("events", "remove_targets", self.budget, Rule=rule_name, Ids=[_TARGET_ID])
+                self.api.call("events", "delete_rule", self.budget, Name=rule_name)
+            except NotFoundError:
+                pass
+        try:
+            queue_url = self.api.call("sqs", "get_queue_url", self.budget, QueueName=self.queue_name)["QueueUrl"]
+            self.api.call("sqs", "delete_queue", self.budget, QueueUrl=queue_url)
+        except NotFoundError:
+            pass
+
+
+def ensure_notice_queue(job_id: str, **where: Unpack[QueueWhere]) -> str:
+    """Create (or update, idempotently) the SQS queue and EventBridge rules that deliver `job_id`'s notices;
+    returns the queue URL for `AwsProvider(notice_queue_url=...)`. `where`: `region=` (required), `session=`,
+    `endpoint_url=`, `budget=` (default MUTATE).
+
+    Rules: spot interruption warnings, rebalance recommendations, and AWS Health scheduled changes for EC2. They
+    match every instance of the account in `region` (EventBridge cannot filter these events by tag); consumers
+    pick their own instance ids.
+    """
+    return NoticeQueue(job_id, **where).ensure()
+
+
+def delete_notice_queue(job_id: str, **where: Unpack[QueueWhere]) -> None:
+    """Remove what `ensure_notice_queue` made for `job_id` (the same `where`); what is already gone is not an error."""
+    NoticeQueue(job_id, **where).delete()

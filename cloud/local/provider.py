@@ -53,8 +53,8 @@ from cloud.base import (
     UnsupportedError,
     validate_role,
 )
-from cloud.bootstrap import AgentBootstrap
-from cloud.local_hosts import LocalHosts
+from cloud.bootstrap import AgentBootstrap, agent_bootstrap
+from cloud.local.hosts import LocalHosts
 
 Operation = Literal["launch", "start", "stop", "terminate"]
 
@@ -141,7 +141,7 @@ class LocalProvider(Provider):
         prices_usd_per_h: prices by instance type (and `"TYPE:spot"`), over `LOCAL_PRICES_USD_PER_H`.
         start_delay_s: how long a launched or started instance stays `pending` before it is `running`.
         clock: epoch seconds; tests pass a fake one to move time without sleeping.
-        hosts: where instances launched with a bootstrap run their job's agent (`cloud.local_hosts`): each is
+        hosts: where instances launched with a bootstrap run their job's agent (`cloud.local.hosts`): each is
             booted at launch and start, powered off at stop, terminate or interruption. None: instances are
             bookkeeping only, and a bootstrap is refused.
     """
@@ -233,7 +233,7 @@ class LocalProvider(Provider):
                     launched_at=now,
                     tags=dict(tags),
                     running_at=now + self.start_delay_s,
-                    bootstrap=request.bootstrap,
+                    bootstrap=agent_bootstrap(request),
                 )
                 self._advance(slot, now)
                 self._instances[slot.instance_id] = slot
@@ -449,13 +449,14 @@ class LocalProvider(Provider):
                                    provider=self.name)
         if request.bootstrap is not None and self.hosts is None:
             raise UnsupportedError(
-                "local: this provider's instances run nothing: create it with hosts= (cloud.local_hosts) to boot "
+                "local: this provider's instances run nothing: create it with hosts= (cloud.local.hosts) to boot "
                 "bootstrapped instances into hosts of their job, or launch without bootstrap",
                 provider=self.name,
             )
-        if request.bootstrap is not None and request.bootstrap.secret.kind != "local-file":
+        spec = agent_bootstrap(request)
+        if spec is not None and spec.secret.kind != "local-file":
             raise UnsupportedError(
-                f"local: the bootstrap's secret is in {request.bootstrap.secret.kind}, which a local host cannot "
+                f"local: the bootstrap's secret is in {spec.secret.kind}, which a local host cannot "
                 "read: store it with cloud.secrets.LocalFileStore",
                 provider=self.name,
             )

@@ -1,4 +1,5 @@
-"""Azure virtual machines as TrainMover instances: `AzureProvider` owns the ARM calls and their error mapping.
+"""Azure virtual machines as TrainMover instances: `AzureProvider`, calling ARM through `cloud.azure.client.AzureApi`
+(the one Azure SDK adapter, which also maps SDK errors to `CloudError`).
 
 One provider manages the VMs of one resource group in one location through azure-mgmt-compute only: each VM
 carries its own network interface (`networkProfile.networkInterfaceConfigurations`, created and deleted with the
@@ -8,31 +9,33 @@ Parking is `deallocate` (compute billing stops, only disks bill), never `powerOf
 keeps billing: https://learn.microsoft.com/azure/virtual-machines/states-billing). Spot VMs are created with the
 eviction policy `Deallocate`, so an evicted standby is parked rather than deleted.
 
-The Azure SDKs are imported inside the methods that need them: `import cloud.azure` never needs them installed.
+The Azure SDKs are imported when an `AzureApi` is made: `import cloud.azure` never needs them installed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cloud.azure_network import AzureJobNetwork, AzurePlacement
+from cloud.azure.client import (
+    PROVIDER,
+    ROLE_HINT,
+    AzureApi,
+)
+from cloud.azure.network import AzureJobNetwork, AzurePlacement
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
     MUTATE,
     ROLE_TAG,
     Capabilities,
-    CapacityError,
     CheckResult,
     CloudError,
     CredentialsError,
@@ -44,54 +47,29 @@ from cloud.base import (
     Market,
     NotFoundError,
     Notice,
-    PermissionDeniedError,
     Provider,
-    QuotaError,
     RetryBudget,
     Role,
-    ServiceUnavailableError,
     TagLimits,
-    ThrottledError,
     UnsupportedError,
-    validate_endpoint_url,
     validate_job_id,
     validate_role,
     validate_tags,
-    with_retries,
 )
-from cloud.bootstrap import azure_custom_data, render_cloud_init
+from cloud.bootstrap import agent_bootstrap, azure_custom_data, render_cloud_init
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cloud.azure")  # the name users configure, as before the move to cloud/azure/
 
 if TYPE_CHECKING:
     from azure.core.credentials import TokenCredential
     from azure.core.polling import LROPoller
-    from azure.mgmt.compute import ComputeManagementClient
     from azure.mgmt.compute.models import VirtualMachine
-
-PROVIDER = "azure"
-INSTALL_HINT = "pip install 'trainmover[azure]'"
-LOGIN_HINT = (
-    "log in with `az login`, or set AZURE_TENANT_ID / AZURE_CLIENT_ID / AZURE_CLIENT_SECRET (a service principal), "
-    "or run where a managed identity is assigned; see https://aka.ms/azsdk/python/identity/defaultazurecredential"
-)
-ROLE_HINT = "assign the custom role in docs/iam/trainmover-azure-role.json on the resource group (docs/cloud-azure.md)"
 
 DEFAULT_IMAGE = "Canonical:ubuntu-24_04-lts:server:latest"
 # The API version the compute RP uses to create the VM-managed NIC; it must be set with
 # networkInterfaceConfigurations (https://learn.microsoft.com/rest/api/compute/virtual-machines/create-or-update).
 NETWORK_API_VERSION = "2020-11-01"
 PERMISSIONS_API_VERSION = "2022-04-01"
-# Without a Retry-After header the SDK waits `polling_interval` between LRO polls; its default (30 s) would add
-# up to half a minute to every start. Azure usually sends Retry-After on VM operations, which takes precedence.
-DEFAULT_POLLING_INTERVAL_S = 5.0
-# A status poll of a long-running operation that ARM throttles (429) or fails on its side (5xx) is retried, honouring
-# Retry-After, within the operation's own time bound (`lro_timeout_s`): the operation itself is still running, and
-# giving up would fail a launch (and delete its VMs) over one busy moment of the API. Backoff without Retry-After:
-POLL_RETRY = RetryBudget("lro-poll", attempts=1_000, base_delay_s=1.0, max_delay_s=30.0, deadline_s=900.0)
-_TRANSIENT_POLL_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_ARM_ENDPOINT = "https://management.azure.com"
-
 # https://learn.microsoft.com/azure/azure-resource-manager/management/tag-resources#limitations
 TAG_LIMITS = TagLimits(
     "azure",
@@ -123,7 +101,7 @@ REQUIRED_ACTIONS: tuple[str, ...] = (
     "Microsoft.Network/networkInterfaces/delete",
     "Microsoft.Network/networkInterfaces/join/action",
     "Microsoft.Network/virtualNetworks/subnets/join/action",
-    # The job's own network (LaunchRequest.network, cloud.azure_network): its NSG, its application security group
+    # The job's own network (LaunchRequest.network, cloud.azure.network): its NSG, its application security group
     # and its proximity placement group, made, joined by its NICs and VMs, and deleted.
     "Microsoft.Network/networkSecurityGroups/read",
     "Microsoft.Network/networkSecurityGroups/write",
@@ -162,20 +140,6 @@ ON_DEMAND_USD_PER_H: Mapping[str, float] = {
 # published figure we assume spot costs this fraction of on-demand (the spot advisor showed 60-80 % discounts on
 # GPU sizes in 2025-06); override per size with the key "<size>:spot" in `prices_usd_per_h`.
 SPOT_PRICE_FRACTION = 0.35
-
-_CAPACITY_CODES = frozenset(
-    {
-        "allocationfailed",
-        "zonalallocationfailed",
-        "overconstrainedallocationrequest",
-        "overconstrainedzonalallocationrequest",
-        "skunotavailable",
-    }
-)
-_QUOTA_CODES = frozenset({"quotaexceeded", "operationnotallowedquotaexceeded"})
-_PERMISSION_CODES = frozenset({"authorizationfailed", "linkedauthorizationfailed", "forbidden"})
-_NOT_FOUND_CODES = frozenset({"resourcenotfound", "resourcegroupnotfound", "notfound", "parentresourcenotfound"})
-_CREDENTIALS_CODES = frozenset({"invalidauthenticationtoken", "expiredauthenticationtoken", "authenticationfailed"})
 
 T = TypeVar("T")
 
@@ -254,197 +218,30 @@ class AzureProvider(Provider):
         self.prices_usd_per_h = dict(prices_usd_per_h or {})
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
-        self.lro_timeout_s = lro_timeout_s
         self._sizes: frozenset[str] | None = None
         self._sizes_lock = threading.Lock()
-        validate_endpoint_url(base_url, provider=PROVIDER, example="https://management.azure.com")
-        kwargs = dict(client_kwargs or {})
-        self._polling_interval_s = float(kwargs.get("polling_interval", DEFAULT_POLLING_INTERVAL_S))  # type: ignore[arg-type]
-        self._arm_endpoint = base_url or _ARM_ENDPOINT
-        self._client = self._make_client(credential, base_url, kwargs)
-        self._network_client: Any = None
-        self._network_lock = threading.Lock()
+        self._api = AzureApi(
+            subscription_id, resource_group, location,
+            credential=credential, base_url=base_url, client_kwargs=client_kwargs, lro_timeout_s=lro_timeout_s,
+        )
+        self._client = self._api.compute
         self._job_network = AzureJobNetwork(
             resource_group=resource_group, location=location, subscription_id=subscription_id,
-            call=lambda action, fn: self._call(action, fn, self.mutate_budget),
-            network=self._network_sdk, compute=self._client, wait=self._wait,
+            call=lambda action, fn: self._api.call(action, fn, self.mutate_budget),
+            network=self._api.network, compute=self._client, wait=self._api.wait,
         )
+
+    @property
+    def lro_timeout_s(self) -> float:
+        """The bound of each long-running operation (settable)."""
+        return self._api.lro_timeout_s
+
+    @lro_timeout_s.setter
+    def lro_timeout_s(self, value: float) -> None:
+        self._api.lro_timeout_s = value
 
     def __repr__(self) -> str:
         return f"AzureProvider(resource_group={self.resource_group!r}, location={self.location!r})"
-
-    # ------------------------------------------------------------------------------------------------ plumbing
-
-    def _make_client(
-        self, credential: TokenCredential | None, base_url: str | None, kwargs: dict[str, object]
-    ) -> ComputeManagementClient:
-        try:
-            from azure.mgmt.compute import ComputeManagementClient
-        except ImportError as err:
-            raise CloudError(f"azure: azure-mgmt-compute is not installed: {INSTALL_HINT}", provider=PROVIDER) from err
-        if credential is None:
-            try:
-                from azure.identity import DefaultAzureCredential
-            except ImportError as err:
-                raise CloudError(f"azure: azure-identity is not installed: {INSTALL_HINT}", provider=PROVIDER) from err
-            credential = DefaultAzureCredential()
-        self._credential, self._base_url, self._client_kwargs = credential, base_url, kwargs
-        # The SDK retries 429/5xx on its own (up to 10 times by default, honouring Retry-After). With our named
-        # RetryBudgets around every call that would multiply the attempts and hide throttling from the budget, so
-        # it retries nothing: https://learn.microsoft.com/python/api/azure-core/azure.core.pipeline.policies.retrypolicy
-        kwargs.setdefault("retry_total", 0)
-        kwargs.setdefault("polling_interval", DEFAULT_POLLING_INTERVAL_S)
-        return ComputeManagementClient(credential, self.subscription_id, base_url=base_url, **kwargs)  # type: ignore[arg-type]
-
-    def _network_sdk(self) -> Any:
-        """The azure-mgmt-network client (made on the first job network: a launch without one never needs it)."""
-        with self._network_lock:
-            if self._network_client is None:
-                try:
-                    from azure.mgmt.network import NetworkManagementClient
-                except ImportError as err:
-                    raise CloudError(f"azure: a job network needs azure-mgmt-network: {INSTALL_HINT}",
-                                     provider=PROVIDER) from err
-                self._network_client = NetworkManagementClient(
-                    self._credential, self.subscription_id, base_url=self._base_url,
-                    **self._client_kwargs,  # type: ignore[arg-type]
-                )
-            return self._network_client
-
-    def _translate(self, err: Exception, action: str) -> CloudError | None:
-        """The CloudError for an SDK exception, or None when `err` is not an SDK error (a programming error)."""
-        from azure.core.exceptions import (
-            ClientAuthenticationError,
-            HttpResponseError,
-            ServiceRequestError,
-            ServiceResponseError,
-        )
-
-        if isinstance(err, CloudError):
-            return err
-        if isinstance(err, ClientAuthenticationError) and err.status_code is None:
-            # Raised by the credential before any request left (CredentialUnavailableError and friends).
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return CredentialsError(
-                f"azure: no usable credentials for {action} ({first_line[:300].rstrip('.')}). To fix: {LOGIN_HINT}",
-                provider=PROVIDER,
-                code=type(err).__name__,
-            )
-        if isinstance(err, ServiceRequestError | ServiceResponseError):
-            return ServiceUnavailableError(
-                f"azure: {action} could not reach ARM ({type(err).__name__}); retry later or check the network",
-                provider=PROVIDER,
-                code=type(err).__name__,
-            )
-        if not isinstance(err, HttpResponseError):
-            return None
-        status = err.status_code or 0
-        code = _error_code(err)
-        lowered = (code or "").lower()
-        detail = _error_message(err)
-        where = f"{action} ({code or status}: {detail})"
-        if lowered in _CAPACITY_CODES:
-            return CapacityError(
-                f"azure: no capacity for {where}. Fall back to another zone, size or tier, or wait",
-                provider=PROVIDER,
-                code=code,
-            )
-        if lowered in _QUOTA_CODES or (lowered == "operationnotallowed" and "quota" in detail.lower()):
-            return QuotaError(
-                f"azure: quota exceeded for {where}. Request more quota for this VM family in {self.location} "
-                "(portal: Subscriptions > Usage + quotas)",
-                provider=PROVIDER,
-                code=code,
-            )
-        if status == 429 or lowered in {"toomanyrequests", "throttled"}:
-            return ThrottledError(
-                f"azure: ARM throttled {action} and the retry budget ran out; retry later or call less often",
-                provider=PROVIDER,
-                code=code or "TooManyRequests",
-            )
-        if status == 401 or lowered in _CREDENTIALS_CODES:
-            return CredentialsError(
-                f"azure: credentials refused for {action} ({code or status}). To fix: {LOGIN_HINT}",
-                provider=PROVIDER,
-                code=code,
-            )
-        if status == 403 or lowered in _PERMISSION_CODES:
-            return PermissionDeniedError(
-                f"azure: permission denied: {action} on resource group {self.resource_group!r} ({code or status}). "
-                f"To fix: {ROLE_HINT}",
-                provider=PROVIDER,
-                code=code,
-            )
-        if status == 404 or lowered in _NOT_FOUND_CODES:
-            return NotFoundError(f"azure: not found: {where}", provider=PROVIDER, code=code)
-        if status >= 500 or lowered in {"internalservererror", "serviceunavailable", "internalexecutionerror"}:
-            return ServiceUnavailableError(f"azure: ARM failed on its side: {where}", provider=PROVIDER, code=code)
-        if status == 409 and lowered in {"operationnotallowed", "conflict"}:
-            return InvalidRequestError(f"azure: ARM refused {where}", provider=PROVIDER, code=code)
-        if 400 <= status < 500 or lowered == "invalidparameter":
-            return InvalidRequestError(f"azure: invalid request: {where}", provider=PROVIDER, code=code)
-        return ServiceUnavailableError(f"azure: unexpected answer to {where}", provider=PROVIDER, code=code)
-
-    def _call(self, action: str, call: Callable[[], T], budget: RetryBudget) -> T:
-        """Run one SDK call under `budget`, with SDK errors mapped; Retry-After is a lower bound on the delay."""
-        retry_after_s = 0.0
-
-        def attempt() -> T:
-            nonlocal retry_after_s
-            try:
-                return call()
-            except Exception as err:
-                mapped = self._translate(err, action)
-                if mapped is None:
-                    raise
-                retry_after_s = _retry_after_s(err) if isinstance(mapped, ThrottledError) else 0.0
-                if mapped is err:
-                    raise
-                raise mapped from err
-
-        def sleep(delay_s: float) -> None:
-            # with_retries picks a jittered delay; ARM's Retry-After says when it will accept us again. Capped at
-            # the budget's max delay so that a large header cannot stretch the budget's deadline much.
-            time.sleep(max(delay_s, min(retry_after_s, budget.max_delay_s)))
-
-        return with_retries(attempt, budget, sleep=sleep)
-
-    def _polling(self) -> Any:
-        """The SDK's ARM polling method for one long-running operation, with its status polls retried (see
-        `POLL_RETRY`) until `lro_timeout_s` after the operation started."""
-        return _poll_retrying_class()(
-            self._polling_interval_s,
-            path_format_arguments={"endpoint": self._arm_endpoint},
-            budget_s=self.lro_timeout_s,
-        )
-
-    def _wait(self, poller: LROPoller[Any], action: str) -> Any:
-        """Wait for one long-running operation within `lro_timeout_s`; its failure becomes a CloudError."""
-        try:
-            result = poller.result(timeout=self.lro_timeout_s)
-        except Exception as err:
-            mapped = self._translate(err, action)
-            if mapped is None:
-                raise
-            raise mapped from err
-        if not poller.done():
-            raise ServiceUnavailableError(
-                f"azure: {action} did not finish within {self.lro_timeout_s:.0f} s; it may still complete "
-                "(describe() shows its state)",
-                provider=PROVIDER,
-                code="LroTimeout",
-            )
-        return result
-
-    def _wait_all(self, pollers: Mapping[str, LROPoller[Any]], action: str) -> dict[str, CloudError]:
-        """Wait for every operation (they run in parallel on ARM's side); the errors, by VM name."""
-        errors: dict[str, CloudError] = {}
-        for vm_name, poller in pollers.items():
-            try:
-                self._wait(poller, f"{action} {vm_name}")
-            except CloudError as err:
-                errors[vm_name] = err
-        return errors
 
     # ------------------------------------------------------------------------------------------------ validation
 
@@ -454,7 +251,7 @@ class AzureProvider(Provider):
             if self._sizes is None:
                 action = f"Microsoft.Compute/locations/vmSizes/read in {self.location!r}"
                 try:
-                    sizes = self._call(
+                    sizes = self._api.call(
                         action,
                         lambda: [s.name for s in self._client.virtual_machine_sizes.list(self.location) if s.name],
                         self.describe_budget,
@@ -517,37 +314,8 @@ class AzureProvider(Provider):
                     "managedDisk": {"storageAccountType": "Premium_LRS"},
                 },
             },
-            "osProfile": {
-                "computerName": vm_name,
-                "adminUsername": self.admin_username,
-                "linuxConfiguration": {
-                    "disablePasswordAuthentication": True,
-                    "ssh": {
-                        "publicKeys": [
-                            {
-                                "path": f"/home/{self.admin_username}/.ssh/authorized_keys",
-                                "keyData": self.ssh_public_key,
-                            }
-                        ]
-                    },
-                },
-            },
-            "networkProfile": {
-                "networkApiVersion": NETWORK_API_VERSION,
-                "networkInterfaceConfigurations": [
-                    {
-                        "name": f"{vm_name}-nic",
-                        "properties": {
-                            "primary": True,
-                            "deleteOption": "Delete",
-                            "enableAcceleratedNetworking": True,
-                            "ipConfigurations": [
-                                {"name": "ipconfig1", "properties": {"primary": True, "subnet": {"id": subnet}}}
-                            ],
-                        },
-                    }
-                ],
-            },
+            "osProfile": self._os_profile(vm_name),
+            "networkProfile": _network_profile(vm_name, subnet),
         }
         if request.market == "spot":
             # Deallocate (not Delete) on eviction: an evicted standby stays parked and can be started again.
@@ -578,10 +346,28 @@ class AzureProvider(Provider):
             body["zones"] = [request.zone]
         return body
 
+    def _os_profile(self, vm_name: str) -> dict[str, Any]:
+        """Linux with SSH key login only (password login is disabled on purpose)."""
+        return {
+            "computerName": vm_name,
+            "adminUsername": self.admin_username,
+            "linuxConfiguration": {
+                "disablePasswordAuthentication": True,
+                "ssh": {
+                    "publicKeys": [
+                        {
+                            "path": f"/home/{self.admin_username}/.ssh/authorized_keys",
+                            "keyData": self.ssh_public_key,
+                        }
+                    ]
+                },
+            },
+        }
+
     def _cloud_init(self, request: LaunchRequest) -> str | None:
         """The cloud-init document for customData: the rendered bootstrap (it names the job's secret, never holds
         it), or the request's own user_data. Checked before any call."""
-        spec = request.bootstrap
+        spec = agent_bootstrap(request)
         if spec is None:
             return request.user_data
         if spec.secret.kind != "azure-keyvault":
@@ -654,17 +440,17 @@ class AzureProvider(Provider):
         for vm_name in names:
             action = f"Microsoft.Compute/virtualMachines/write ({vm_name}, {request.instance_type})"
             try:
-                pollers[vm_name] = self._call(
+                pollers[vm_name] = self._api.call(
                     action,
                     lambda vm_name=vm_name: self._client.virtual_machines.begin_create_or_update(  # type: ignore[misc]
-                        self.resource_group, vm_name, VirtualMachine(bodies[vm_name]), polling=self._polling()
+                        self.resource_group, vm_name, VirtualMachine(bodies[vm_name]), polling=self._api.polling()
                     ),
                     self.mutate_budget,
                 )
             except CloudError as err:
                 errors[vm_name] = err
                 break  # the rest would fail the same way; what was started is cleaned up below
-        errors.update(self._wait_all(pollers, "create"))
+        errors.update(self._api.wait_all(pollers, "create"))
         if errors:
             # A VM whose create failed may still exist (provisioningState Failed) and bill for its disk: delete
             # every name we sent, not only the ones that succeeded.
@@ -687,7 +473,7 @@ class AzureProvider(Provider):
         validate_role(role, provider=PROVIDER)
         _refuse_malformed([instance_id], "retag")
         action = f"Microsoft.Compute/virtualMachines/write ({instance_id}, tags)"
-        vm = self._call(
+        vm = self._api.call(
             f"Microsoft.Compute/virtualMachines/read ({instance_id})",
             partial(self._client.virtual_machines.get, self.resource_group, instance_id),
             self.describe_budget,
@@ -703,14 +489,14 @@ class AzureProvider(Provider):
         tags[ROLE_TAG] = role
         from azure.mgmt.compute.models import VirtualMachineUpdate
 
-        poller = self._call(
+        poller = self._api.call(
             action,
             lambda: self._client.virtual_machines.begin_update(
-                self.resource_group, instance_id, VirtualMachineUpdate(tags=tags), polling=self._polling()
+                self.resource_group, instance_id, VirtualMachineUpdate(tags=tags), polling=self._api.polling()
             ),
             self.mutate_budget,
         )
-        self._wait(poller, action)
+        self._api.wait(poller, action)
         [instance] = self.describe([instance_id])
         return instance
 
@@ -718,7 +504,7 @@ class AzureProvider(Provider):
         """The principal id of the VM's system-assigned identity (a bootstrapped VM has one): what
         `cloud.secrets.key_vault_reader_assignment` needs to let this VM, and no other, read the job's secret."""
         _refuse_malformed([instance_id], "read the identity of")
-        vm = self._call(
+        vm = self._api.call(
             f"Microsoft.Compute/virtualMachines/read ({instance_id})",
             partial(self._client.virtual_machines.get, self.resource_group, instance_id),
             self.describe_budget,
@@ -754,14 +540,14 @@ class AzureProvider(Provider):
         errors: dict[str, CloudError] = {}
         for vm_name in instance_ids:
             try:
-                pollers[vm_name] = self._call(
+                pollers[vm_name] = self._api.call(
                     f"{action} ({vm_name})",
-                    lambda vm_name=vm_name: begin(self.resource_group, vm_name, polling=self._polling()),  # type: ignore[misc]
+                    lambda vm_name=vm_name: begin(self.resource_group, vm_name, polling=self._api.polling()),  # type: ignore[misc]
                     self.mutate_budget,
                 )
             except CloudError as err:
                 errors[vm_name] = err  # the VMs are independent: still act on the others, then report
-        errors.update(self._wait_all(pollers, action))
+        errors.update(self._api.wait_all(pollers, action))
         if errors:
             raise next(errors[n] for n in instance_ids if n in errors)
 
@@ -774,10 +560,10 @@ class AzureProvider(Provider):
         # of the call running (and billing).
         for vm_name in (n for n in instance_ids if _is_vm_name(n)):
             try:
-                pollers[vm_name] = self._call(
+                pollers[vm_name] = self._api.call(
                     f"{action} ({vm_name})",
                     lambda vm_name=vm_name: self._client.virtual_machines.begin_delete(  # type: ignore[misc]
-                        self.resource_group, vm_name, polling=self._polling()
+                        self.resource_group, vm_name, polling=self._api.polling()
                     ),
                     self.mutate_budget,
                 )
@@ -785,7 +571,8 @@ class AzureProvider(Provider):
                 continue  # already gone
             except CloudError as err:
                 errors[vm_name] = err
-        errors.update({n: e for n, e in self._wait_all(pollers, action).items() if not isinstance(e, NotFoundError)})
+        waited = self._api.wait_all(pollers, action)
+        errors.update({n: e for n, e in waited.items() if not isinstance(e, NotFoundError)})
         if malformed:
             raise InvalidRequestError(
                 f"azure: not VM names ({VM_NAME_RULE}): {', '.join(map(repr, malformed))}; every other VM of the "
@@ -803,7 +590,7 @@ class AzureProvider(Provider):
             validate_job_id(job_id, provider=PROVIDER)
             # ARM's list accepts $expand=instanceView only together with a scale-set $filter, so list the model
             # views, filter by tag here, then read each instance view.
-            listed = self._call(
+            listed = self._api.call(
                 f"Microsoft.Compute/virtualMachines/read (list {self.resource_group})",
                 lambda: list(self._client.virtual_machines.list(self.resource_group)),
                 self.describe_budget,
@@ -816,7 +603,7 @@ class AzureProvider(Provider):
         found: list[Instance] = []
         for vm_name in instance_ids:
             try:
-                vm = self._call(
+                vm = self._api.call(
                     f"Microsoft.Compute/virtualMachines/read ({vm_name})",
                     partial(self._client.virtual_machines.get, self.resource_group, vm_name, expand="instanceView"),
                     self.describe_budget,
@@ -868,7 +655,7 @@ class AzureProvider(Provider):
 
     def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
         # Plain VMs have no fleet-wide notice queue we consume: Azure announces evictions and maintenance to each
-        # VM through its Scheduled Events endpoint, which cloud.azure_notices.ScheduledEventsSource polls on the
+        # VM through its Scheduled Events endpoint, which cloud.azure.notices.ScheduledEventsSource polls on the
         # node. (Event Grid / Resource Health could fan them in, at the cost of another service to set up.)
         return []
 
@@ -876,7 +663,7 @@ class AzureProvider(Provider):
         results: list[CheckResult] = []
         read = "Microsoft.Compute/virtualMachines/read"
         try:
-            count = self._call(
+            count = self._api.call(
                 read,
                 lambda: sum(1 for _ in self._client.virtual_machines.list(self.resource_group)),
                 self.describe_budget,
@@ -920,7 +707,7 @@ class AzureProvider(Provider):
             response.raise_for_status()
             return response.json()
 
-        payload = self._call("Microsoft.Authorization/permissions/read", fetch, self.describe_budget)
+        payload = self._api.call("Microsoft.Authorization/permissions/read", fetch, self.describe_budget)
         return [
             _Permission(tuple(p.get("actions") or ()), tuple(p.get("notActions") or ()))
             for p in payload.get("value", [])
@@ -928,6 +715,26 @@ class AzureProvider(Provider):
 
 
 # ------------------------------------------------------------------------------------------------ mapping helpers
+
+def _network_profile(vm_name: str, subnet: str) -> dict[str, Any]:
+    """One VM-managed NIC in `subnet`, deleted with the VM (terminate leaks nothing), with accelerated networking."""
+    return {
+        "networkApiVersion": NETWORK_API_VERSION,
+        "networkInterfaceConfigurations": [
+            {
+                "name": f"{vm_name}-nic",
+                "properties": {
+                    "primary": True,
+                    "deleteOption": "Delete",
+                    "enableAcceleratedNetworking": True,
+                    "ipConfigurations": [
+                        {"name": "ipconfig1", "properties": {"primary": True, "subnet": {"id": subnet}}}
+                    ],
+                },
+            }
+        ],
+    }
+
 
 VM_NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit, not ending with '.' or '-'"
 
@@ -944,69 +751,6 @@ def _refuse_malformed(vm_names: Sequence[str], verb: str) -> None:
             provider=PROVIDER,
             code="InvalidResourceName",
         )
-
-
-_POLL_RETRYING_CLASS: type | None = None
-
-
-def _poll_retrying_class() -> type:
-    """ARMPolling whose status polls survive throttling; built on first use so that importing this module never
-    imports the SDK."""
-    global _POLL_RETRYING_CLASS
-    if _POLL_RETRYING_CLASS is not None:
-        return _POLL_RETRYING_CLASS
-    from azure.core.exceptions import ServiceRequestError, ServiceResponseError
-    from azure.mgmt.core.polling.arm_polling import ARMPolling
-
-    class PollRetryingArmPolling(ARMPolling):
-        """The SDK's ARM polling, except that a 408/429/5xx status poll (or a dropped connection) is polled again
-        after Retry-After (or a backoff) while the operation's time budget lasts. The client's own retry policy
-        stays off (`retry_total=0`): the initial request of each operation is retried by our named budgets."""
-
-        def __init__(self, timeout: float, *, budget_s: float, **kwargs: Any) -> None:
-            super().__init__(timeout, **kwargs)
-            self._budget_s = budget_s
-            self._deadline: float | None = None
-            self.poll_retries = 0
-
-        def request_status(self, status_link: str) -> Any:
-            if self._deadline is None:
-                self._deadline = time.monotonic() + self._budget_s
-            attempt = 0
-            while True:
-                try:
-                    response = super().request_status(status_link)
-                except (ServiceRequestError, ServiceResponseError):
-                    if not self._pause(attempt, None):
-                        raise
-                else:
-                    http = response.http_response
-                    if http.status_code not in _TRANSIENT_POLL_STATUS or not self._pause(
-                        attempt, _retry_after_header(http.headers)
-                    ):
-                        return response
-                attempt += 1
-                self.poll_retries += 1
-
-        def _pause(self, attempt: int, retry_after_s: float | None) -> bool:
-            """Wait before the next poll; False (and no wait) when that would pass the operation's deadline."""
-            delay = retry_after_s if retry_after_s is not None else POLL_RETRY.delay_s(attempt)
-            assert self._deadline is not None
-            if time.monotonic() + delay > self._deadline:
-                return False
-            self._sleep(delay)
-            return True
-
-    _POLL_RETRYING_CLASS = PollRetryingArmPolling
-    return PollRetryingArmPolling
-
-
-def _retry_after_header(headers: Mapping[str, str]) -> float | None:
-    try:
-        value = headers.get("Retry-After")
-        return None if value is None else max(0.0, float(value))
-    except (TypeError, ValueError):
-        return None  # an HTTP date: fall back to our backoff
 
 
 def _text(value: object) -> str:
@@ -1045,34 +789,3 @@ def _health(provisioning: str, power: str, health_code: str) -> Health:
     return "unknown"
 
 
-def _error_code(err: Any) -> str | None:
-    if err.error is not None and err.error.code:
-        return str(err.error.code)
-    body = _error_body(err)
-    inner = body.get("error") if isinstance(body.get("error"), dict) else body
-    code = inner.get("code") if isinstance(inner, dict) else None
-    return str(code) if code else None
-
-
-def _error_message(err: Any) -> str:
-    if err.error is not None and err.error.message:
-        return str(err.error.message)[:400]
-    body = _error_body(err)
-    inner = body.get("error") if isinstance(body.get("error"), dict) else body
-    message = inner.get("message") if isinstance(inner, dict) else None
-    return str(message or err.reason or "no detail")[:400]
-
-
-def _error_body(err: Any) -> dict[str, Any]:
-    try:
-        body = json.loads(err.response.text()) if err.response is not None else {}
-    except Exception:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _retry_after_s(err: Any) -> float:
-    try:
-        return max(0.0, float(err.response.headers.get("Retry-After", 0))) if err.response is not None else 0.0
-    except (TypeError, ValueError):
-        return 0.0

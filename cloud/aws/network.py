@@ -37,7 +37,7 @@ _Atom = tuple[str, int, int, str]
 
 
 class Ec2Calls(Protocol):
-    """What this module needs of `cloud.aws._AwsApi`: one translated, retried call."""
+    """What this module needs of `cloud.aws.client.AwsApi`: one translated, retried call."""
 
     def call(self, service: str, operation: str, budget: RetryBudget, **params: Any) -> dict[str, Any]: ...
 

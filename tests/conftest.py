@@ -1,0 +1,113 @@
+"""Tiers of the suite (tests/tiers.py): markers from observed process starts, the developer tier, xdist groups.
+
+* `pytest --tier dev`: only the tests that run in this process (about a minute); files with none are not even
+  imported, so a policy change does not pay for importing Prefect.
+* `pytest` (every test) with `-n 2`: xdist groups keep the timing-sensitive jobs on one worker and the Prefect
+  tests on another, beside the in-process and fake-server tests.
+* `pytest --record-tiers`: rewrite tests/tiers.json from what this run's tests were seen to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from pathlib import Path
+
+import pytest
+
+from tests.tiers import MARKERS, TIERS_FILE, Observer, Tiers, observed_part, read_part, xdist_group
+
+ROOT = Path(__file__).resolve().parent.parent
+_observer = Observer()
+_tiers = Tiers({}, {})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tiers", "test tiers (tests/tiers.py)")
+    group.addoption("--tier", choices=("dev", "all"), default="all",
+                    help="dev: only the tests that start no process and bind no socket (about a minute); "
+                         "all: every test (default)")
+    group.addoption("--record-tiers", action="store_true",
+                    help="rewrite tests/tiers.json from the processes this run's tests and fixtures start")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _tiers
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    _tiers = Tiers.load()
+    _observer.install()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("--tier") != "dev" or collection_path.suffix != ".py" or \
+            not collection_path.name.startswith("test_"):
+        return None
+    recorded, dev = _tiers.files_with_dev_tests()
+    rel = collection_path.resolve().relative_to(ROOT).as_posix()
+    return True if rel in recorded and rel not in dev else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    dev = config.getoption("--tier") == "dev"
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        recorded = _tiers.marks(item.nodeid, getattr(item, "fixturenames", ()))
+        known = recorded is not None
+        marks = recorded if recorded is not None else {"processes"}
+        for name in sorted(marks):
+            item.add_marker(getattr(pytest.mark, name))
+        group = xdist_group(marks)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        (drop if dev and (marks or not known) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[object], request: pytest.FixtureRequest
+                         ) -> Generator[None, object, object]:
+    with _observer.watching("fixture", fixturedef.argname):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    with _observer.watching("test", item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
+    report = yield
+    assert isinstance(report, pytest.TestReport)
+    if call.when == "teardown" and report.passed and not item.config.getoption("--record-tiers"):
+        recorded = _tiers.marks(item.nodeid, getattr(item, "fixturenames", ()))
+        started = _observer.seen.get(item.nodeid, [])
+        if recorded == set() and started:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} is in the developer tier (tests/tiers.json) but started "
+                               f"{started[0]!r}: rerun its file with `pytest --record-tiers` to move it")
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not config.getoption("--record-tiers"):
+        return
+    workerinput = getattr(config, "workerinput", None)
+    parts = Path(config.rootpath) / ".pytest-tiers"
+    if workerinput is not None:  # an xdist worker: leave its part for the controller
+        parts.mkdir(exist_ok=True)
+        observed_part(parts / f"{workerinput['workerid']}.json", _observer)
+        return
+    tiers = Tiers.load()
+    tiers.merge(_observer)
+    for part in sorted(parts.glob("*.json")) if parts.exists() else []:
+        tiers.merge(read_part(part))
+        part.unlink()
+    if parts.exists():
+        parts.rmdir()
+    tiers.dump(TIERS_FILE)
