@@ -40,6 +40,8 @@ MARKERS = {
     "prefect": "starts a Prefect server or worker; xdist group `prefect`",
     "servers": "binds a socket (a fake cloud endpoint, a store, an agent link)",
 }
+INCIDENTAL = frozenset({"lscpu"})
+"""Probes a library runs once per process whichever test first needs it (joblib's core count): not the test's."""
 PROJECT_DIRS = ("runtime", "flows", "cloud", "policy", "bench", "examples", "tests", "trainmover")
 
 
@@ -89,6 +91,8 @@ class Observer:
             argv = [sys.executable, "tests"]  # a fork of this very process
         elif event == "socket.bind":
             argv = ()
+        if argv and Path(str(next(iter(argv)))).name in INCIDENTAL:
+            return
         else:
             return
         with self._lock:
