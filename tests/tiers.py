@@ -91,9 +91,9 @@ class Observer:
             argv = [sys.executable, "tests"]  # a fork of this very process
         elif event == "socket.bind":
             argv = ()
-        if argv and Path(str(next(iter(argv)))).name in INCIDENTAL:
-            return
         else:
+            return
+        if argv and Path(str(next(iter(argv)))).name in INCIDENTAL:
             return
         with self._lock:
             if not self._stack:
