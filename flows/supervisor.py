@@ -175,7 +175,9 @@ class Supervisor:
         self._next_policy = 0.0
         self._hot_nodes: set[str] = set()
         self._predicted: dict[str, bool] = {}  # failed process -> whether its node was hot when it failed
-        self._cold_ranks: set[int] = set()  # ranks waiting for a parked standby woken from the stopped tier
+        # Ranks waiting for a parked standby woken from the stopped tier -> the instance woken (or launched) for
+        # them: held out of the policy's releases until the rank is recovered (releasing it strands the rank).
+        self._woken: dict[int, str] = {}
         self._standby_seconds: dict[str, float] = {"warm": 0.0, "stopped": 0.0}
         self._last_accrual: float | None = None
         self.steps_done = 0
@@ -488,7 +490,7 @@ class Supervisor:
                     handoff_s=ev.handoff_s,
                     replay_s=ev.replay_s,
                     lost_time_s=lost,
-                    tier="stopped" if rank in self._cold_ranks else ev.tier,
+                    tier="stopped" if rank in self._woken else ev.tier,
                     predicted=self._predicted.get(old, False),
                 )
             )
@@ -501,7 +503,11 @@ class Supervisor:
                     {"rank": rank, "old": old, "new": new, "lost_time_s": lost, "step": ev.step},
                 )
             )
-            self._cold_ranks.discard(rank)
+            if self._woken.pop(rank, None) is not None and self.hosts is not None:
+                # The woken host's standby was the one more the target counted for this rank: back to the policy's
+                # target (simulated instances keep theirs until the policy's next decision releases the spare).
+                self.warm_target = max(0, self.warm_target - 1)
+                self._set_standby_target(self.warm_target)
         return out
 
     def _replace_instance(self, rank: int) -> list[Happening]:
@@ -545,9 +551,9 @@ class Supervisor:
                 self.parked.insert(0, parked)
         if self.hosts is None:
             self.workers[rank] = woken
-        self._cold_ranks.add(rank)
-        # The coordinator is waiting for a standby: one more process starts cold on the woken node.
-        # The next policy decision lowers the target again if the risk does not pay for it.
+        self._woken[rank] = woken
+        # The coordinator is waiting for a standby: one more process starts cold on the woken node. The policy's
+        # decisions leave that one alone until the rank is recovered, then lower the target if the risk does not pay.
         self.warm_target += 1
         self._set_standby_target(self.warm_target)
         how = (f"woke parked standby {woken}" if woken == parked
@@ -647,19 +653,23 @@ class Supervisor:
             self.scorer.observe(self.feed.read(now_h, dict(self.workers)))
         hazards, scores = self.scorer.hazards(now_h, self.costs.lead_time_h, self.run.hazard_multiplier)
         plan = decide_standby(hazards, self.costs, self.fleet, now_s=now_h * 3600.0)
-        change = pool_change(plan, self.run.standby, Pool(tuple(self.warm), tuple(self.parked), self.warm_target))
+        held = set(self._woken.values())  # woken for a rank that waits for it: not the policy's to release
+        pool = Pool(tuple(i for i in self.warm if i not in held), tuple(self.parked),
+                    max(0, self.warm_target - len(self._woken)))
+        change = pool_change(plan, self.run.standby, pool)
         bar = self._predicted_bar
         self._hot_nodes = {n for n, p in zip(hazards.node_ids, hazards.p_fail, strict=True) if p > bar}
         if (change.warm_target, change.stopped_target) != (self.fleet.warm, self.fleet.stopped):
             self.fleet = FleetState(stopped=change.stopped_target, warm=change.warm_target,
                                     last_change_s=now_h * 3600.0)
-        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon))
+        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon), held=len(self._woken))
 
-    def _apply(self, change: PoolChange, reasons: tuple[str, ...], worst: NodeScore) -> list[Happening]:
-        """Carry out a pool change (flows.actions.pool_change) and say what was done and why."""
+    def _apply(self, change: PoolChange, reasons: tuple[str, ...], worst: NodeScore, held: int = 0) -> list[Happening]:
+        """Carry out a pool change (flows.actions.pool_change) and say what was done and why. `held` standbys, woken
+        for ranks that wait for them, count in the coordinator's target on top of the change's."""
         out: list[Happening] = []
         job = f"{EVENT_PREFIX}.job.{self.run.job_id}"
-        warm = change.warm_target
+        warm = change.warm_target + held
         raised = change.retarget and warm > self.warm_target
         if change.launch_warm:
             self.warm += [i.instance_id for i in self._launch("standby", change.launch_warm)]

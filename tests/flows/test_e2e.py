@@ -392,7 +392,10 @@ def _kill_and_take_over(stack: PrefectStack, params: dict[str, Any], job: str, f
         assert second, out
         done = poll("the duplicate run to end", lambda: _final(client, second), 120.0, every_s=1.0)
         assert done.state is not None and done.state.is_failed(), done.state
-        assert "is already running under another flow run" in flow_run_logs(second)
+        # A run's state can turn final before its last log batch reaches the server (the log handler ships in the
+        # background): the refusal is waited for, bounded.
+        poll("the duplicate run's refusal in its logs",
+             lambda: True if "is already running under another flow run" in flow_run_logs(second) else None, 30.0)
         assert record.launcher_alive() and _state(client, first).is_running()
 
         # The flow-run process is killed outright: the worker marks the run Crashed; the job trains on.
@@ -406,7 +409,8 @@ def _kill_and_take_over(stack: PrefectStack, params: dict[str, Any], job: str, f
         assert third, out
         poll("the new run to re-attach", lambda: True if f"re-attached to job {job}" in flow_run_logs(third) else None,
              RUN_TIMEOUT_S, every_s=1.0)
-        assert f"launcher pid {record.launcher_pid}" in flow_run_logs(third)
+        poll("the re-attached launcher's pid in the logs",
+             lambda: True if f"launcher pid {record.launcher_pid}" in flow_run_logs(third) else None, 30.0)
         renewed = poll("the new run's record", lambda: r if (r := jobrecord.read(job)) and r.flow_run_id == third
                        else None, 60.0)
         assert renewed.launcher_pid == record.launcher_pid and renewed.owner_lease != record.owner_lease

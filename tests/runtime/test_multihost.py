@@ -278,10 +278,11 @@ def test_hosts_killed_in_the_other_protocol_phases(hosts: Cluster, tmp_path: Pat
 SHARDED_JOB = TINY_JOB.parent / "sharded_job.py"
 
 
-def _sharded_job(hosts: Cluster, tmp_path: Path, layout: str, faults: str, steps: int, *args: str) -> Job:
+def _sharded_job(hosts: Cluster, tmp_path: Path, layout: str, faults: str, steps: int, *args: str,
+                 step_ms: float = 40) -> Job:
     for _ in range(3):
         hosts.add_host()
-    job = Job(hosts, tmp_path, agents=3, nproc=4, standby=2, steps=steps, step_ms=40, faults=faults,
+    job = Job(hosts, tmp_path, agents=3, nproc=4, standby=2, steps=steps, step_ms=step_ms, faults=faults,
               script=SHARDED_JOB, script_args=("--layout", layout, *args))
     for i in range(3):
         job.agent(i, 2)
@@ -298,7 +299,10 @@ def test_hsdp_a_host_killed_then_the_other_worker_host_partitioned(hosts: Cluste
     host; then the other original worker host is cut off: it fences itself, its ranks move the same way, fed by
     the ranks that came back first. The job ends bit for bit where the uninterrupted HSDP run ends."""
     steps = 120
-    job = _sharded_job(hosts, tmp_path, "hsdp", "host:rank=1,step=5,phase=exchange", steps)
+    # Slow steps until the second recovery (generation 2): a new host's agent and two sharded standbys warm up
+    # before the run could end, even beside another test on two cores; full speed after it.
+    job = _sharded_job(hosts, tmp_path, "hsdp", "host:rank=1,step=5,phase=exchange", steps,
+                       "--step-ms-until-gen", "2", step_ms=250)
     try:
         rec = job.wait("the first recovery", lambda ev: [e for e in ev if e["event"] == "recovered"], 180)[0]
         assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1]

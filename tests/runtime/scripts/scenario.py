@@ -28,6 +28,9 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="wall time added after every step (a slower model, without its CPU), so that a test's outside "
                         "action (a cut link, a killed agent) lands mid-training; numbers unchanged")
+    p.add_argument("--step-ms-until-gen", type=int, default=0,
+                   help="--step-ms only until the job reaches this generation (each recovery starts one), then full "
+                        "speed: a test's window for its outside action stays wide on a loaded machine, the run short")
     return p
 
 
@@ -35,7 +38,7 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
     if args.pace_ms and not job.store.check([k_chaos_done()]):
         factor = args.pace_end_factor if result.step > args.steps * 3 // 4 else 1.0
         time.sleep(args.pace_ms * factor / 1000)
-    if args.step_ms:
+    if args.step_ms and (not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen):
         time.sleep(args.step_ms / 1000)
     if result.step == args.raise_at:
         raise ValueError(f"a bug in the training script at step {result.step}")
