@@ -1,10 +1,10 @@
 """`trainmover bench chaos`: a soak of many consecutive interruptions in ONE TrainMover job.
 
-This module owns the soak: the runtime's chaos monkey (``LaunchConfig.chaos``, `runtime.chaos`) sends real signals
-at random moments (exponential gaps, mean ``every_s``), ``interruptions`` times, while the job trains the benchmark
-workload (quick size, 2 workers, warm standbys replenished after every promotion, one torch thread per process).
-By default it SIGKILLs workers; ``signals`` and ``targets`` add hangs (SIGSTOP, caught by the heartbeat) and
-standbys. It reports:
+This module owns the soak: the runtime's chaos monkey (``LaunchConfig.chaos``, `runtime.control.chaos`) sends real
+signals at random moments (exponential gaps, mean ``every_s``), ``interruptions`` times, while the job trains the
+benchmark workload (quick size, 2 workers, warm standbys replenished after every promotion, one torch thread per
+process). By default it SIGKILLs workers; ``signals`` and ``targets`` add hangs (SIGSTOP, caught by the heartbeat)
+and standbys. It reports:
 
 * per recovery, ``lost_time_s`` by the identity of `bench.peers.trainmover`: ``recovery_s - (step_s - redone_s) +
   warmup_penalty_s``, where ``recovery_s`` runs from the chaos event's own time (the signal), so the true detection
@@ -56,7 +56,7 @@ class ChaosUnavailable(RuntimeError):
 
 def chaos_plan(interruptions: int, every_s: float, seed: int, signals: Sequence[str] = ("kill",),
                targets: Sequence[str] = ("worker",)) -> str:
-    """The chaos monkey's setting (runtime.chaos): ``interruptions`` signals, on average every ``every_s``.
+    """The chaos monkey's setting (runtime.control.chaos): ``interruptions`` signals, on average every ``every_s``.
 
     Covered: a worker is hit only while a warm standby can take its rank, so each interruption measures a
     recovery, not the start-up of a replacement process on a machine whose cores are busy (the stalls that still
@@ -190,7 +190,7 @@ def summarize(clean: JobRun, chaos: JobRun, steps: int, plan: str, requested: in
 def run_chaos_benchmark(interruptions: int, every_s: float = EVERY_S, seed: int = 1,
                         signals: Sequence[str] = ("kill",), targets: Sequence[str] = ("worker",)) -> dict[str, Any]:
     if "chaos" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        raise ChaosUnavailable("this runtime has no chaos monkey (LaunchConfig.chaos, runtime/chaos.py)")
+        raise ChaosUnavailable("this runtime has no chaos monkey (LaunchConfig.chaos, runtime/control/chaos.py)")
     spec = WorkloadSpec.quick()
     t0 = time.time()
 

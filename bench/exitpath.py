@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.auth import new_token
-from runtime.hosts import HostPool
+from runtime.control.hosts import HostPool
 from runtime.launcher import LaunchConfig, LocalProcess, start_local_pool
+from runtime.wire.auth import new_token
 
 
 def _spin(stop: Any) -> None:

@@ -1,11 +1,11 @@
 """`trainmover bench scale`: the real coordinator (its store, its agent links, its loop) against simulated hosts.
 
 The coordinator runs as its own process, exactly as `trainmover coordinator` builds it (runtime.launcher's store,
-runtime.hosts' HostPool, runtime.coordinator's loop) with its store wrapped to count requests. This process
-simulates the hosts: one thread speaks the agent protocol on every link (handshake, sealed beats, spawn orders
-answered, generations received), another plays every training process's part in the store (a sealed hello,
-the warm record of a standby, a sealed heartbeat every 0.25 s, batched per beat; the reports of a recovery).
-No torch runs in a simulated process.
+runtime.control.hosts' HostPool, runtime.control.coordinator's loop) with its store wrapped to count requests. This
+process simulates the hosts: one thread speaks the agent protocol on every link (handshake, sealed beats, spawn
+orders answered, generations received), another plays every training process's part in the store (a sealed hello,
+the warm record of a standby, a sealed heartbeat every 0.25 s, batched per beat; the reports of a recovery). No
+torch runs in a simulated process.
 
 A host "dies" the way a killed machine does for the coordinator: its link closes and its processes stop beating.
 Measured per trial: the time from that moment to the new generation received by every surviving agent (and by
@@ -54,10 +54,10 @@ class CountingStore:
 
 def serve(hosts: int, slots: int, standby_hosts: int, out: str) -> None:
     """Run the coordinator until SIGTERM; write its store request count to `out` every second."""
-    from runtime.coordinator import Coordinator, CoordinatorSettings
-    from runtime.events import EventLog
-    from runtime.hosts import HostPool, HostTiming
+    from runtime.control.coordinator import Coordinator, CoordinatorSettings
+    from runtime.control.hosts import HostPool, HostTiming
     from runtime.launcher import bind, listen_store
+    from runtime.wire.events import EventLog
 
     token = os.environ["TRAINMOVER_JOB_SECRET"]
     store = listen_store("127.0.0.1", 0)
@@ -82,8 +82,8 @@ def serve(hosts: int, slots: int, standby_hosts: int, out: str) -> None:
 # -- the simulated hosts, in this process --------------------------------------------------------------------
 class SimHosts:
     def __init__(self, token: str, agent_port: int, store_port: int, count: int, slots: int) -> None:
-        from runtime.auth import Sealer
-        from runtime.store import Records, connect
+        from runtime.wire.auth import Sealer
+        from runtime.wire.store import Records, connect
 
         self.token = token
         self.slots = slots
@@ -111,7 +111,7 @@ class SimHosts:
         self.beats.start()
 
     def _open(self, i: int, port: int) -> None:
-        from runtime.protocol import Hello, Link, new_nonce
+        from runtime.wire.protocol import Hello, Link, new_nonce
 
         sock = socket.create_connection(("127.0.0.1", port))
         link = Link(sock, "agent")
@@ -123,7 +123,7 @@ class SimHosts:
         self.sel.register(sock, selectors.EVENT_READ, i)
 
     def _serve(self) -> None:
-        from runtime.protocol import (
+        from runtime.wire.protocol import (
             Beat,
             GenerationNotice,
             ProcessHello,
@@ -134,7 +134,7 @@ class SimHosts:
             Welcome,
             session_key,
         )
-        from runtime.store import k_hello, k_ready
+        from runtime.wire.store import k_hello, k_ready
 
         beat_due = time.monotonic()
         while not self.halt:
@@ -186,7 +186,7 @@ class SimHosts:
 
     def _beat_procs(self, store_port: int) -> None:
         """Every simulated process's sealed heartbeat, batched per beat in one multi_set."""
-        from runtime.store import connect, k_heartbeat
+        from runtime.wire.store import connect, k_heartbeat
 
         client = connect("127.0.0.1", store_port)
         sealer = self.records.sealer
@@ -211,8 +211,8 @@ class SimHosts:
 
     def write_reports(self, gen: int, members: int) -> None:
         """The members' final reports of a recovery, so the coordinator closes it (as real members do)."""
-        from runtime.protocol import RecoveryReport
-        from runtime.store import k_report
+        from runtime.wire.protocol import RecoveryReport
+        from runtime.wire.store import k_report
 
         now = time.time()
         for r in range(members):
@@ -233,7 +233,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def measure(hosts: int, slots: int, trials: int, tmp: Path) -> dict[str, Any]:
-    from runtime.auth import new_token
+    from runtime.wire.auth import new_token
 
     token = new_token()
     out = tmp / f"coord-{hosts}.json"

@@ -61,9 +61,9 @@ def primitives(nbytes: int = 64 << 20) -> dict[str, float]:
 
 def records(beats: int = 400) -> dict[str, float]:
     """Microseconds per record seal/open, and per heartbeat sealed vs unsealed against a real store."""
-    from runtime import store as keys
-    from runtime.auth import Sealer
-    from runtime.membership import Generation
+    from runtime.control.membership import Generation
+    from runtime.wire import store as keys
+    from runtime.wire.auth import Sealer
 
     sealer = Sealer(TOKEN)
     gen = Generation(7, tuple(f"w{i}" for i in range(64)), "w3 killed by SIGKILL", ((3, "w3", "s9"),)).to_json()
@@ -109,10 +109,10 @@ def _model(state_mb: int) -> nn.Module:
 
 
 def worker(rank: int, port: int, state_mb: int, reps: int, transports: list[str], cert: str, out: str) -> None:
-    from runtime import store as keys
-    from runtime.auth import Sealer
-    from runtime.handoff import GlooLinks, HandoffPlan, HandoffSession, Links, run_handoff
-    from runtime.state import TrainingState
+    from runtime.training.handoff import GlooLinks, HandoffPlan, HandoffSession, Links, run_handoff
+    from runtime.training.state import TrainingState
+    from runtime.wire import store as keys
+    from runtime.wire.auth import Sealer
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
@@ -139,7 +139,7 @@ def worker(rank: int, port: int, state_mb: int, reps: int, transports: list[str]
                 t0 = time.perf_counter()
                 links: Links
                 if transport == "tls":
-                    from runtime.tls_transport import TlsConfig, open_tls_links
+                    from runtime.training.tls_transport import TlsConfig, open_tls_links
 
                     tls_links = open_tls_links(plan, rank, gen, records, TlsConfig(cert, cert + ".key"), 120.0)
                     links = tls_links
@@ -172,7 +172,7 @@ def worker(rank: int, port: int, state_mb: int, reps: int, transports: list[str]
 
 
 def handoff(state_mb: int, reps: int, transports: list[str]) -> dict[str, Any]:
-    from runtime.tls_transport import make_job_certificate
+    from runtime.training.tls_transport import make_job_certificate
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),

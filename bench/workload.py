@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from runtime.data import derive_seed
+from runtime.training.data import derive_seed
 
 SPEC_ENV = "TM_BENCH_SPEC"
 

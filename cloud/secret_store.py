@@ -25,7 +25,7 @@ from cloud.base import InvalidRequestError, validate_job_id
 
 SecretKind = Literal["aws-secretsmanager", "aws-ssm", "azure-keyvault", "local-file"]
 
-MIN_SECRET_CHARS = 32  # runtime.auth's minimum; cloud/ may not import runtime, so it is checked again here
+MIN_SECRET_CHARS = 32  # runtime.wire.auth's minimum; cloud/ may not import runtime, so it is checked again here
 
 AWS_REGION = re.compile(r"[a-z]{2}(?:-[a-z]+)+-\d{1,2}")
 _SM_NAME = re.compile(r"[A-Za-z0-9/_+=.@-]{1,512}")
@@ -79,7 +79,7 @@ _REDACTOR = _Redactor()
 
 
 def check_secret_value(secret: str) -> str:
-    """`secret` itself when it is long enough for runtime.auth; remembered for redaction."""
+    """`secret` itself when it is long enough for runtime.wire.auth; remembered for redaction."""
     if not isinstance(secret, str) or len(secret.strip()) < MIN_SECRET_CHARS or any(c.isspace() for c in secret):
         raise InvalidRequestError(
             f"the job secret must be at least {MIN_SECRET_CHARS} printable characters without spaces (for example "
@@ -230,7 +230,7 @@ class JobSecretStore(abc.ABC):
 
 
 def write_secret_file(path: str, secret: str) -> None:
-    """Write `secret` to `path`, readable by its owner only (what runtime.auth.read_secret_file demands). Replaces
+    """Write `secret` to `path`, readable by its owner only (what runtime.wire.auth.read_secret_file demands). Replaces
     a previous file atomically; never follows a link planted at `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")

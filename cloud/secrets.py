@@ -1,6 +1,6 @@
 """The job's secret in the cloud's secret store: put by the orchestrator, fetched by each host at boot.
 
-The job's secret authenticates every link and store record of a job (runtime.auth), so it never travels in
+The job's secret authenticates every link and store record of a job (runtime.wire.auth), so it never travels in
 user-data (any process on the instance, and anyone allowed DescribeInstanceAttribute or to read a VM's model, can
 read that). Instead the orchestrator puts it in a secret store that only the job's own instance identity may read,
 and the bootstrap (cloud.bootstrap) fetches it at every boot into a root-only file on tmpfs:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from flows.models import TrainingRun
 from flows.supervisor import EVENT_PREFIX, Happening
 from policy.telemetry import TelemetrySample
-from runtime.event_records import Event, GenerationStarted
+from runtime.wire.event_records import Event, GenerationStarted
 
 
 @dataclass

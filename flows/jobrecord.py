@@ -77,7 +77,7 @@ class JobRecord:
         return self.workdir.encode() in cmdline  # not a pid reused by another program
 
     def read_secret(self) -> str:
-        from runtime.auth import read_secret_file  # refuses a file others can read
+        from runtime.wire.auth import read_secret_file  # refuses a file others can read
 
         return read_secret_file(self.secret_file)
 
@@ -135,7 +135,7 @@ def all_records() -> list[JobRecord]:
 
 def write_secret(workdir: Path, secret: str) -> Path:
     """The job's secret in a file only its owner can read, in the job's work directory (for a re-attaching run)."""
-    from runtime.auth import write_secret_file
+    from runtime.wire.auth import write_secret_file
 
     path = Path(workdir) / "job.secret"
     write_secret_file(str(path), secret)

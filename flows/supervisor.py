@@ -45,7 +45,7 @@ from policy.decision import FleetState, decide_standby
 from policy.online import NodeScore, OnlineScorer
 from policy.telemetry import TelemetrySample
 from runtime.client import JobSpec, Placement, RuntimeJob
-from runtime.event_records import (
+from runtime.wire.event_records import (
     Event,
     GenerationStarted,
     HostLost,
@@ -169,7 +169,7 @@ class Supervisor:
         self.job: RuntimeJob | None = None
         """The job, through the runtime's client: its launcher, events and control store."""
         self.events: list[Event] = []
-        """Every event of the job read so far, as records (runtime.event_records)."""
+        """Every event of the job read so far, as records (runtime.wire.event_records)."""
         self.interruptions: list[Interruption] = []
         self._started_at: float | None = None
         self._next_policy = 0.0
@@ -193,7 +193,7 @@ class Supervisor:
         run = self.run
         out: list[Happening] = []
         if self.hosts is not None:
-            from runtime.auth import new_token
+            from runtime.wire.auth import new_token
 
             if script is None:
                 raise ValueError("a job that runs on its instances needs its script at provisioning")
@@ -292,7 +292,7 @@ class Supervisor:
     def start(self, script: Path) -> None:
         """Start the job: on this machine the runtime's launcher hosts the coordinator and every process; on
         instances the coordinator runs here alone and waits for the instances' agents."""
-        from runtime.auth import new_token
+        from runtime.wire.auth import new_token
 
         placement: Placement | None = None
         if self.hosts is not None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.event_records import Event, MemberFailed
+from runtime.wire.event_records import Event, MemberFailed
 
 
 @dataclass(frozen=True, slots=True)

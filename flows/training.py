@@ -52,7 +52,7 @@ from flows.ownership import owning
 from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
 from flows.timeline import interruptions_of, markdown_image, plot_timeline
 from policy.online import OnlineScorer
-from runtime.event_records import JobFailed
+from runtime.wire.event_records import JobFailed
 
 TICK_S = 0.2
 MAX_WALL_S = 365 * 86400.0

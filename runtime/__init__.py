@@ -13,7 +13,7 @@ The training-script API::
         ...
 
 A model sharded by torch (FSDP2, HSDP, tensor parallelism) uses `tm.ShardedTrainer(build, tm.MeshSpec(...), ...)`,
-where `build(mesh)` parallelises the model on the mesh the runtime hands it (`runtime.sharded`).
+where `build(mesh)` parallelises the model on the mesh the runtime hands it (`runtime.training.sharded`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.data import ShardedLoader, StepData, derive_seed
-    from runtime.job import Job, init
-    from runtime.sharded import MeshSpec, ShardedTrainer
-    from runtime.trainer import StepResult, Trainer
+    from runtime.training.data import ShardedLoader, StepData, derive_seed
+    from runtime.training.job import Job, init
+    from runtime.training.sharded import MeshSpec, ShardedTrainer
+    from runtime.training.trainer import StepResult, Trainer
 
-_WHERE = {"ShardedLoader": "runtime.data", "StepData": "runtime.data", "derive_seed": "runtime.data",
-          "Job": "runtime.job", "init": "runtime.job", "StepResult": "runtime.trainer", "Trainer": "runtime.trainer",
-          "MeshSpec": "runtime.sharded", "ShardedTrainer": "runtime.sharded"}
+_WHERE = {"ShardedLoader": "runtime.training.data", "StepData": "runtime.training.data",
+          "derive_seed": "runtime.training.data", "Job": "runtime.training.job", "init": "runtime.training.job",
+          "StepResult": "runtime.training.trainer", "Trainer": "runtime.training.trainer",
+          "MeshSpec": "runtime.training.sharded", "ShardedTrainer": "runtime.training.sharded"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """The runtime's subcommands: `trainmover run` (one machine), `coordinator` and `agent` (across hosts), `demo`.
 
 The options of `run`, `coordinator` and `agent` are the fields of their records (runtime.config.LaunchConfig,
-runtime.agent.AgentConfig): each option's name, default, type and help come from the field (`add_options`), and
+runtime.host.agent.AgentConfig): each option's name, default, type and help come from the field (`add_options`), and
 the record is built from the parsed options (`from_namespace`). Only what is not a field is written here.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from runtime.config import LaunchConfig, add_options, from_namespace
 
 if TYPE_CHECKING:
-    from runtime.agent import NoticeWatch
+    from runtime.host.agent import NoticeWatch
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,7 +40,7 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def add_agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from runtime.agent import AgentConfig
+    from runtime.host.agent import AgentConfig
 
     p = sub.add_parser(
         "agent", help="run this host's agent: start the processes a coordinator assigns to its slots",
@@ -65,7 +65,7 @@ def _notice_watch(kind: str | None, name: str, url: str) -> NoticeWatch | None:
     """The agent's notice watcher for `kind`'s metadata service; cloud/ is imported only when asked for."""
     if kind is None:
         return None
-    from runtime.agent import NoticeWatch
+    from runtime.host.agent import NoticeWatch
 
     if kind == "aws":
         from cloud.aws.notices import ImdsNoticeSource
@@ -80,8 +80,8 @@ def agent_command(ns: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from runtime.agent import Agent, AgentConfig, AgentError, configure_agent_logging
-    from runtime.auth import ENV_SECRET, check_secret, read_secret_file
+    from runtime.host.agent import Agent, AgentConfig, AgentError, configure_agent_logging
+    from runtime.wire.auth import ENV_SECRET, check_secret, read_secret_file
 
     try:
         if ns.secret_file:

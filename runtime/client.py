@@ -9,7 +9,7 @@ events file and its control store; a supervisor never builds the former nor pars
 - `RuntimeJob.start` spawns the job's launcher (its own process group, the job's secret in its environment only);
   `RuntimeJob.attach` takes over a job another process started, by its launcher's pid (a supervisor that died).
 - `RuntimeJob.read_events` returns the events written since the last call, whole lines only, as typed records
-  (`runtime.event_records`: `match event: case Recovered(...)`); `set_standby_target` and `move` send the control
+  (`runtime.wire.event_records`: `match event: case Recovered(...)`); `set_standby_target` and `move` send the control
   commands, which a job that ended meanwhile simply does not need (`steer` is their deprecated by-name form);
   `committed_step` reads the last committed step; `stop` ends the launcher and everything it started.
 """
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from runtime.auth import ENV_SECRET
 from runtime.config import KNOBS, Backend
-from runtime.control import JobControl, JobEnded
-from runtime.event_records import ENDINGS, Event, EventError, parse_event
+from runtime.wire.auth import ENV_SECRET
+from runtime.wire.control import JobControl, JobEnded
+from runtime.wire.event_records import ENDINGS, Event, EventError, parse_event
 
 log = logging.getLogger("trainmover.client")
 
@@ -98,7 +98,7 @@ def coordinator_argv(spec: JobSpec, events: Path, placement: Placement) -> list[
 
 class EventTail:
     """The events a job wrote to its JSON-lines file since the last `read`: whole lines only (a line being written
-    is read the next time), as records (`runtime.event_records.parse_event`); a line that is not JSON or not an
+    is read the next time), as records (`runtime.wire.event_records.parse_event`); a line that is not JSON or not an
     event is skipped, with a warning when it is JSON that names an event."""
 
     def __init__(self, path: Path) -> None:

@@ -3,8 +3,8 @@
 - `Knobs` (`KNOBS`): every knob that more than one record carries (the hang timeout, the heartbeats, the
   timeouts, the handoff's chunk size, the backend, the fork server, ...), with its one default. The records take
   their defaults from it: `LaunchConfig` (`trainmover run` and `trainmover coordinator`), `ProcessConfig` (what a
-  training process is told), `runtime.coordinator.CoordinatorSettings`, `runtime.hosts.HostTiming`,
-  `runtime.agent.AgentConfig`, `runtime.client.JobSpec`.
+  training process is told), `runtime.control.coordinator.CoordinatorSettings`, `runtime.control.hosts.HostTiming`,
+  `runtime.host.agent.AgentConfig`, `runtime.client.JobSpec`.
 - `Flag`: how a record's field appears on a command line, in the field's metadata (`flag(...)`); `add_options`
   adds one option per flagged field (its default, type, choices and help from the record), `from_namespace` builds
   the record from the parsed options. A boolean is always `--name/--no-name`. runtime.cli builds `trainmover run`,
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
-    from runtime.hosts import HostTiming
+    from runtime.control.hosts import HostTiming
 
 Role = Literal["worker", "standby"]
 Backend = Literal["gloo", "nccl"]
@@ -73,7 +73,7 @@ class Knobs:
     host: str = "127.0.0.1"
     """Address the job's store and Gloo listen on (that address only)."""
     fork_server: bool = True
-    """Fork standbys from a zygote that imported torch once (runtime.zygote), on one machine and on every agent's
+    """Fork standbys from a zygote that imported torch once (runtime.host.zygote), on one machine and on every agent's
     host alike: a replacement standby starts in milliseconds instead of seconds. Gloo only; without it (or when the
     zygote fails) processes start as usual."""
     agent_heartbeat_s: float = 0.5
@@ -352,7 +352,7 @@ class LaunchConfig:
     faults: str = field(default="", metadata=flag(
         "--faults", "fault-injection plan (runtime.faults), e.g. 'kill:rank=1,step=5,phase=exchange'"))
     chaos: str = field(default="", metadata=flag(
-        "--chaos", "random faults the coordinator injects (runtime.chaos), e.g. "
+        "--chaos", "random faults the coordinator injects (runtime.control.chaos), e.g. "
                    "'seed=1,every_s=1.5,max=100,signals=kill|stop'", metavar="SPEC"))
     host: str = field(default=KNOBS.host, metadata=flag(
         "--host", "address the job's store and Gloo listen on, and only there (default %(default)s)"))
@@ -364,7 +364,7 @@ class LaunchConfig:
                          "fresh secret if absent. Default: $TRAINMOVER_JOB_SECRET, else a secret no one else knows",
         metavar="FILE"))
     port: int = field(default=0, metadata=flag(
-        "--port", "coordinator store port, where an orchestrator steers the job with runtime.control.JobControl "
+        "--port", "coordinator store port, where an orchestrator steers the job with runtime.wire.control.JobControl "
                   "(default: a free one, named in the job_started event)"))
     recovery_timeout_s: float = KNOBS.recovery_timeout_s
     chunk_bytes: int = KNOBS.chunk_bytes
@@ -454,7 +454,7 @@ class LaunchConfig:
                 raise ConfigError(f"{opt} {path!r} is not a file")
         if self.handoff_transport == "gloo" and (self.tls_cert or self.tls_ca):
             raise ConfigError("--tls-cert/--tls-ca apply to --handoff-transport tls only")
-        from runtime.chaos import parse_chaos
+        from runtime.control.chaos import parse_chaos
         from runtime.faults import parse_plan
 
         try:
@@ -478,7 +478,7 @@ class LaunchConfig:
 
     def job_secret(self) -> str:
         """The secret from the config, the environment or the secret file (created if absent); never logged."""
-        from runtime.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
+        from runtime.wire.auth import ENV_SECRET, check_secret, new_token, read_secret_file, write_secret_file
 
         try:
             if self.secret is not None:
@@ -496,7 +496,7 @@ class LaunchConfig:
         return new_token()
 
     def host_timing(self) -> HostTiming:
-        from runtime.hosts import HostTiming
+        from runtime.control.hosts import HostTiming
 
         beat = self.agent_heartbeat_s
         return HostTiming(heartbeat_s=beat, lease_s=self.host_timeout_s - 2 * beat, host_timeout_s=self.host_timeout_s)

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import examples.train_mlp
-from runtime.coordinator import JobResult
-from runtime.event_records import ENDINGS, Event, GenerationStarted, MemberFailed, Recovered
-from runtime.events import of_type
+from runtime.control.coordinator import JobResult
 from runtime.launcher import LaunchConfig, launch
+from runtime.wire.event_records import ENDINGS, Event, GenerationStarted, MemberFailed, Recovered
+from runtime.wire.events import of_type
 
 KILL_PHASE = "exchange"
 

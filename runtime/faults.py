@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runtime.fault_grammar import ACTION_NAMES, PHASES
-from runtime.protocol import FaultFired
-from runtime.store import Records, k_fault
+from runtime.wire.protocol import FaultFired
+from runtime.wire.store import Records, k_fault
 
 Phase = Literal[
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
@@ -146,7 +146,7 @@ class FaultInjector:
             return True
         if fault.action == "host":
             # The whole host dies: its agent first (every other process of the host follows it within a
-            # heartbeat, runtime.job), then this process. Without an agent (one machine) only this process.
+            # heartbeat, runtime.training.job), then this process. Without an agent (one machine) only this process.
             agent = os.environ.get("TM_AGENT_PID", "")
             if agent.isdigit():
                 with contextlib.suppress(ProcessLookupError):

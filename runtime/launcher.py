@@ -4,7 +4,7 @@ In the spirit of torchrun, but nothing healthy is ever restarted: a lost worker'
 standby, and the survivors carry on in-process. The coordinator runs in this launcher process, never in a
 training process, so losing any worker never loses it.
 
-On one machine the processes are started by one agent (runtime.agent) that runs in this process, over the same
+On one machine the processes are started by one agent (runtime.host.agent) that runs in this process, over the same
 authenticated link, placement and fencing as `trainmover coordinator --agents N` across hosts: the single-machine
 path is the multi-host path with one host.
 """
@@ -23,13 +23,13 @@ import time
 
 import torch.distributed as dist
 
-from runtime.agent import Agent, AgentConfig, Child
-from runtime.auth import ENV_SECRET
 from runtime.config import ConfigError, LaunchConfig, ProcessConfig
-from runtime.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
-from runtime.events import EventLog
-from runtime.hosts import Host, HostPool, HostTiming, RemoteProcess
-from runtime.netaddr import interface_of
+from runtime.control.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
+from runtime.control.hosts import Host, HostPool, HostTiming, RemoteProcess
+from runtime.host.agent import Agent, AgentConfig, Child
+from runtime.wire.auth import ENV_SECRET
+from runtime.wire.events import EventLog
+from runtime.wire.netaddr import interface_of
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -101,7 +101,7 @@ class LocalHostPool(HostPool):
 
     The single-machine job takes the multi-host path (placement, the agent link, the agent's pidfd watch and its
     fencing), so the demo and every single-machine test exercise it. Processes started by the agent are this
-    process's children, exactly as before; the zygote (runtime.zygote) belongs to the agent.
+    process's children, exactly as before; the zygote (runtime.host.zygote) belongs to the agent.
     """
 
     settle_s = 0.0  # one host: nothing to wait for before replacing its lost processes
@@ -178,7 +178,7 @@ def launch(cfg: LaunchConfig) -> JobResult:
         if cfg.tls_cert is not None and cfg.tls_key is not None:
             tls = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca or cfg.tls_cert)
         else:
-            from runtime.tls_transport import TlsSetupError, make_job_certificate
+            from runtime.training.tls_transport import TlsSetupError, make_job_certificate
 
             scratch = tempfile.TemporaryDirectory(prefix="trainmover-tls-")  # mode 700: this user's only
             try:

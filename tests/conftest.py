@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import MARKERS, TIERS_FILE, Observer, Tiers, observed_part, read_part, xdist_group
+from tests.tiers import MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
 
 ROOT = Path(__file__).resolve().parent.parent
-_observer = Observer()
+_observer = OBSERVER
 _tiers = Tiers({}, {})
 
 
@@ -36,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     _tiers = Tiers.load()
     _observer.install()
+    config.pluginmanager.register(_FixtureWatch(), "trainmover-tiers-fixtures")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -66,11 +67,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef[object], request: pytest.FixtureRequest
-                         ) -> Generator[None, object, object]:
-    with _observer.watching("fixture", fixturedef.argname):
-        return (yield)
+class _FixtureWatch:
+    """Registered as a plugin of its own (pytest_configure): a hook in this conftest would see only the fixtures set
+    up below tests/, not the session-scoped ones (their node is the session, at the root: the Prefect server's)."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[object], request: pytest.FixtureRequest
+                             ) -> Generator[None, object, object]:
+        with _observer.watching("fixture", fixturedef.argname):
+            return (yield)
 
 
 @pytest.hookimpl(wrapper=True)

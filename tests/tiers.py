@@ -40,8 +40,9 @@ MARKERS = {
     "prefect": "starts a Prefect server or worker; xdist group `prefect`",
     "servers": "binds a socket (a fake cloud endpoint, a store, an agent link)",
 }
-INCIDENTAL = frozenset({"lscpu"})
-"""Probes a library runs once per process whichever test first needs it (joblib's core count): not the test's."""
+INCIDENTAL = frozenset({"lscpu", "uname", "file"})
+"""Probes a library runs once per process whichever test first needs it (joblib's core count, `platform`'s
+processor and architecture): not the test's."""
 PROJECT_DIRS = ("runtime", "flows", "cloud", "policy", "bench", "examples", "tests", "trainmover")
 
 
@@ -104,6 +105,14 @@ class Observer:
             if kind == "test":
                 what = " ".join(map(str, argv)) if argv else f"a socket bound to {args[1]!r}"
                 self.seen.setdefault(name, []).append(what[:200])
+
+    def needs(self, argv: Iterable[object]) -> None:
+        """What the running test would have started had a cache not held the result (a clean run's digest, kept
+        for the session): its markers as if `argv` had started, so that a tier does not depend on test order."""
+        with self._lock:
+            if self._stack:
+                kind, name = self._stack[-1]
+                (self.tests if kind == "test" else self.fixtures).setdefault(name, set()).update(marks_of_argv(argv))
 
     @contextlib.contextmanager
     def watching(self, kind: str, name: str) -> Iterator[None]:
@@ -177,3 +186,8 @@ def observed_part(path: Path, observer: Observer) -> None:
 def read_part(path: Path) -> Observer:
     raw = json.loads(path.read_text())
     return Observer({k: set(v) for k, v in raw["tests"].items()}, {k: set(v) for k, v in raw["fixtures"].items()})
+
+
+OBSERVER = Observer()
+"""This session's observer (installed by tests/conftest.py); helpers that cache a process's result report through
+`OBSERVER.needs` what a cache hit spared."""

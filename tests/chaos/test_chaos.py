@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from runtime.coordinator import JobResult
-from runtime.event_records import (
+from runtime.control.coordinator import JobResult
+from runtime.wire.event_records import (
     ChaosInjected,
     ChaosUnresolved,
     GenerationStarted,

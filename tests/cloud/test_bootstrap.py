@@ -140,7 +140,7 @@ def test_the_agent_watches_its_clouds_notices_when_the_bootstrap_says_so() -> No
 
 
 def test_an_ipv6_coordinator_is_bracketed_as_the_agent_parses_it() -> None:
-    from runtime.agent import AgentConfig
+    from runtime.host.agent import AgentConfig
 
     bootstrap = spec(coordinator_host="fd00::1")
     assert bootstrap.coordinator == "[fd00::1]:29401"

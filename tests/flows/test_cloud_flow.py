@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
 AMI = "ami-12c6146b"  # one of the AMIs moto ships
-SECRET = "f" * 64  # what runtime.auth.new_token gives the job in this test, to look for it everywhere
+SECRET = "f" * 64  # what runtime.wire.auth.new_token gives the job in this test, to look for it everywhere
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FaultProxy, Plac
             "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": proxy.url,
         }.items():
             monkeypatch.setenv(name, value)
-        monkeypatch.setattr("runtime.auth.new_token", lambda: SECRET)
+        monkeypatch.setattr("runtime.wire.auth.new_token", lambda: SECRET)
         yield url, proxy, groups
 
 

@@ -17,7 +17,7 @@ from cloud.local import LocalProvider
 from flows.drill import DegradingFeed, FailureDrill
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor
-from runtime.event_records import GenerationStarted
+from runtime.wire.event_records import GenerationStarted
 from tests.diagnostics import explained
 
 SCRIPT = Path(examples.train_mlp.__file__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.timeline import Timeline, interruptions_of, markdown_image, plot_timeline
-from runtime.event_records import GenerationStarted, MemberFailed, StandbySpawned
+from runtime.wire.event_records import GenerationStarted, MemberFailed, StandbySpawned
 
 
 def test_samples_are_kept_every_interval_or_when_the_standbys_change() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,13 +11,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from runtime.auth import new_token
-from runtime.coordinator import JobResult
-from runtime.event_records import Event
-from runtime.events import of_type
-from runtime.hosts import HostPool, HostTiming
+from runtime.control.coordinator import JobResult
+from runtime.control.hosts import HostPool, HostTiming
 from runtime.launcher import LaunchConfig, launch
+from runtime.wire.auth import new_token
+from runtime.wire.event_records import Event
+from runtime.wire.events import of_type
 from tests.diagnostics import explained
+from tests.tiers import OBSERVER
 
 E = TypeVar("E", bound=Event)
 
@@ -67,6 +69,7 @@ _REFERENCES: dict[tuple[int, int, str, tuple[str, ...]], str] = {}
 def clean_digest(nproc: int, steps: int, script: Path = TINY_JOB, script_args: tuple[str, ...] = ()) -> str:
     """The final-state digest of an uninterrupted run with the same seed, world size, steps and script."""
     key = (nproc, steps, str(script), script_args)
+    OBSERVER.needs([sys.executable, str(script)])  # a job, whether this call runs it or the cache holds it
     if key not in _REFERENCES:
         result = run_job(nproc=nproc, standby=0, steps=steps, script=script, script_args=script_args)
         assert result.exit_code == 0, result.message

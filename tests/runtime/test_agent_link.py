@@ -12,12 +12,12 @@ from typing import TypeVar
 
 import pytest
 
-from runtime.agent import Agent, AgentConfig, AgentError
-from runtime.auth import new_token
-from runtime.event_records import AgentRefused, Event, HostLost
-from runtime.events import of_type
-from runtime.hosts import HostPool, NoSlot
-from runtime.protocol import (
+from runtime.control.hosts import HostPool, NoSlot
+from runtime.host.agent import Agent, AgentConfig, AgentError
+from runtime.wire.auth import new_token
+from runtime.wire.event_records import AgentRefused, Event, HostLost
+from runtime.wire.events import of_type
+from runtime.wire.protocol import (
     VERSION,
     Beat,
     Fence,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer, check_secret, read_secret_file, write_secret_file
-from runtime.coordinator import Coordinator, CoordinatorSettings
-from runtime.event_records import StandbyTargetChanged, UntrustedValue
-from runtime.events import EventLog
+from runtime.control.coordinator import Coordinator, CoordinatorSettings
 from runtime.launcher import ConfigError, LaunchConfig
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer, check_secret, read_secret_file, write_secret_file
+from runtime.wire.event_records import StandbyTargetChanged, UntrustedValue
+from runtime.wire.events import EventLog
 from tests.runtime.conftest import TINY_JOB
 from tests.runtime.test_coordinator_logic import FakePool
 

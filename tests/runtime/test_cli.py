@@ -165,7 +165,7 @@ def test_a_script_started_without_the_launcher_says_how_to_start_it() -> None:
 
 def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> None:
     code = (
-        "import sys, runtime, runtime.launcher, runtime.trainer, runtime.cli, trainmover.cli\n"
+        "import sys, runtime, runtime.launcher, runtime.training.trainer, runtime.cli, trainmover.cli\n"
         "forbidden = ['prefect', 'sklearn', 'boto3', 'azure', 'policy', 'cloud', 'flows']\n"
         "print([m for m in forbidden if m in sys.modules])\n"
     )

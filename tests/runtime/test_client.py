@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from runtime.client import AttachedLauncher, EventTail, JobSpec, Placement, RuntimeJob, coordinator_argv, run_argv
-from runtime.event_records import StandbyLost, StandbySpawned
+from runtime.wire.event_records import StandbyLost, StandbySpawned
 
 
 def test_the_runtime_writes_its_own_command_lines(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ def _member(rank: int, port: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from runtime.comm import CommFailure, Communicator
+    from runtime.training.comm import CommFailure, Communicator
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     comm = Communicator("gloo", store, timeout_s=30.0, device=torch.device("cpu"))
@@ -75,7 +75,7 @@ def _stuck_member(rank: int, port: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from runtime.comm import Communicator
+    from runtime.training.comm import Communicator
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     newest = [1]
@@ -136,8 +136,8 @@ def test_wait_keeps_waiting_on_a_slow_step_fails_on_a_lost_peer_and_abandons_onl
     import pytest
     import torch
 
-    from runtime import comm as comm_module
-    from runtime.comm import Communicator
+    from runtime.training import comm as comm_module
+    from runtime.training.comm import Communicator
 
     monkeypatch.setattr(comm_module, "STALE_GRACE_S", 0.0)
     newest = [3]

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from runtime.agent import AgentConfig
 from runtime.cli import add_agent_parser, add_coordinator_parser, add_run_parser
 from runtime.client import JobSpec, Placement, coordinator_argv, run_argv
-from runtime.comm import Communicator
 from runtime.config import KNOBS, LaunchConfig, ProcessConfig, flags_of, from_namespace
-from runtime.coordinator import CoordinatorSettings
-from runtime.handoff import GlooLinks, HandoffSession
-from runtime.hosts import HostTiming
+from runtime.control.coordinator import CoordinatorSettings
+from runtime.control.hosts import HostTiming
+from runtime.host.agent import AgentConfig
+from runtime.training.comm import Communicator
+from runtime.training.handoff import GlooLinks, HandoffSession
 
 RECORDS: tuple[type, ...] = (LaunchConfig, ProcessConfig, CoordinatorSettings, HostTiming, AgentConfig, JobSpec,
                              Placement, HandoffSession)

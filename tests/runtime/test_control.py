@@ -1,4 +1,4 @@
-"""Scenarios: an orchestrator in another process steers a running job through `runtime.control.JobControl`.
+"""Scenarios: an orchestrator in another process steers a running job through `runtime.wire.control.JobControl`.
 
 Each job is the real `trainmover run` command with real worker and standby processes; the test plays the
 orchestrator. Nothing waits on a sleep: every wait polls the events file (or the store) against a deadline.
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from runtime.auth import ENV_SECRET
-from runtime.control import JobControl, JobNotFound
+from runtime.wire.auth import ENV_SECRET
+from runtime.wire.control import JobControl, JobNotFound
 from tests.runtime.conftest import TINY_JOB
 from tests.stack_dumps import assert_no_stack_dump
 

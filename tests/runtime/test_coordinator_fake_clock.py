@@ -1,7 +1,7 @@
 """The coordinator's loop in-process, on a fake clock: simulated processes, a real store, no sleeps.
 
 Each simulated process writes what a real one would (its hello, heartbeats every 0.25 s, a standby's warm-up
-record, its last step and digest) as runtime.protocol records into a real in-process store, at moments of a
+record, its last step and digest) as runtime.wire.protocol records into a real in-process store, at moments of a
 fake clock; the coordinator runs with that clock (`clock`, `wall`, `sleep`), so hang timeouts, startup timeouts
 and standby waits of seconds take milliseconds, and each moment a rule fires is checked to the loop's tick.
 """
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import pytest
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer
-from runtime.coordinator import HEALTH_EVERY_S, LOOP_S, Coordinator, CoordinatorSettings, JobFailed, SimplePool
-from runtime.event_records import (
+from runtime.control.coordinator import HEALTH_EVERY_S, LOOP_S, Coordinator, CoordinatorSettings, JobFailed, SimplePool
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer
+from runtime.wire.event_records import (
     Event,
     GenerationStarted,
     MemberFailed,
@@ -33,9 +33,9 @@ from runtime.event_records import (
     StandbyWarm,
     UntrustedValue,
 )
-from runtime.event_records import JobFailed as JobFailedEvent
-from runtime.events import EventLog
-from runtime.protocol import (
+from runtime.wire.event_records import JobFailed as JobFailedEvent
+from runtime.wire.events import EventLog
+from runtime.wire.protocol import (
     Assignment,
     ControlCommand,
     CurrentGeneration,

@@ -13,14 +13,14 @@ from collections.abc import Callable
 import pytest
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer
-from runtime.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_chaos
-from runtime.coordinator import Coordinator, CoordinatorSettings, SimplePool
-from runtime.event_records import Event, GenerationStarted, MemberFailed, StandbyLost
-from runtime.events import EventLog, of_type
-from runtime.protocol import Finished
-from runtime.store import Records
+from runtime.control.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_chaos
+from runtime.control.coordinator import Coordinator, CoordinatorSettings, SimplePool
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer
+from runtime.wire.event_records import Event, GenerationStarted, MemberFailed, StandbyLost
+from runtime.wire.events import EventLog, of_type
+from runtime.wire.protocol import Finished
+from runtime.wire.store import Records
 
 _pids = itertools.count(900_000)
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from runtime.control import MoveRequest
-from runtime.decisions import MoveContext, move_refusal, recovery_metrics
-from runtime.protocol import RecoveryReport
+from runtime.control.decisions import MoveContext, move_refusal, recovery_metrics
+from runtime.wire.control import MoveRequest
+from runtime.wire.protocol import RecoveryReport
 
 OK = MoveContext(last_seq=3, started=True, finished=False, world=4, recovering=False, ready=2)
 

@@ -1,4 +1,4 @@
-"""The job's events as typed, versioned records (`runtime.event_records`): what the event log writes, and what a
+"""The job's events as typed, versioned records (`runtime.wire.event_records`): what the event log writes, and what a
 reader makes of lines of this version, of the version before, of a kind it does not know and of a broken one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.event_records import (
+from runtime.wire.event_records import (
     EVENT_TYPES,
     EVENT_VERSION,
     AgentRefused,
@@ -38,7 +38,7 @@ from runtime.event_records import (
     UntrustedValue,
     parse_event,
 )
-from runtime.events import EventLog, read_events, read_records
+from runtime.wire.events import EventLog, read_events, read_records
 
 ONE_OF_EACH: list[Event] = [
     JobStarted(job_id="j", nproc=2, standby=1, port=29500, helpers={"zygote": 42}, agent_port=29600,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.handoff import HandoffError, MemberStatus, chunk_layout, chunk_mac, plan_handoff
+from runtime.training.handoff import HandoffError, MemberStatus, chunk_layout, chunk_mac, plan_handoff
 from tests.runtime.conftest import SCRIPTS
 
 
@@ -112,7 +112,7 @@ def test_chunks_cover_every_element_once() -> None:
 
 
 def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_step_and_index() -> None:
-    from runtime.handoff import _bytes_of
+    from runtime.training.handoff import _bytes_of
 
     key = b"k" * 32
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):

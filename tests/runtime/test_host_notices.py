@@ -22,11 +22,11 @@ import pytest
 
 from bench.netns import Events
 from cloud.aws.notices import ImdsNoticeSource
-from runtime.agent import Agent, AgentConfig, NoticeWatch
-from runtime.event_records import HostNoticed
-from runtime.events import of_type
-from runtime.hosts import HostPool, NoSlot
-from runtime.protocol import HostNotice, ProtocolError, decode, to_json
+from runtime.control.hosts import HostPool, NoSlot
+from runtime.host.agent import Agent, AgentConfig, NoticeWatch
+from runtime.wire.event_records import HostNoticed
+from runtime.wire.events import of_type
+from runtime.wire.protocol import HostNotice, ProtocolError, decode, to_json
 from tests.cloud.aws_servers import ImdsServer, imds_server
 from tests.runtime.conftest import TINY_JOB, clean_digest
 

@@ -95,11 +95,11 @@ def _exact(job: Job, nproc: int, steps: int, script: Path = TINY_JOB, script_arg
 
 
 def _zygotes(pids: set[int]) -> set[int]:
-    """Which of `pids` are agents' fork servers (runtime.zygote)."""
+    """Which of `pids` are agents' fork servers (runtime.host.zygote)."""
     found = set()
     for pid in pids:
         with contextlib.suppress(OSError):
-            if b"runtime.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"runtime.host.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.add(pid)
     return found
 

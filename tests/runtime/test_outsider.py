@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.control import JobControl, JobNotFound
+from runtime.wire import store as keys
+from runtime.wire.control import JobControl, JobNotFound
 from tests.runtime.test_control import PACE_MS, SECRET, STEPS, running
 
 pytestmark = pytest.mark.slow

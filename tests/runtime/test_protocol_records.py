@@ -1,4 +1,4 @@
-"""The store records of runtime.protocol: every one round-trips, and anything else is refused with a clear error."""
+"""The store records of runtime.wire.protocol: every one round-trips, anything else is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer
-from runtime.protocol import (
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer
+from runtime.wire.protocol import (
     RECORD_VERSION,
     RECORDS,
     Assignment,
@@ -84,7 +84,7 @@ def test_every_record_has_a_sample_and_round_trips_through_json() -> None:
 
 
 def test_a_record_without_a_version_is_read_as_version_1_with_the_same_fields() -> None:
-    # What runtime/job.py, runtime/faults.py and the simulated hosts of bench/scale.py write by hand.
+    # What runtime/training/job.py, runtime/faults.py and the simulated hosts of bench/scale.py write by hand.
     assert ProcessHello.from_json({"pid": 7, "role": "worker"}) == ProcessHello(7, "worker")
     assert FatalError.from_json({"message": "x"}) == FatalError("x")
     assert StandbyReady.from_json({"warmup_s": 0}) == StandbyReady(0.0)
@@ -141,6 +141,6 @@ def test_records_refuse_unsealed_and_malformed_values_once_and_waits_name_the_ke
 
 
 def test_the_protocol_module_loads_no_torch() -> None:
-    """`trainmover agent` imports runtime.protocol and must not load torch."""
-    code = "import sys, runtime.protocol; assert 'torch' not in sys.modules, 'torch loaded'"
+    """`trainmover agent` imports runtime.wire.protocol and must not load torch."""
+    code = "import sys, runtime.wire.protocol; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

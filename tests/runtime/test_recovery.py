@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from runtime.event_records import GenerationStarted, JobFailed, MemberFailed, Recovered
+from runtime.wire.event_records import GenerationStarted, JobFailed, MemberFailed, Recovered
 from tests.runtime.conftest import events_of, run_job
 
 pytestmark = pytest.mark.slow

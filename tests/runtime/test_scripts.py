@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.event_records import GenerationStarted, MemberFailed, Recovered, StandbyLost, StandbySpawned
+from runtime.wire.event_records import GenerationStarted, MemberFailed, Recovered, StandbyLost, StandbySpawned
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 BN_AUG = SCRIPTS / "bn_aug_job.py"

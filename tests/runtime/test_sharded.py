@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.buddy import BuddyStatus, plan_restore
-from runtime.event_records import MemberFailed, Recovered
-from runtime.handoff import HandoffPlan, MemberStatus, StateLost
-from runtime.sharded import MeshSpec, plan_sharded_handoff
+from runtime.training.buddy import BuddyStatus, plan_restore
+from runtime.training.handoff import HandoffPlan, MemberStatus, StateLost
+from runtime.training.sharded import MeshSpec, plan_sharded_handoff
+from runtime.wire.event_records import MemberFailed, Recovered
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 SHARDED_JOB = SCRIPTS / "sharded_job.py"

@@ -1,11 +1,11 @@
-"""A newer generation shuts the old generation's connections (`runtime.comm`): in-process, with real sockets."""
+"""A newer generation shuts the old generation's connections (`runtime.training.comm`): in-process, real sockets."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from runtime.comm import shut_sockets, tcp_socket_inodes
+from runtime.training.comm import shut_sockets, tcp_socket_inodes
 
 
 def test_the_connections_opened_since_a_baseline_are_found_and_shut_but_never_the_listener_or_the_descriptor() -> None:

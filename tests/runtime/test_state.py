@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.state import StateMismatchError, TrainingState
+from runtime.training.state import StateMismatchError, TrainingState
 
 
 def trained(seed: int, steps: int) -> TrainingState:
@@ -107,7 +107,7 @@ def test_registered_state_and_every_generator_travel_with_the_handoff() -> None:
 
 
 def test_processes_that_built_different_models_are_told_the_first_differing_tensor() -> None:
-    from runtime.state import spec_difference
+    from runtime.training.state import spec_difference
 
     a = with_extras(trained(0, 0), 0)
     other = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(9), nn.Linear(9, 2))

@@ -1,4 +1,4 @@
-"""The handoff over TLS links (runtime.tls_transport): exact copies, refused certificates, outsiders, no hangs.
+"""The handoff over TLS links (runtime.training.tls_transport): exact copies, refused certificates, outsiders, no hangs.
 
 Every rank runs in a thread of this process with its own store client; every wait is bounded.
 """
@@ -25,11 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.auth import Sealer
-from runtime.handoff import HandoffPlan, HandoffSession, run_handoff
-from runtime.state import TrainingState
-from runtime.store import Records
-from runtime.tls_transport import (
+from runtime.training.handoff import HandoffPlan, HandoffSession, run_handoff
+from runtime.training.state import TrainingState
+from runtime.training.tls_transport import (
     TlsConfig,
     TlsLinkError,
     TlsLinks,
@@ -39,6 +37,8 @@ from runtime.tls_transport import (
     open_tls_links,
     tls_context,
 )
+from runtime.wire.auth import Sealer
+from runtime.wire.store import Records
 
 TOKEN = "the-secret-" + "x" * 32
 MEMBERS = ("p0", "p1", "p2")
@@ -320,7 +320,7 @@ def test_make_job_certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, m
     if maker == "openssl" and shutil.which("openssl") is None:
         pytest.skip("no openssl command")
     if maker == "cryptography":
-        monkeypatch.setattr("runtime.tls_transport.shutil.which", lambda name: None)
+        monkeypatch.setattr("runtime.training.tls_transport.shutil.which", lambda name: None)
     (tmp_path / "cert.pem").write_text("an old one")
     cert_path, key_path = make_job_certificate(str(tmp_path))
 
@@ -337,7 +337,7 @@ def test_make_job_certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, m
 
 
 def test_no_way_to_make_a_certificate_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("runtime.tls_transport.shutil.which", lambda name: None)
+    monkeypatch.setattr("runtime.training.tls_transport.shutil.which", lambda name: None)
     monkeypatch.setitem(sys.modules, "cryptography", None)
     with pytest.raises(TlsSetupError, match=r"openssl.*--tls-cert"):
         make_job_certificate(str(tmp_path))

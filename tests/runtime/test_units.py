@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from runtime.auth import prove, verify
 from runtime.config import LaunchError, ProcessConfig
-from runtime.data import ShardedLoader, as_step_data
+from runtime.control.membership import Generation
 from runtime.faults import Fault, FaultPlanError, parse_plan
 from runtime.launcher import ConfigError, LaunchConfig
-from runtime.membership import Generation
+from runtime.training.data import ShardedLoader, as_step_data
+from runtime.wire.auth import prove, verify
 
 
 def test_fault_plan_parses_every_field() -> None:

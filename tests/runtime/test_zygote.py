@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.event_records import Recovered
+from runtime.host.zygote import ForkedProcess, ForkRequest, ZygoteClient, forks_adopted_by
 from runtime.launcher import LaunchConfig, launch
-from runtime.zygote import ForkedProcess, ForkRequest, ZygoteClient, forks_adopted_by
+from runtime.wire.event_records import Recovered
 from tests.runtime.conftest import TINY_JOB, clean_digest, events_of
 
 PROBE = """
@@ -97,7 +97,7 @@ def test_a_zygote_that_answers_too_late_leaves_no_process_of_that_request(
     script.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
     answered = zygote.spawn(dict(os.environ), [str(script), str(tmp_path / "answered.pid")])
     assert answered is not None
-    monkeypatch.setattr("runtime.zygote.REQUEST_TIMEOUT_S", 0.0)  # no zygote answers within no time at all
+    monkeypatch.setattr("runtime.host.zygote.REQUEST_TIMEOUT_S", 0.0)  # no zygote answers within no time at all
     assert zygote.spawn(dict(os.environ), [str(script), str(tmp_path / "late.pid")]) is None
     assert zygote.pid is None, "a zygote that did not answer in time is given up on"
     late = tmp_path / "late.pid"

@@ -9,9 +9,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runtime.comm import CommFailure, Communicator
-from runtime.membership import Generation
-from runtime.trainer import check_group
+from runtime.control.membership import Generation
+from runtime.training.comm import CommFailure, Communicator
+from runtime.training.trainer import check_group
 
 
 def main() -> None:

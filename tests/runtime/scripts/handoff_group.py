@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.handoff import HandoffError, HandoffSession, MemberStatus, plan_handoff, run_handoff
-from runtime.state import TrainingState
+from runtime.training.handoff import HandoffError, HandoffSession, MemberStatus, plan_handoff, run_handoff
+from runtime.training.state import TrainingState
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from runtime.job import Job
-from runtime.store import k_chaos_done
-from runtime.trainer import StepResult
+from runtime.training.job import Job
+from runtime.training.trainer import StepResult
+from runtime.wire.store import k_chaos_done
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.handoff import GlooLinks
+from runtime.training.handoff import GlooLinks
 
 rank, init, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,

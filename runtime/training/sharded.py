@@ -45,15 +45,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from runtime import store as keys
-from runtime.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
-from runtime.comm import CommFailure, error_text
-from runtime.data import StepData, as_step_data, derive_seed
-from runtime.handoff import GlooLinks, HandoffPlan, HandoffSession, HandoffStats, MemberStatus, StateLost, run_handoff
-from runtime.job import Job, init
-from runtime.protocol import HoldsState, StandbyReady
-from runtime.state import Stateful, TrainingState, local_shard
-from runtime.trainer import GenerationChanged, Joining, StepResult, Trainer, check_step_options
+from runtime.training.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
+from runtime.training.comm import CommFailure, error_text
+from runtime.training.data import StepData, as_step_data, derive_seed
+from runtime.training.handoff import (
+    GlooLinks,
+    HandoffPlan,
+    HandoffSession,
+    HandoffStats,
+    MemberStatus,
+    StateLost,
+    run_handoff,
+)
+from runtime.training.job import Job, init
+from runtime.training.state import Stateful, TrainingState, local_shard
+from runtime.training.trainer import GenerationChanged, Joining, StepResult, Trainer, check_step_options
+from runtime.wire import store as keys
+from runtime.wire.protocol import HoldsState, StandbyReady
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -239,7 +247,7 @@ class ShardedTrainer(Trainer):
             accumulation_steps: micro-batches per step (FSDP synchronises gradients on the last one only).
             amp: "bf16" runs the forward pass under bf16 autocast. fp16 with a GradScaler is refused: its
                 overflow check would need an all-reduce over the shards that torch's GradScaler does not do.
-            buddy_every: refresh every rank's buddy copy (`runtime.buddy`) every this many steps; 0 turns them
+            buddy_every: refresh every rank's buddy copy (`runtime.training.buddy`) every this many steps; 0 turns them
                 off. Default: `DEFAULT_BUDDY_EVERY` when the mesh has no replica groups (FSDP over every rank, no
                 other home for a shard), off otherwise.
             buddy_offset: a rank's copy is kept by the rank this many places after it (default: half the world,

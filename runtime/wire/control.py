@@ -1,12 +1,12 @@
 """The control channel: how an orchestrator steers a running job through the job's store.
 
 An orchestrator (a Prefect flow, another process) connects to the coordinator's `TCPStore` as a client and
-writes control keys (`runtime.store`, `control/...`); the coordinator reads them in its health tick and answers
+writes control keys (`runtime.wire.store`, `control/...`); the coordinator reads them in its health tick and answers
 with events (and, for moves, a result key). This module owns the requests' format: the parsers the coordinator
 applies to what it reads, and `JobControl`, the client that writes them. The records themselves (`ControlCommand`,
-`MoveRequest`, `MoveResult`) are defined with every other message in runtime.protocol.
+`MoveRequest`, `MoveResult`) are defined with every other message in runtime.wire.protocol.
 
-Commands are sealed with the job's secret (`runtime.auth`) and carry a sequence number that only grows: the
+Commands are sealed with the job's secret (`runtime.wire.auth`) and carry a sequence number that only grows: the
 coordinator obeys nothing unsealed and refuses a replayed command. So an orchestrator needs the job's secret:
 start the job with `TRAINMOVER_JOB_SECRET` set (or `--secret-file`) and give `JobControl` the same.
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import ENV_SECRET, Sealer
-from runtime.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress
+from runtime.wire import store as keys
+from runtime.wire.auth import ENV_SECRET, Sealer
+from runtime.wire.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress
 
 __all__ = ["MAX_STANDBY_TARGET", "ControlValueError", "JobControl", "JobEnded", "JobNotFound", "MoveOutcome",
            "MoveRequest", "parse_move", "parse_standby_target"]
@@ -58,7 +58,7 @@ class JobEnded(RuntimeError):
 
 MoveOutcome = MoveResult
 """The coordinator's answer to a move request (`seq`, `accepted`, `reason`: empty when accepted, otherwise why the
-move was refused, e.g. "no standby ready"); the record is runtime.protocol's `MoveResult`."""
+move was refused, e.g. "no standby ready"); the record is runtime.wire.protocol's `MoveResult`."""
 
 
 def parse_standby_target(raw: bytes | str) -> int:

@@ -3,7 +3,7 @@
 `StandbyPool` starts standbys (named s0, s1, ...), keeps the unpromoted ones at the standby target (warming up
 included) at a bounded rate, releases the surplus when the target drops, stops the job when standbys keep dying
 before they are warm, and says which warm ones may be promoted. The process table it works on is the
-coordinator's (runtime.coordinator); starting a process goes through the coordinator, which watches its exit.
+coordinator's (runtime.control.coordinator); starting a process goes through the coordinator, which watches its exit.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from runtime.event_records import StandbyReleased, StandbySpawned
-from runtime.events import EventLog
-from runtime.health import JobFailed, Member
+from runtime.control.health import JobFailed, Member
+from runtime.wire.event_records import StandbyReleased, StandbySpawned
+from runtime.wire.events import EventLog
 
 log = logging.getLogger("trainmover.coordinator")
 
@@ -51,7 +51,7 @@ class StandbyPool:
         self.clock = clock
         self.looks_alive = looks_alive
         self.free_slots = free_slots
-        """A pool across hosts (runtime.hosts) says how many slots are free; None: the pool has no limit."""
+        """A pool across hosts (runtime.control.hosts) says how many slots are free; None: the pool has no limit."""
         self.next_index = 0
         self.spawned = 0
         self._spawn_times: deque[float] = deque()

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from runtime.auth import derive
+from runtime.wire.auth import derive
 
 VERSION = 1
 TAG_BYTES = 32
@@ -330,8 +330,8 @@ class Link:
 # Store records: every value written to the job's store, typed and versioned.
 #
 # The agent link above carries the hosts' orders; everything else the job's processes, its coordinator and an
-# orchestrator say to each other is a record in the job's `TCPStore`, under a key named in `runtime.store` and
-# sealed with the job's secret by `runtime.store.Records`. Each record below is a frozen dataclass: `to_json()`
+# orchestrator say to each other is a record in the job's `TCPStore`, under a key named in `runtime.wire.store` and
+# sealed with the job's secret by `runtime.wire.store.Records`. Each record below is a frozen dataclass: `to_json()`
 # is its JSON value, ``{"v": RECORD_VERSION, ...fields}``; `from_json()` checks the version and every field's
 # type and raises `RecordError` saying what is wrong. A reader that gets a sealed value it cannot decode (a peer
 # of another version) refuses it the way it refuses an unsealed one (`Records.get_record`: ignored, counted,
@@ -503,7 +503,7 @@ class JobConfig(StoreRecord):
 class Generation(StoreRecord):
     """One membership of the job: which process holds each logical rank. Every membership change makes a new
     generation; its process groups are built from a `PrefixStore` named after it, so survivors build new groups
-    in-process without clashing with the old ones (runtime.membership tells the story)."""
+    in-process without clashing with the old ones (runtime.control.membership tells the story)."""
 
     gen: int
     """Generation number, 0 at start, +1 at every change."""
@@ -561,16 +561,16 @@ class JobOver(StoreRecord):
 
 @dataclass(frozen=True, slots=True)
 class ChaosDone(StoreRecord):
-    """The chaos monkey injected its last fault (runtime.chaos)."""
+    """The chaos monkey injected its last fault (runtime.control.chaos)."""
 
     injected: int
 
 
-# -- orchestrator <-> coordinator (runtime.control) -----------------------------------------------------------------
+# -- orchestrator <-> coordinator (runtime.wire.control) ----------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ControlCommand(StoreRecord):
     """A command from an orchestrator: its sequence number (only grows: an older one is a replay) and its request
-    (for the standby target an integer as text, for a move a `MoveRequest`'s JSON), parsed by runtime.control."""
+    (for the standby target an integer as text, for a move a `MoveRequest`'s JSON), parsed by runtime.wire.control."""
 
     seq: int
     request: str
@@ -579,7 +579,7 @@ class ControlCommand(StoreRecord):
 @dataclass(frozen=True, slots=True)
 class MoveRequest:
     """Move these worker ranks to standbys, on purpose (spot notice, maintenance, rebalancing): the `request` of a
-    move `ControlCommand`, parsed and checked by `runtime.control.parse_move`."""
+    move `ControlCommand`, parsed and checked by `runtime.wire.control.parse_move`."""
 
     seq: int
     """Sequence number: a request is new when its seq is larger than the last one the coordinator handled."""
@@ -649,7 +649,8 @@ class FaultFired(StoreRecord):
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec(StoreRecord):
-    """What a process built (runtime.state's spec: tensor names, shapes, dtypes, param groups, registered state)."""
+    """What a process built (runtime.training.state's spec: tensor names, shapes, dtypes, param groups, registered
+    state)."""
 
     spec: list[Any]
 
@@ -674,9 +675,9 @@ class StepStatus(StoreRecord):
     has_state: bool
     pending: bool = False
     """A sharded member only: its gradients of step `step + 1` were complete when its group failed, so it can
-    still commit that step if any member did (`runtime.sharded`)."""
+    still commit that step if any member did (`runtime.training.sharded`)."""
     own: tuple[int, ...] = ()
-    """Steps of this member's own complete buddy-copy snapshots (`runtime.buddy`)."""
+    """Steps of this member's own complete buddy-copy snapshots (`runtime.training.buddy`)."""
     copies: tuple[int, ...] = ()
     """Steps of the complete copies it keeps of its buddy's state."""
 
@@ -705,7 +706,7 @@ class FailureReport(StoreRecord):
 @dataclass(frozen=True, slots=True)
 class RecoveryReport(StoreRecord):
     """A member's figures of a recovery: published once the replayed step committed, and again (`final`) after
-    the steps that follow it (runtime.decisions.recovery_metrics turns them into the `recovered` event)."""
+    the steps that follow it (runtime.control.decisions.recovery_metrics turns them into the `recovered` event)."""
 
     rank: int
     role: str
@@ -746,7 +747,7 @@ class FinalDigest(StoreRecord):
 
 @dataclass(frozen=True, slots=True)
 class TlsAddress(StoreRecord):
-    """Where a handoff source listens for its receivers' TLS links (runtime.tls_transport)."""
+    """Where a handoff source listens for its receivers' TLS links (runtime.training.tls_transport)."""
 
     host: str
     port: int

@@ -13,7 +13,7 @@ generation. A chunk whose MAC fails (a bad link, a forger) is fetched again, fro
 is one, in one repair round; only a chunk bad from two sources fails the handoff.
 
 The messages travel over `Links`: the generation's Gloo group by default, or TLS connections
-(`runtime.tls_transport`) for standbys across a trust boundary. Per pair of peers both ends send and receive
+(`runtime.training.tls_transport`) for standbys across a trust boundary. Per pair of peers both ends send and receive
 in the same order, so an ordered stream carries the protocol as well as tagged messages do.
 """
 
@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from runtime.auth import derive, prove
-from runtime.comm import CommFailure, error_text
 from runtime.config import KNOBS
-from runtime.state import TrainingState
+from runtime.training.comm import CommFailure, error_text
+from runtime.training.state import TrainingState
+from runtime.wire.auth import derive, prove
 
 TAG_NONCE = 1
 TAG_PROOF = 2
@@ -86,7 +86,7 @@ class MemberStatus:
     pending: bool = False
     """Its gradients of step `step + 1` are complete (sharded jobs: it can still commit that step)."""
     own: tuple[int, ...] = ()
-    """Steps of its own buddy-copy snapshots (`runtime.buddy`)."""
+    """Steps of its own buddy-copy snapshots (`runtime.training.buddy`)."""
     copies: tuple[int, ...] = ()
     """Steps of the copies it keeps of its buddy's state."""
 

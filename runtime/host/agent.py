@@ -4,7 +4,7 @@ Started by whatever starts a command on every host (cloud-init, a Kubernetes pod
 `run:`) with the coordinator's agent address, the host's slot count and the job's secret (from a file or the
 `TRAINMOVER_JOB_SECRET` variable, never the command line: that shows in `ps`). It:
 
-- opens one authenticated link to the coordinator (`runtime.protocol`) and refuses a coordinator that cannot
+- opens one authenticated link to the coordinator (`runtime.wire.protocol`) and refuses a coordinator that cannot
   prove the job's secret;
 - starts each assigned worker or standby in its slot (its local rank, and on NCCL its own GPU), with the
   job's secret in its environment, and watches it with a pidfd: an exit is reported at once, with its status;
@@ -13,7 +13,7 @@ Started by whatever starts a command on every host (cloud-init, a Kubernetes pod
   started, then comes back as a new host (a new incarnation, which the coordinator treats as a fresh standby
   host at most, never as the old one) until `--connect-timeout` passes without a coordinator;
 - is the parent its processes watch: each training process kills itself within one heartbeat when its agent
-  dies (runtime.job), so an agent crash fences its processes and the coordinator sees a lost host. This is the
+  dies (runtime.training.job), so an agent crash fences its processes and the coordinator sees a lost host. This is the
   documented choice over re-adopting orphans: a new agent could not prove that an orphan is what the old one
   started, and the host's ranks move to standbys in one generation either way.
 """
@@ -35,10 +35,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from runtime.auth import ENV_SECRET
 from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN, FORK_SERVER, KNOBS, flag
-from runtime.netaddr import interface_of
-from runtime.protocol import (
+from runtime.host.zygote import ZygoteClient
+from runtime.wire.auth import ENV_SECRET
+from runtime.wire.netaddr import interface_of
+from runtime.wire.protocol import (
     NOTICE_KINDS,
     Beat,
     Exited,
@@ -56,7 +57,6 @@ from runtime.protocol import (
     new_nonce,
     session_key,
 )
-from runtime.zygote import ZygoteClient
 
 log = logging.getLogger("trainmover.agent")
 

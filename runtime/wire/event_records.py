@@ -1,9 +1,9 @@
 """The job's events as typed, versioned records: one frozen dataclass per kind.
 
-The coordinator writes each event as one JSON line (`runtime.events.EventLog`): `{"event": KIND, "version": 2,
+The coordinator writes each event as one JSON line (`runtime.wire.events.EventLog`): `{"event": KIND, "version": 2,
 "time": ..., ...fields}`, readable by any tool. Readers in Python get the records back: `parse_event` turns one JSON
 object into its record, checking every field's type (`EventError` says what is wrong), and
-`runtime.events.read_records` / `runtime.client.RuntimeJob.read_events` return them; `Event.to_dict` gives the JSON
+`runtime.wire.events.read_records` / `runtime.client.RuntimeJob.read_events` return them; `Event.to_dict` gives the JSON
 object again, for tools that want dicts.
 
 Versions: 2 is the schema of this module; a line without `"version"` (written before events had one) is version 1,
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from runtime.protocol import _is, checked_fields
+from runtime.wire.protocol import _is, checked_fields
 
 EVENT_VERSION = 2
 """The schema version this module writes; lines without a version are version 1 (same fields)."""

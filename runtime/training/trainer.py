@@ -39,11 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime import store as keys
-from runtime.auth import prove
-from runtime.comm import CommFailure, Communicator, GradientBuckets, error_text
-from runtime.data import StepData, as_step_data, derive_seed
-from runtime.handoff import (
+from runtime.training.comm import CommFailure, Communicator, GradientBuckets, error_text
+from runtime.training.data import StepData, as_step_data, derive_seed
+from runtime.training.handoff import (
     GlooLinks,
     HandoffError,
     HandoffPlan,
@@ -55,8 +53,11 @@ from runtime.handoff import (
     plan_handoff,
     run_handoff,
 )
-from runtime.job import Job, init
-from runtime.protocol import (
+from runtime.training.job import Job, init
+from runtime.training.state import Stateful, TrainingState, spec_difference
+from runtime.wire import store as keys
+from runtime.wire.auth import prove
+from runtime.wire.protocol import (
     Assignment,
     CurrentGeneration,
     FailureReport,
@@ -71,7 +72,6 @@ from runtime.protocol import (
     StepStatus,
     StopOrder,
 )
-from runtime.state import Stateful, TrainingState, spec_difference
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -414,7 +414,7 @@ class Trainer:
             return
         if self._report.replay_done_at is None:
             if self.committed < self._report.replay_step:
-                return  # replaying the steps since a buddy copy (runtime.sharded): the replay is not over yet
+                return  # replaying the steps since a buddy copy (runtime.training.sharded): the replay is not over yet
             self._report = dataclasses.replace(self._report, replay_done_at=time.time(), replay_step_s=step_s)
             # Published at once (and again, final, after the next steps): a failure from here on is a new
             # recovery, and the coordinator must know this one's replay committed.
@@ -441,7 +441,7 @@ class Trainer:
         """Join generation g's group (every member proves it belongs to the job) and learn what each member holds.
 
         `pending`: this member's gradients of step `committed + 1` are complete (a sharded step's commit point);
-        `own`, `copies`: the steps of its buddy copies (`runtime.buddy`)."""
+        `own`, `copies`: the steps of its buddy copies (`runtime.training.buddy`)."""
         records, cfg = self.job.records, self.job.cfg
         gen_seen = time.time()
         record = records.wait_records([keys.k_gen(g)], Generation, cfg.recovery_timeout_s,
@@ -517,7 +517,7 @@ class Trainer:
                           interrupt: Callable[[], str | None]) -> HandoffStats:
         """The handoff over mutual-TLS connections (`--handoff-transport tls`): encrypted, for standbys across a
         trust boundary. Its proofs and MACs are the same as over the group."""
-        from runtime.tls_transport import TlsConfig, TlsLinkError, open_tls_links
+        from runtime.training.tls_transport import TlsConfig, TlsLinkError, open_tls_links
 
         cfg = self.job.cfg
         tls = TlsConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_ca or None, cfg.bind_host)

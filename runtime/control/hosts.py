@@ -1,7 +1,7 @@
 """The coordinator's side of the agents: hosts, their slots, their processes, and whole-host failures.
 
 `HostPool` is the coordinator's `ProcessPool` across machines: it never starts a process itself; it places
-each worker and standby in a slot of a host whose agent joined (`runtime.agent`), orders the agent to start
+each worker and standby in a slot of a host whose agent joined (`runtime.host.agent`), orders the agent to start
 it, and hands the coordinator a `RemoteProcess` that behaves like a local child (poll, kill, wait). One thread
 serves every agent link (accept, handshake, frames, beats, timeouts) and wakes the coordinator's loop through
 a pipe when a process exits or a host is lost.
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config import KNOBS
-from runtime.event_records import AgentRefused, Event, HostJoined, HostLost, HostNoticed, Placed
-from runtime.protocol import (
+from runtime.wire.event_records import AgentRefused, Event, HostJoined, HostLost, HostNoticed, Placed
+from runtime.wire.protocol import (
     Beat,
     Exited,
     Fence,

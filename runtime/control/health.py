@@ -1,8 +1,8 @@
 """Health and detection: the coordinator's process table, heartbeats, hangs and how a process ended.
 
 `HealthWatch` reads what the processes say about themselves (hello, heartbeat, warm-up, fatal error: the
-records of runtime.protocol) and turns it into verdicts: who is hung or never started (to be fenced), which
-standby became warm. It kills nothing and publishes nothing; the coordinator (runtime.coordinator) acts on its
+records of runtime.wire.protocol) and turns it into verdicts: who is hung or never started (to be fenced), which
+standby became warm. It kills nothing and publishes nothing; the coordinator (runtime.control.coordinator) acts on its
 verdicts. Time comes from the clocks it is given, so tests drive it with a fake one.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime import store as keys
-from runtime.protocol import FatalError, Heartbeat, ProcessHello, StandbyReady
+from runtime.wire import store as keys
+from runtime.wire.protocol import FatalError, Heartbeat, ProcessHello, StandbyReady
 
 
 class JobFailed(Exception):

@@ -1,9 +1,9 @@
 """Recoveries in flight: from the deaths a new generation answers to the `recovered` event.
 
 A recovery opens when the coordinator publishes a generation that gives lost ranks to standbys. Its members
-report (runtime.protocol's `RecoveryReport`) once the replayed step committed and again, final, after the steps
+report (runtime.wire.protocol's `RecoveryReport`) once the replayed step committed and again, final, after the steps
 that follow it; `Recoveries.flush` then turns the reports into one `recovered` event (the figures are
-runtime.decisions' `recovery_metrics`). A generation superseded before its replay committed is a failed attempt
+runtime.control.decisions' `recovery_metrics`). A generation superseded before its replay committed is a failed attempt
 of the same recovery, which goes on in the next generation.
 """
 
@@ -13,11 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime import store as keys
-from runtime.decisions import recovery_metrics
-from runtime.event_records import Recovered
-from runtime.events import EventLog
-from runtime.protocol import Generation, RecoveryReport
+from runtime.control.decisions import recovery_metrics
+from runtime.wire import store as keys
+from runtime.wire.event_records import Recovered
+from runtime.wire.events import EventLog
+from runtime.wire.protocol import Generation, RecoveryReport
 
 log = logging.getLogger("trainmover.coordinator")
 

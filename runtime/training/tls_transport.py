@@ -1,7 +1,7 @@
 """TLS links for the state handoff (`--handoff-transport tls`): mutual TLS, one connection per (source, receiver).
 
 The Gloo group carries the handoff in the clear. Where standbys sit across a trust boundary, `TlsLinks` carries
-the same messages (`runtime.handoff.Links`) over TLS instead, with the standard library's `ssl` only:
+the same messages (`runtime.training.handoff.Links`) over TLS instead, with the standard library's `ssl` only:
 
 - The job has one certificate (`make_job_certificate`: self-signed, EC P-256, CN "trainmover-job", 30 days).
   Every member presents it and trusts it alone (`TlsConfig.ca`, the certificate itself by default): a peer
@@ -13,7 +13,7 @@ the same messages (`runtime.handoff.Links`) over TLS instead, with the standard 
   receiver of the plan and closes anything else (no TLS, a bad certificate, a rank that is not a receiver, a
   second connection for the same rank), handshaking concurrently so that a silent stranger holds up no one.
   Waiting for the addresses, connecting, accepting and handshaking all share one deadline (`timeout_s`).
-  The rank a peer claims is not proof: the handoff's own HMAC challenge (`runtime.handoff`) binds both ranks.
+  The rank a peer claims is not proof: the handoff's own HMAC challenge (`runtime.training.handoff`) binds both ranks.
 - Data: per pair both ends send and receive in the same order, so one ordered byte stream per connection carries
   the protocol (tags are not sent). Every connection has one thread per direction that works through an ordered
   queue of pending operations, writing a tensor's bytes straight from its memory and receiving straight into it.
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from runtime.handoff import HandoffPlan, Waiter
-from runtime.protocol import RecordError, TlsAddress
-from runtime.store import Records, StoreTimeout
+from runtime.training.handoff import HandoffPlan, Waiter
+from runtime.wire.protocol import RecordError, TlsAddress
+from runtime.wire.store import Records, StoreTimeout
 
 log = logging.getLogger("trainmover.tls")
 
@@ -490,7 +490,7 @@ def _recv_view(t: torch.Tensor) -> tuple[memoryview, torch.Tensor, Callable[[], 
 
 
 class TlsLinks:
-    """`runtime.handoff.Links` over one TLS connection per (source, receiver) pair of one handoff."""
+    """`runtime.training.handoff.Links` over one TLS connection per (source, receiver) pair of one handoff."""
 
     def __init__(self, rank: int, conns: dict[int, ssl.SSLSocket], timeout_s: float,
                  address: tuple[str, int] | None = None) -> None:
@@ -565,7 +565,7 @@ def open_tls_links(
 
     A source listens on `cfg.host`, publishes its address and accepts one connection per receiver; a receiver
     connects to every source; any other member opens nothing. Raises `TlsSetupError` for unusable files or
-    addresses, `TlsLinkError` when a link cannot be opened in time, `runtime.store.Interrupted` if `interrupt()`
+    addresses, `TlsLinkError` when a link cannot be opened in time, `runtime.wire.store.Interrupted` if `interrupt()`
     names a reason while a receiver waits for the sources' addresses.
     """
     deadline = time.monotonic() + timeout_s

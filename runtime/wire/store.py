@@ -2,9 +2,9 @@
 
 The coordinator hosts a torch `TCPStore`; every process connects as a client. All membership and recovery
 records live here under the names below, so a reader can see the whole protocol in one place. Records are
-written and read through `Records`, which seals them with the job's secret (`runtime.auth.Sealer`): a value
+written and read through `Records`, which seals them with the job's secret (`runtime.wire.auth.Sealer`): a value
 anyone else wrote is ignored, counted and warned about once, never obeyed. What each key holds is a typed,
-versioned record of runtime.protocol (`put` takes one, `get_record` returns one); a sealed value that is not the
+versioned record of runtime.wire.protocol (`put` takes one, `get_record` returns one); a sealed value that is not the
 record its key holds (a process of another version) is refused the same way as an unsealed one. Only counters
 kept with `add` (claims, sequence dispensers, failure counts) are plain; none is believed without a sealed record.
 Waits poll `check()` (a ~25 us round trip) instead of `TCPStore.wait`, whose timeouts print C++ warnings,
@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from runtime.auth import Sealer
-from runtime.protocol import RecordError, StoreRecord
+from runtime.wire.auth import Sealer
+from runtime.wire.protocol import RecordError, StoreRecord
 
 R = TypeVar("R", bound=StoreRecord)
 
@@ -36,7 +36,7 @@ class Interrupted(Exception):
     """A wait was cut short because something it watches changed (a new generation, a stop)."""
 
 
-# Key names: one function each, so that writer and reader cannot disagree. What each holds: runtime.protocol.
+# Key names: one function each, so that writer and reader cannot disagree. What each holds: runtime.wire.protocol.
 def k_job_config() -> str:
     return "job/config"
 
@@ -89,7 +89,7 @@ def k_job_spec() -> str:
 
 
 def k_chaos_done() -> str:
-    """Set once the chaos monkey injected its last fault (runtime.chaos)."""
+    """Set once the chaos monkey injected its last fault (runtime.control.chaos)."""
     return "chaos/done"
 
 
@@ -136,7 +136,7 @@ def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
 
 
-# Control keys: written by an orchestrator through `runtime.control.JobControl`, read by the coordinator.
+# Control keys: written by an orchestrator through `runtime.wire.control.JobControl`, read by the coordinator.
 def k_control_standby_target() -> str:
     """How many unpromoted standbys to keep: a sealed `ControlCommand` whose request is "<integer>"."""
     return "control/standby_target"
@@ -169,7 +169,7 @@ class Records:
         self._malformed_raw: dict[str, bytes] = {}
 
     def put(self, key: str, value: Any) -> None:
-        """Write `value` (a runtime.protocol record, or any JSON value) sealed under `key`."""
+        """Write `value` (a runtime.wire.protocol record, or any JSON value) sealed under `key`."""
         if isinstance(value, StoreRecord):
             value = value.to_json()
         self.store.set(key, self.sealer.seal(key, value))

@@ -138,7 +138,8 @@ class ZygoteClient:
         ours, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "runtime.zygote", str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
+                [sys.executable, "-m", "runtime.host.zygote", str(theirs.fileno())], env=env,
+                pass_fds=(theirs.fileno(),),
                 start_new_session=True,
             )
         except OSError:
@@ -247,7 +248,7 @@ def forks_adopted_by(parent: int) -> set[int]:
     for pid, _, ppid, _ in _processes():
         if ppid == parent:
             with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"runtime.zygote" in f.read():
+                if b"runtime.host.zygote" in f.read():
                     found.add(pid)
     return found
 

@@ -1,6 +1,6 @@
 """The coordinator's pure decisions: no store, no processes, no clock; each a function of what it is given.
 
-Kept apart from the loop (runtime.coordinator) so that each rule reads on its own and is tested in-process.
+Kept apart from the loop (runtime.control.coordinator) so that each rule reads on its own and is tested in-process.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.protocol import MoveRequest, RecoveryReport
+from runtime.wire.protocol import MoveRequest, RecoveryReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The job's event stream: membership changes and recoveries as JSON lines, with DESIGN.md's metric names.
 
-Each event is a typed, versioned record of `runtime.event_records` (one frozen dataclass per kind); the file holds
+Each event is a typed, versioned record of `runtime.wire.event_records` (one frozen dataclass per kind); the file holds
 one JSON object per line, `{"event": KIND, "version": 2, "time": ..., ...fields}`, readable by any tool. Kinds:
 job_started, generation, member_failed, standby_spawned, standby_ready, standby_lost, standby_released,
 standby_target_changed, move_accepted, control_rejected, recovered, untrusted_value, chaos_injected,
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
-from runtime.event_records import Event, EventError, parse_event
+from runtime.wire.event_records import Event, EventError, parse_event
 
 E = TypeVar("E", bound=Event)
 

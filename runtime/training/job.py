@@ -22,11 +22,11 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer
 from runtime.config import LaunchError, ProcessConfig
 from runtime.faults import FaultInjector
-from runtime.protocol import FatalError, ProcessHello
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer
+from runtime.wire.protocol import FatalError, ProcessHello
 
 COORDINATOR_LOST_S = 15.0
 
@@ -63,7 +63,7 @@ class Heartbeat(threading.Thread):
         agent = _agent_pidfd()
         while not self._halt.is_set():
             if agent is not None and select.select([agent], [], [], 0)[0]:
-                # The host's agent is gone (runtime.agent): nobody on this host can fence or report this process
+                # The host's agent is gone (runtime.host.agent): nobody on this host can fence or report this process
                 # any more, so it fences itself; the coordinator has lost the host and moves its ranks.
                 sys.stderr.write(f"[trainmover] {self.cfg.proc}: the host's agent exited; this process stops\n")
                 os.kill(os.getpid(), signal.SIGKILL)

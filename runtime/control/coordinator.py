@@ -5,17 +5,17 @@ members dead, promotes warm standbys into their logical ranks by publishing a ne
 replacement standbys, and turns the members' reports into `recovered` events. Processes come from a
 `ProcessPool` (local subprocesses here; cloud instances behind the same small interface later).
 
-An orchestrator steers a running job through control keys in the store (`runtime.control`): a standby target
+An orchestrator steers a running job through control keys in the store (`runtime.wire.control`): a standby target
 (more or fewer warm standbys) and planned moves (a rank's process leaves on purpose and a standby takes the
 rank, exactly as after a failure). They are read in the health tick, so steering costs no thread; a value the
 coordinator cannot apply is answered with a `control_rejected` event, never with a crash.
 
-Split by concern: this module is the loop and the orchestration of recoveries; runtime.health reads heartbeats
-and judges hangs; runtime.standbys keeps the standby pool; runtime.recoveries follows a recovery from its deaths
-to its `recovered` event; runtime.decisions holds the pure rules (move refusals, a recovery's figures);
-runtime.protocol defines every record read or written here. Time comes from the clocks
-given to `Coordinator` (`clock`, monotonic; `wall`, for timestamps; `sleep`), so tests run the whole loop
-in-process on a fake clock.
+Split by concern: this module is the loop and the orchestration of recoveries; runtime.control.health reads
+heartbeats and judges hangs; runtime.control.standbys keeps the standby pool; runtime.control.recoveries follows a
+recovery from its deaths to its `recovered` event; runtime.control.decisions holds the pure rules (move refusals, a
+recovery's figures); runtime.wire.protocol defines every record read or written here. Time comes from the clocks
+given to `Coordinator` (`clock`, monotonic; `wall`, for timestamps; `sleep`), so tests run the whole loop in-process
+on a fake clock.
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from runtime import store as keys
-from runtime.auth import Sealer
-from runtime.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.config import KNOBS
-from runtime.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
-from runtime.decisions import MoveContext, move_refusal
-from runtime.event_records import (
+from runtime.control.chaos import Candidate, ChaosMonkey, parse_chaos
+from runtime.control.decisions import MoveContext, move_refusal
+from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
+from runtime.control.hosts import NoSlot
+from runtime.control.recoveries import Death, Recoveries
+from runtime.control.standbys import StandbyPool
+from runtime.faults import parse_plan
+from runtime.wire import store as keys
+from runtime.wire.auth import Sealer
+from runtime.wire.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
+from runtime.wire.event_records import (
     ChaosInjected,
     ChaosUnresolved,
     ControlRejected,
@@ -54,14 +59,11 @@ from runtime.event_records import (
     StandbyWarm,
     UntrustedValue,
 )
-from runtime.event_records import (
+from runtime.wire.event_records import (
     JobFailed as JobFailedEvent,
 )
-from runtime.events import EventLog
-from runtime.faults import parse_plan
-from runtime.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
-from runtime.hosts import NoSlot
-from runtime.protocol import (
+from runtime.wire.events import EventLog
+from runtime.wire.protocol import (
     Assignment,
     ChaosDone,
     ControlCommand,
@@ -78,8 +80,6 @@ from runtime.protocol import (
     Progress,
     StopOrder,
 )
-from runtime.recoveries import Death, Recoveries
-from runtime.standbys import StandbyPool
 
 __all__ = ["Coordinator", "CoordinatorSettings", "JobFailed", "JobResult", "Member", "ProcessHandle", "ProcessPool",
            "SimplePool", "configure_logging", "describe_exit"]
@@ -91,8 +91,8 @@ HEALTH_EVERY_S = 0.2
 
 
 class ProcessPool(Protocol):
-    """Where processes come from, and everything the coordinator asks of it: `runtime.hosts.HostPool` across hosts
-    (and `runtime.launcher.LocalHostPool`, its one-machine form); `SimplePool` gives the answers of a pool with no
+    """Where processes come from, and everything the coordinator asks of it: `runtime.control.hosts.HostPool` across
+    hosts (and `runtime.launcher.LocalHostPool`, its one-machine form); `SimplePool` gives the answers of a pool with no
     hosts behind it (tests' simulated pools)."""
 
     settle_s: float
@@ -200,7 +200,7 @@ class CoordinatorSettings:
     faults: str = ""
     start_when_standbys_ready: bool = KNOBS.wait_for_standbys
     chaos: str = ""
-    """Random faults the coordinator injects itself (runtime.chaos), for soak tests and benchmarks."""
+    """Random faults the coordinator injects itself (runtime.control.chaos), for soak tests and benchmarks."""
     max_standby_failures: int = 5
     """Standbys that die in a row before they are warm, after which the job stops instead of spawning more."""
 
@@ -280,7 +280,8 @@ class Coordinator:
         self._next_health = 0.0
         self._t0 = 0.0
         self._wake_fd = pool.wake_fd()
-        """A pool across hosts (runtime.hosts) wakes the loop through this when a process exits or a host is lost."""
+        """A pool across hosts (runtime.control.hosts) wakes the loop through this when a process exits or a host is
+        lost."""
         if self._wake_fd is not None:
             self._selector.register(self._wake_fd, selectors.EVENT_READ, None)
 
@@ -531,7 +532,7 @@ class Coordinator:
         matches = [r for r in self._fault_records.values() if r.proc == name and r.action != "corrupt"]
         return matches[-1] if matches else None
 
-    # -- health (runtime.health) ---------------------------------------------------------------------
+    # -- health (runtime.control.health) ---------------------------------------------------------------------
     def _poll_health(self, now: float) -> None:
         verdicts = self.health.poll(self.procs, now)
         for fencing in verdicts.fence:
@@ -550,7 +551,7 @@ class Coordinator:
         m.handle.wait(5.0)
         self._declare_dead(name, cause, m.handle.poll(), failure_at)
 
-    # -- control (runtime.control) --------------------------------------------------------------------
+    # -- control (runtime.wire.control) --------------------------------------------------------------------
     def _poll_control(self) -> None:
         """Apply what an orchestrator wrote since the last tick; each value is acted on once."""
         for key in (keys.k_control_standby_target(), keys.k_control_move()):
@@ -668,7 +669,7 @@ class Coordinator:
         return self.store.check([keys.k_done(self.gen.gen, r) for r in range(self.gen.world_size)]) and all(
             self._finished(r) for r in range(self.gen.world_size))
 
-    # -- chaos (runtime.chaos) -----------------------------------------------------------------------
+    # -- chaos (runtime.control.chaos) -----------------------------------------------------------------------
     def _tick_chaos(self, now: float) -> None:
         if self.chaos is None or not self.started or self._chaos_over:
             return

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.handoff import HandoffPlan, StateLost
-from runtime.state import TrainingState
+from runtime.training.handoff import HandoffPlan, StateLost
+from runtime.training.state import TrainingState
 
 log = logging.getLogger("trainmover.runtime")
 

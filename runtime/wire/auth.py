@@ -30,7 +30,7 @@ from typing import Any
 log = logging.getLogger("trainmover.auth")
 
 ENV_SECRET = "TRAINMOVER_JOB_SECRET"
-"""Where `trainmover run` and `runtime.control.JobControl` look for the job's secret (hex), unless given one."""
+"""Where `trainmover run` and `runtime.wire.control.JobControl` look for the job's secret (hex), unless given one."""
 MIN_SECRET_CHARS = 32
 
 
