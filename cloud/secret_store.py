@@ -215,6 +215,14 @@ def secret_name_for(job_id: str, kind: SecretKind) -> str:
 class JobSecretStore(abc.ABC):
     """A cloud secret store holding job secrets: three calls, each bounded and retried only on transient errors."""
 
+    kind: SecretKind
+
+    def _name_to_put(self, job_id: str, secret: str) -> str:
+        """The default name of `job_id`'s secret in this store, once `secret` passed `check_secret_value` (which
+        remembers it for redaction): what every `put` asks before it writes anything."""
+        check_secret_value(secret)
+        return secret_name_for(job_id, self.kind)
+
     @abc.abstractmethod
     def put(self, job_id: str, secret: str) -> SecretRef:
         """Store (or replace) `job_id`'s secret, readable only by the job's instance identity; where it lives."""

@@ -17,39 +17,46 @@ if TYPE_CHECKING:
     from runtime.host.agent import NoticeWatch
 
 
+def _add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str,
+                description: str, cls: type, groups: tuple[str, ...]) -> argparse.ArgumentParser:
+    """Subcommand `name`, with the options of `cls`'s fields flagged for each of `groups`, in that order."""
+    p = sub.add_parser(name, help=summary, description=description)
+    for group in groups:
+        add_options(p, cls, group)
+    return p
+
+
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "run", help="run a training script with N workers and K warm standbys",
-        description="Start the coordinator, N workers and K warm standbys on this machine. A lost worker's rank "
-                    "goes to a standby; the survivors never restart.",
+    _add_parser(
+        sub, "run", "run a training script with N workers and K warm standbys",
+        "Start the coordinator, N workers and K warm standbys on this machine. A lost worker's rank goes to a "
+        "standby; the survivors never restart.",
+        LaunchConfig, ("", "local"),
     )
-    add_options(p, LaunchConfig)
-    add_options(p, LaunchConfig, "local")
 
 
 def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "coordinator", help="coordinate a job across hosts, each running `trainmover agent`",
-        description="Run the coordinator alone: wait for --agents hosts (each runs `trainmover agent`), place N "
-                    "workers and K standbys in their slots, and move a lost host's ranks to standbys. It never "
-                    "starts a training process itself. Ports: --port (the store: every process and an "
-                    "orchestrator connect) and --agent-port (the agents' links).",
+    _add_parser(
+        sub, "coordinator", "coordinate a job across hosts, each running `trainmover agent`",
+        "Run the coordinator alone: wait for --agents hosts (each runs `trainmover agent`), place N workers and K "
+        "standbys in their slots, and move a lost host's ranks to standbys. It never starts a training process "
+        "itself. Ports: --port (the store: every process and an orchestrator connect) and --agent-port (the "
+        "agents' links).",
+        LaunchConfig, ("hosts", ""),
     )
-    add_options(p, LaunchConfig, "hosts")
-    add_options(p, LaunchConfig)
 
 
 def add_agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from runtime.host.agent import AgentConfig
 
-    p = sub.add_parser(
-        "agent", help="run this host's agent: start the processes a coordinator assigns to its slots",
-        description="One per host. Joins the coordinator at --coordinator with --slots slots, starts the workers "
-                    "and standbys it assigns, reports their exits at once, and kills them all when it loses the "
-                    "coordinator for longer than its lease. The job's secret comes from --secret-file or "
-                    "$TRAINMOVER_JOB_SECRET (never the command line).",
+    p = _add_parser(
+        sub, "agent", "run this host's agent: start the processes a coordinator assigns to its slots",
+        "One per host. Joins the coordinator at --coordinator with --slots slots, starts the workers and standbys "
+        "it assigns, reports their exits at once, and kills them all when it loses the coordinator for longer "
+        "than its lease. The job's secret comes from --secret-file or $TRAINMOVER_JOB_SECRET (never the command "
+        "line).",
+        AgentConfig, ("",),
     )
-    add_options(p, AgentConfig)
     p.add_argument("--secret-file", metavar="FILE", help="the job's secret (mode 600)")
     p.add_argument("--notices", choices=["aws", "azure"],
                    help="watch this host's cloud notices (EC2 instance metadata: spot interruption and rebalance; "

@@ -24,9 +24,7 @@ from cloud.secret_store import (
     JobSecretStore,
     SecretKind,
     SecretRef,
-    check_secret_value,
     remember_secret,
-    secret_name_for,
 )
 
 log = logging.getLogger("cloud.secrets")  # the name users configure, as before the stores moved to cloud/aws/
@@ -103,12 +101,10 @@ def _read(api: AwsApi, budget: RetryBudget, ref: SecretRef) -> str:
 class _AwsStore(JobSecretStore):
     """What both AWS stores share: one `AwsApi` for the store's region, its budget, and the refs it accepts."""
 
-    kind: SecretKind
     service = ""
 
-    def __init__(
-        self, region: str, session: Any | None, endpoint_url: str | None, budget: RetryBudget, kms_key_id: str | None
-    ) -> None:
+    def __init__(self, region: str, *, kms_key_id: str | None = None, session: Any | None = None,
+                 endpoint_url: str | None = None, budget: RetryBudget = MUTATE) -> None:
         self.kms_key_id = kms_key_id
         self._api = AwsApi.for_secrets(region, session, endpoint_url)
         self._budget = budget
@@ -127,9 +123,8 @@ class _AwsStore(JobSecretStore):
         """What `put` sends to store `job_id`'s `secret`, once both are checked: its name, the value (as `value_key`),
         a description, and the store's KMS key (as `kms_key`) when it has one."""
         validate_job_id(job_id, provider="aws")
-        check_secret_value(secret)
         params: dict[str, Any] = {
-            "Name": secret_name_for(job_id, self.kind),
+            "Name": self._name_to_put(job_id, secret),
             value_key: secret,
             "Description": f"TrainMover job secret of {job_id}",
         }
@@ -183,7 +178,7 @@ class AwsSecretsManagerStore(_AwsStore):
         budget: RetryBudget = MUTATE,
     ) -> None:
         self._policy = json.dumps(secrets_manager_policy([reader_role_arn, *also_readable_by]))
-        super().__init__(region, session, endpoint_url, budget, kms_key_id)
+        super().__init__(region, kms_key_id=kms_key_id, session=session, endpoint_url=endpoint_url, budget=budget)
 
     def put(self, job_id: str, secret: str) -> SecretRef:
         create = self._put_params(job_id, secret, "SecretString", "KmsKeyId")
@@ -212,17 +207,6 @@ class AwsParameterStore(_AwsStore):
 
     kind: SecretKind = "aws-ssm"
     service = "ssm"
-
-    def __init__(
-        self,
-        region: str,
-        *,
-        kms_key_id: str | None = None,
-        session: Any | None = None,
-        endpoint_url: str | None = None,
-        budget: RetryBudget = MUTATE,
-    ) -> None:
-        super().__init__(region, session, endpoint_url, budget, kms_key_id)
 
     def put(self, job_id: str, secret: str) -> SecretRef:
         params = self._put_params(job_id, secret, "Value", "KeyId")

@@ -42,9 +42,7 @@ from cloud.secret_store import (
     JobSecretStore,
     SecretKind,
     SecretRef,
-    check_secret_value,
     remember_secret,
-    secret_name_for,
 )
 
 log = logging.getLogger("cloud.secrets")  # the name users configure, as before the store moved to cloud/azure/
@@ -165,8 +163,7 @@ class AzureKeyVaultStore(JobSecretStore):
 
     def put(self, job_id: str, secret: str) -> SecretRef:
         validate_job_id(job_id, provider="azure")
-        check_secret_value(secret)
-        name = secret_name_for(job_id, self.kind)
+        name = self._name_to_put(job_id, secret)
         body = {"value": secret, "contentType": "text/plain", "tags": {JOB_TAG: job_id},
                 "attributes": {"enabled": True}}
         self._call("PUT", name, body)

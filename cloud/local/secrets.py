@@ -7,14 +7,7 @@ import contextlib
 import os
 
 from cloud.base import InvalidRequestError, NotFoundError, PermissionDeniedError
-from cloud.secret_store import (
-    JobSecretStore,
-    SecretKind,
-    SecretRef,
-    check_secret_value,
-    secret_name_for,
-    write_secret_file,
-)
+from cloud.secret_store import JobSecretStore, SecretKind, SecretRef, write_secret_file
 
 
 class LocalFileStore(JobSecretStore):
@@ -30,9 +23,9 @@ class LocalFileStore(JobSecretStore):
         return f"LocalFileStore({self.directory!r})"
 
     def put(self, job_id: str, secret: str) -> SecretRef:
-        check_secret_value(secret)
+        name = self._name_to_put(job_id, secret)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        ref = SecretRef(self.kind, os.path.join(self.directory, secret_name_for(job_id, self.kind)))
+        ref = SecretRef(self.kind, os.path.join(self.directory, name))
         write_secret_file(ref.name, secret)
         return ref
 

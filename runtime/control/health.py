@@ -100,23 +100,16 @@ class Verdicts:
     warm: list[Warm] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class HealthWatch:
     """Heartbeat and hang detection over the process table, one health tick at a time."""
 
-    def __init__(
-        self,
-        records: keys.Records,
-        hang_timeout_s: float,
-        startup_timeout_s: float,
-        wall: Callable[[], float],
-        suspect: Callable[[str], bool] = lambda _: False,
-    ) -> None:
-        self.records = records
-        self.hang_timeout_s = hang_timeout_s
-        self.startup_timeout_s = startup_timeout_s
-        self.wall = wall
-        self.suspect = suspect
-        """Whether a process's whole host went silent: the host timeout then takes all its ranks at once."""
+    records: keys.Records
+    hang_timeout_s: float
+    startup_timeout_s: float
+    wall: Callable[[], float]
+    suspect: Callable[[str], bool] = lambda _: False
+    """Whether a process's whole host went silent: the host timeout then takes all its ranks at once."""
 
     def poll(self, procs: dict[str, Member], now: float) -> Verdicts:
         """Read every live process's heartbeat (one round trip for those that beat before) and judge it."""

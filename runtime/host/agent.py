@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import selectors
 import signal
 import socket
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN, FORK_SERVER, KNOBS, flag
-from runtime.host.zygote import ZygoteClient
+from runtime.host.zygote import ZygoteClient, wait_exit
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.netaddr import interface_of
 from runtime.wire.protocol import (
@@ -146,16 +145,7 @@ class Child:
                 os.kill(self.pid, sig)
 
     def wait(self, timeout_s: float) -> int | None:
-        deadline = time.monotonic() + timeout_s
-        while (code := self.poll()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if self.pidfd is not None:
-                select.select([self.pidfd], [], [], left)
-            else:
-                time.sleep(min(left, 0.005))
-        return code
+        return wait_exit(self.poll, self.pidfd, timeout_s)
 
 
 Outcome = Literal["stop", "fenced", "lease", "closed"]

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -65,6 +65,21 @@ def become_subreaper(on: bool = True) -> bool:
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def wait_exit(poll: Callable[[], int | None], pidfd: int | None, timeout_s: float) -> int | None:
+    """Wait up to `timeout_s` for a child to exit: its exit code (from `poll`), or None if it still runs. Sleeps
+    on its pidfd when it has one, else polls every 5 ms."""
+    deadline = time.monotonic() + timeout_s
+    while (code := poll()) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        if pidfd is not None:
+            select.select([pidfd], [], [], left)
+        else:
+            time.sleep(min(left, 0.005))
+    return code
 
 
 class ChildProcess:
@@ -111,16 +126,7 @@ class ForkedProcess(ChildProcess):
                 os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout_s: float) -> int | None:
-        deadline = time.monotonic() + timeout_s
-        while (code := self.poll()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if self._pidfd is not None:
-                select.select([self._pidfd], [], [], left)
-            else:
-                time.sleep(min(left, 0.005))
-        return code
+        return wait_exit(self.poll, self._pidfd, timeout_s)
 
 
 class ZygoteClient:

@@ -255,8 +255,11 @@ class Communicator:
         self.last_teardown_s = time.perf_counter() - t0
 
 
-    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Make `tensors` equal to rank 0's on every rank (one broadcast per dtype and device)."""
+    def flat_collective(self, tensors: list[torch.Tensor], start: Callable[[torch.Tensor], dist.Work],
+                        then: Callable[[torch.Tensor], object] | None = None) -> str | None:
+        """Run one collective (`start(flat)`) per device and dtype, on `tensors` copied into one flat buffer, then
+        `then(flat)`, and copy the result back into each tensor. Why it failed, or None: the caller raises, outside
+        any except block, so that no traceback pins the broken group."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.device, t.dtype), []).append(t)
@@ -264,16 +267,23 @@ class Communicator:
         try:
             for members in groups.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in members])
-                failure = self.wait([dist.broadcast(flat, src=0, async_op=True)])
+                failure = self.wait([start(flat)])
                 if failure is not None:
                     break
+                if then is not None:
+                    then(flat)
                 offset = 0
                 for t in members:
                     t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
         except RuntimeError as exc:
             failure = error_text(exc)
-        if failure is not None:  # raised outside the except block: no traceback may pin the broken group
+        return failure
+
+    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Make `tensors` equal to rank 0's on every rank (one broadcast per dtype and device)."""
+        failure = self.flat_collective(tensors, lambda flat: dist.broadcast(flat, src=0, async_op=True))
+        if failure is not None:
             raise CommFailure(f"buffer broadcast failed: {failure}")
 
     def all_gather_bytes(self, data: bytes, world_size: int) -> list[bytes]:

@@ -26,6 +26,7 @@ Either way, every state class ends at the same step before anyone trains on.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import hashlib
 import json
@@ -631,24 +632,11 @@ class ShardedTrainer(Trainer):
         """DP x TP without FSDP: average every gradient's local part over the replicate dimension."""
         assert self.device_mesh is not None
         group = self.device_mesh.get_group("replicate")
-        locals_ = [local_shard(g) for g in self._grads()]
-        by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in locals_:
-            by_dtype.setdefault((t.device, t.dtype), []).append(t)
-        failure: str | None = None
-        try:
-            for members in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in members])
-                failure = self.comm.wait([dist.all_reduce(flat, group=group, async_op=True)])
-                if failure is not None:
-                    break
-                flat.div_(self.mesh_spec.replicate)
-                offset = 0
-                for t in members:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
-        except RuntimeError as exc:
-            failure = error_text(exc)
+        failure = self.comm.flat_collective(
+            [local_shard(g) for g in self._grads()],
+            functools.partial(dist.all_reduce, group=group, async_op=True),
+            lambda flat: flat.div_(self.mesh_spec.replicate),
+        )
         del group
         if failure is not None:
             raise CommFailure(f"gradient exchange over the replicas failed: {failure}")

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime.fresh import run_python
 from tests.stack_dumps import assert_no_stack_dump
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -32,12 +31,8 @@ def test_trainmover_demo_prewarms_recovers_twice_and_prices_checkpoint_restart(t
 
 
 def test_the_runtime_demo_needs_no_prefect_and_a_missing_prefect_is_one_clear_line() -> None:
-    code = (
-        "import sys; sys.modules['prefect'] = None\n"
-        "from trainmover.cli import main\n"
-        "raise SystemExit(main(['demo']))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = run_python("import sys; sys.modules['prefect'] = None\nfrom trainmover.cli import main\n"
+                     "raise SystemExit(main(['demo']))\n")
     assert out.returncode == 2
     assert "pip install -e '.[flows]'" in out.stderr and "trainmover demo --runtime" in out.stderr
     assert "Traceback" not in out.stderr

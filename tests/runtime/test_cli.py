@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.runtime.conftest import TINY_JOB
+from tests.runtime.fresh import loaded_by
 from tests.runtime.test_control import STEPS
 from tests.stack_dumps import assert_no_stack_dump
 
@@ -38,6 +40,23 @@ def wait_for_event(path: Path, kind: str, proc: subprocess.Popen[str], timeout_s
     raise AssertionError(f"no {kind} event within {timeout_s} s")
 
 
+@contextlib.contextmanager
+def launched(events: Path, *script_args: str) -> Iterator[subprocess.Popen[str]]:
+    """`trainmover run` of the tiny job with two workers and a warm standby, its events in `events`; killed on
+    the way out if it still runs."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
+         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), *script_args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
@@ -47,20 +66,11 @@ def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly
     # --wait-for-standbys: generation 0 is published once the standby is warm, and the kill follows at once,
     # so it lands while the workers connect, broadcast the initial model or run their first steps. A 5 ms pace
     # (a sleep; numbers unchanged) keeps the job running past the kill on a fast machine too.
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
-         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", str(steps), "--pace-ms", "5"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with launched(events, "--steps", str(steps), "--pace-ms", "5") as job:
         generation = wait_for_event(events, "generation", job, 120)
         victim = generation["members"][1]["pid"]  # type: ignore[index]
         os.kill(victim, signal.SIGKILL)
         _, err = job.communicate(timeout=180)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
     assert job.returncode == 0, err
     records = [json.loads(line) for line in events.read_text().splitlines()]
     finished = next(e for e in records if e["event"] == "job_finished")
@@ -73,19 +83,10 @@ def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly
 
 def test_a_job_stopped_with_sigterm_ends_every_process_without_a_stack_dump(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
-         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", "100000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with launched(events, "--steps", "100000") as job:
         generation = wait_for_event(events, "generation", job, 120)
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
     assert job.returncode == 130, err
     assert "interrupted; every process was stopped" in err
     assert_no_stack_dump(err)
@@ -108,22 +109,13 @@ def test_a_launcher_killed_outright_takes_every_process_of_its_machine_with_it(t
     standby forked from the zygote, the zygote) watch that agent and end when it is SIGKILLed, leaving nothing
     that could write into a store nobody serves."""
     events = tmp_path / "events.jsonl"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--standby", "1", "--threads", "1",
-         "--wait-for-standbys", "--events", str(events), str(TINY_JOB), "--steps", "100000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with launched(events, "--steps", "100000") as job:
         wait_for_event(events, "generation", job, 120)
         records = [json.loads(line) for line in events.read_text().splitlines()]
         started = next(e for e in records if e["event"] == "job_started")
         placed = [e for e in records if e["event"] == "placed"]
         job.kill()
         job.communicate(timeout=30)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
     assert [h["slots"] for h in started["hosts"]] == [1024], started  # one host: this machine's agent
     assert {e["role"] for e in placed} == {"worker", "standby"} and all(e["pid"] > 0 for e in placed), placed
     pids = [e["pid"] for e in placed] + list(started["helpers"].values())
@@ -164,14 +156,8 @@ def test_a_script_started_without_the_launcher_says_how_to_start_it() -> None:
 
 
 def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> None:
-    code = (
-        "import sys, runtime, runtime.launcher, runtime.training.trainer, runtime.cli, trainmover.cli\n"
-        "forbidden = ['prefect', 'sklearn', 'boto3', 'azure', 'policy', 'cloud', 'flows']\n"
-        "print([m for m in forbidden if m in sys.modules])\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    imports = "import runtime, runtime.launcher, runtime.training.trainer, runtime.cli, trainmover.cli"
+    assert loaded_by(imports, ["prefect", "sklearn", "boto3", "azure", "policy", "cloud", "flows"]) == []
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from runtime.wire.protocol import (
     StandbyReady,
     StopOrder,
 )
+from tests.runtime.test_coordinator_logic import StubProcess
 
 TOKEN = "f" * 64
 BEAT_S = 0.25
@@ -91,7 +92,7 @@ class Script:
     """A member writes its last step and digest then, and exits 0 a moment later."""
 
 
-class SimProcess:
+class SimProcess(StubProcess):
     def __init__(self, name: str, role: str, script: Script, clock: FakeClock, records: keys.Records) -> None:
         self.name, self.role, self.pid = name, role, next(_pids)
         self.script, self.clock, self.records = script, clock, records
@@ -132,18 +133,6 @@ class SimProcess:
         self.records.put(keys.k_done(gen.gen, rank), Finished(20))
         self.records.put(keys.k_digest(self.name), FinalDigest("d" * 32))
         self.finished_at = now
-
-    def kill(self) -> None:
-        self.killed = True
-
-    def wait(self, timeout_s: float) -> int | None:
-        return self.poll()
-
-    def exit_fd(self) -> int | None:
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 class SimPool(SimplePool):

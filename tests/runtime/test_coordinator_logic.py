@@ -27,19 +27,14 @@ _pids = itertools.count(900_000)
 TOKEN = "t" * 64
 
 
-class FakeProcess:
-    """A process that exits with `code` once polled `after` times (never, for code None)."""
+class StubProcess:
+    """What the coordinator needs of a process, for one that exists only as `poll`'s answers: `kill` marks it
+    killed (`poll` then says -9), `wait` polls once, and it has no exit fd to watch."""
 
-    def __init__(self, name: str, role: str, code: int | None, after: int = 0) -> None:
-        self.name, self.role, self.pid = name, role, next(_pids)
-        self.code, self.after, self.polls = code, after, 0
-        self.killed = False
+    killed: bool
 
     def poll(self) -> int | None:
-        if self.killed:
-            return -9
-        self.polls += 1
-        return self.code if self.code is not None and self.polls > self.after else None
+        raise NotImplementedError
 
     def kill(self) -> None:
         self.killed = True
@@ -52,6 +47,21 @@ class FakeProcess:
 
     def close(self) -> None:
         pass
+
+
+class FakeProcess(StubProcess):
+    """A process that exits with `code` once polled `after` times (never, for code None)."""
+
+    def __init__(self, name: str, role: str, code: int | None, after: int = 0) -> None:
+        self.name, self.role, self.pid = name, role, next(_pids)
+        self.code, self.after, self.polls = code, after, 0
+        self.killed = False
+
+    def poll(self) -> int | None:
+        if self.killed:
+            return -9
+        self.polls += 1
+        return self.code if self.code is not None and self.polls > self.after else None
 
 
 class FakePool(SimplePool):
