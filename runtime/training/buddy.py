@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.training.handoff import HandoffPlan, StateLost
-from runtime.training.state import TrainingState
+from runtime.training.state import StateMeta, TrainingState
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -44,7 +44,7 @@ TAG_TENSOR0 = 16
 class Snapshot:
     """One rank's local state at one step, in host memory: a source for a handoff like a live `TrainingState`."""
 
-    def __init__(self, step: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, step: int, meta: StateMeta, tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.step = step
         self._meta = meta
         self._tensors = tensors
@@ -52,14 +52,14 @@ class Snapshot:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         return self._tensors
 
-    def meta(self, step: int = 0, extra: Any = None) -> dict[str, Any]:
+    def meta(self, step: int = 0, extra: Any = None) -> StateMeta:
         return self._meta
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self._tensors)
 
     @classmethod
-    def of(cls, step: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> Snapshot:
+    def of(cls, step: int, meta: StateMeta, tensors: list[tuple[str, torch.Tensor]]) -> Snapshot:
         """Clone `tensors` into host memory (pinned where a GPU is in use)."""
         out = []
         for key, t in tensors:
@@ -173,7 +173,7 @@ class BuddyCopies:
             raise RuntimeError("a buddy refresh is still running: settle() it first")
         offset = self.offset or default_offset(world)
         keeper, buddy = keeper_of(rank, world, offset), (rank - offset) % world
-        meta = json.loads(json.dumps(state.meta(step)))
+        meta = state.meta(step).copy()
         tensors = [(k, t.detach().clone() if k.startswith("extra.") else t) for k, t in state.tensors()]
         self._cloned.clear()
         self._thread = threading.Thread(target=self._run, args=(step, meta, tensors, keeper, buddy, group),
@@ -206,7 +206,7 @@ class BuddyCopies:
         self._thread = None
         return True
 
-    def _run(self, step: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]], keeper: int, buddy: int,
+    def _run(self, step: int, meta: StateMeta, tensors: list[tuple[str, torch.Tensor]], keeper: int, buddy: int,
              group: dist.ProcessGroup) -> None:
         try:
             mine = Snapshot.of(step, meta, tensors)
@@ -224,8 +224,9 @@ class BuddyCopies:
     @staticmethod
     def _exchange(mine: Snapshot, keeper: int, buddy: int, group: dist.ProcessGroup) -> Snapshot | None:
         """Send `mine` to the keeper and receive the buddy's snapshot, both at once."""
-        meta = json.dumps({"meta": mine.meta(), "tensors": [[k, list(t.shape), str(t.dtype).removeprefix("torch.")]
-                                                           for k, t in mine.tensors()]}).encode()
+        meta = json.dumps({"meta": mine.meta().to_json(),
+                           "tensors": [[k, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                                       for k, t in mine.tensors()]}).encode()
         header_out = torch.tensor([mine.step, len(meta)], dtype=torch.int64)
         header_in = torch.zeros(2, dtype=torch.int64)
         sends = [dist.isend(header_out, group=group, group_dst=keeper, tag=TAG_HEADER)]
@@ -242,7 +243,7 @@ class BuddyCopies:
                   for i, (_, t) in enumerate(mine.tensors())]
         _wait_all(list(recvs))
         _wait_all(list(sends))
-        return Snapshot(step_in, described["meta"], into)
+        return Snapshot(step_in, StateMeta.from_json(described["meta"]), into)
 
     def take_failure(self) -> str | None:
         failure, self._failure = self._failure, None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import struct
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 from runtime.config import KNOBS
 from runtime.training.comm import CommFailure, error_text
-from runtime.training.state import TrainingState
+from runtime.training.state import StateMeta, TrainingState
 from runtime.wire.auth import derive, prove
 
 TAG_NONCE = 1
@@ -269,11 +268,11 @@ class HandoffStats:
 def run_handoff(
     plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, extra: Any = None,
     links: Links | None = None,
-) -> tuple[HandoffStats, dict[str, Any] | None]:
+) -> tuple[HandoffStats, StateMeta | None]:
     """Run this member's part of the plan. Returns its stats and, for a receiver, the metadata it applied."""
     t0 = time.perf_counter()
     links = links or GlooLinks()
-    meta_in: dict[str, Any] | None = None
+    meta_in: StateMeta | None = None
     failure: str | None = None
     stats = HandoffStats("source" if rank in plan.sources else "receiver" if rank in plan.receivers else "none")
     try:
@@ -313,7 +312,7 @@ def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int,
     key = session.chunk_key()
     tensors = [t for _, t in state.tensors()]
     if rank == plan.sources[0]:
-        payload = json.dumps(state.meta(plan.target_step, extra)).encode()
+        payload = state.meta(plan.target_step, extra).to_bytes()
         links.send(torch.tensor([len(payload)], dtype=torch.int64), receiver, TAG_META)
         links.send(_as_tensor(payload + chunk_mac(key, plan.target_step, -1, payload)), receiver, TAG_META)
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
@@ -357,7 +356,7 @@ def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors:
 
 
 def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, links: Links,
-             stats: HandoffStats) -> dict[str, Any]:
+             stats: HandoffStats) -> StateMeta:
     nonces = {s: secrets.token_bytes(NONCE_BYTES) for s in plan.sources}
     pending = [links.isend(_as_tensor(nonces[s]), s, TAG_NONCE) for s in plan.sources]
     for source in plan.sources:
@@ -385,7 +384,7 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
     payload, mac = data[:n], data[n:]
     if not hmac.compare_digest(mac, chunk_mac(key, plan.target_step, -1, payload)):
         raise HandoffError(f"the metadata from source rank {first} failed its MAC")
-    meta = json.loads(payload)
+    meta = StateMeta.from_bytes(payload)
     session.fault("handoff_recv", role="receiver")
     tensors = [t for _, t in state.prepare_receive(meta)]
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
@@ -434,7 +433,7 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
             got = chunk_mac(key, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c)))
             if not (hmac.compare_digest(got, raw_macs[i * MAC_BYTES : (i + 1) * MAC_BYTES])
                     and hmac.compare_digest(got, expected[j])):
-                name = meta["tensors"][c.tensor][0]
+                name = meta.tensors[c.tensor].key
                 raise HandoffError(f"chunk {j} of tensor {name!r} failed its MAC from two sources (ranks "
                                    f"{plan.sources[owner[j]]} and {source}); the state was not applied")
     stats.refetched = len(bad)

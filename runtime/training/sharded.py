@@ -354,7 +354,7 @@ class ShardedTrainer(Trainer):
     @staticmethod
     def _copy_state(old: TrainingState, new: TrainingState, step: int) -> None:
         """Move this member's own state into the new generation's model: a local copy of its shards."""
-        meta = json.loads(json.dumps(old.meta(step)))  # the form a peer would have sent
+        meta = old.meta(step).copy()  # the form a peer would have sent
         into = new.prepare_receive(meta)
         source = dict(old.tensors())
         with torch.no_grad():
@@ -566,7 +566,7 @@ class ShardedTrainer(Trainer):
         if failure is not None:
             raise CommFailure(f"gathering the final state failed: {failure}")
         meta = self.state.meta(0)
-        h.update(json.dumps([meta["optim_values"], meta["param_groups"], meta["scheduler"], meta["extras"]],
+        h.update(json.dumps([meta.optim_values, meta.param_groups, meta.scheduler, meta.extras],
                             sort_keys=True).encode())
         return h.hexdigest()
 

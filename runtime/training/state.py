@@ -57,6 +57,93 @@ class TensorEntry:
     dtype: str
 
 
+@dataclass(frozen=True, slots=True)
+class RngStates:
+    """The random generators' states a replay needs: torch's CPU generator (hex bytes), Python's and NumPy's (their
+    `getstate()` forms as JSON lists) and, once CUDA is initialised, every GPU's (hex bytes)."""
+
+    cpu: str
+    python: list[Any]
+    numpy: list[Any]
+    cuda: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cpu": self.cpu, "python": self.python, "numpy": self.numpy}
+        if self.cuda is not None:
+            out["cuda"] = list(self.cuda)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StateMeta:
+    """Everything of a replica's state that is not a streamed tensor, as the handoff and buddy copies carry it: one
+    JSON object on the wire (version `META_VERSION`), read back only through `from_json`.
+
+    The optimizer's non-tensor values, its parameter groups' hyper-parameters, the scheduler's state and the
+    registered state's skeletons are the user's objects in `encode_json`'s form: JSON values, typed by their owner."""
+
+    step: int
+    tensors: tuple[TensorEntry, ...]
+    """Every streamed tensor, in the order the chunks follow."""
+    optim_values: dict[str, Any]
+    """Per "group.param.key", a non-tensor optimizer value (encode_json)."""
+    param_groups: tuple[dict[str, Any], ...]
+    """Per parameter group, its hyper-parameters (encode_json), `params` left out."""
+    scheduler: Any
+    """The LR scheduler's state_dict (encode_json); None without a scheduler."""
+    rng: RngStates
+    extras: dict[str, Any]
+    """Per registered extra state, its state_dict with the tensors left out (their slots are streamed)."""
+    extra: Any = None
+    """What the caller sends along (JSON)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": META_VERSION, "step": self.step,
+                "tensors": [[e.key, list(e.shape), e.dtype] for e in self.tensors],
+                "optim_values": self.optim_values, "param_groups": list(self.param_groups),
+                "scheduler": self.scheduler, "rng": self.rng.to_json(), "extras": self.extras, "extra": self.extra}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json()).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StateMeta:
+        try:
+            raw = json.loads(data)
+        except ValueError:
+            raise StateMismatchError("the handoff metadata is not JSON") from None
+        return cls.from_json(raw)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StateMeta:
+        """The record of a peer's JSON object; StateMismatchError, naming what is wrong, for anything else."""
+        if not isinstance(raw, dict):
+            raise StateMismatchError("the handoff metadata is not a JSON object")
+        if raw.get("version") != META_VERSION:
+            raise StateMismatchError(f"handoff metadata version {raw.get('version')!r}, expected {META_VERSION}")
+        try:
+            rng = raw["rng"]
+            cuda = rng.get("cuda")
+            return cls(
+                step=int(raw["step"]),
+                tensors=tuple(TensorEntry(str(k), tuple(int(n) for n in shape), str(d))
+                              for k, shape, d in raw["tensors"]),
+                optim_values=dict(raw["optim_values"]),
+                param_groups=tuple(dict(g) for g in raw["param_groups"]),
+                scheduler=raw["scheduler"],
+                rng=RngStates(str(rng["cpu"]), list(rng["python"]), list(rng["numpy"]),
+                              None if cuda is None else tuple(str(c) for c in cuda)),
+                extras=dict(raw.get("extras", {})),
+                extra=raw.get("extra"),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateMismatchError(f"the handoff metadata is malformed ({type(exc).__name__}: {exc})") from None
+
+    def copy(self) -> StateMeta:
+        """A deep copy, exactly as a peer would receive it (nothing shared with the live optimizer's values)."""
+        return StateMeta.from_bytes(self.to_bytes())
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -246,47 +333,44 @@ class TrainingState:
         return sum(t.numel() * t.element_size() for _, t in self.tensors())
 
     # -- the metadata --------------------------------------------------------------------------------
-    def meta(self, step: int, extra: Any = None) -> dict[str, Any]:
+    def meta(self, step: int, extra: Any = None) -> StateMeta:
         optim_values: dict[str, Any] = {}
         for prefix, p in self._params():
             for key, value in self.optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):
                     optim_values[f"{prefix}.{key}"] = encode_json(value)
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state().numpy().tobytes().hex(),
-                               "python": _python_rng_state(), "numpy": _numpy_rng_state()}
+        cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
-        return {
-            "version": META_VERSION,
-            "step": step,
-            "tensors": [[k, list(t.shape), _dtype_name(t.dtype)] for k, t in self.tensors()],
-            "optim_values": optim_values,
-            "param_groups": [
+            cuda = tuple(s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all())
+        return StateMeta(
+            step=step,
+            tensors=tuple(TensorEntry(k, tuple(t.shape), _dtype_name(t.dtype)) for k, t in self.tensors()),
+            optim_values=optim_values,
+            param_groups=tuple(
                 {k: encode_json(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
-            ],
-            "scheduler": None if self.scheduler is None else encode_json(self.scheduler.state_dict()),
-            "rng": rng,
-            "extras": {name: skeleton for name, (skeleton, _) in self._extra_split().items()},
-            "extra": extra,
-        }
+            ),
+            scheduler=None if self.scheduler is None else encode_json(self.scheduler.state_dict()),
+            rng=RngStates(torch.get_rng_state().numpy().tobytes().hex(), _python_rng_state(), _numpy_rng_state(),
+                          cuda),
+            extras={name: skeleton for name, (skeleton, _) in self._extra_split().items()},
+            extra=extra,
+        )
 
-    def prepare_receive(self, meta: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    def prepare_receive(self, meta: StateMeta) -> list[tuple[str, torch.Tensor]]:
         """Shape this replica's optimizer state like the sender's and return the tensors to write into.
 
         Model tensors must already match (same script, same arguments). Optimizer state may differ, e.g. a
         standby that ran a shadow step holds Adam moments while the sender has taken no step yet: entries are
         created or dropped to match, reusing the buffers the standby allocated where shapes agree.
         """
-        if meta.get("version") != META_VERSION:
-            raise StateMismatchError(f"handoff metadata version {meta.get('version')!r}, expected {META_VERSION}")
-        wanted = [TensorEntry(k, tuple(s), d) for k, s, d in meta["tensors"]]
+        wanted = list(meta.tensors)
         own_model = dict(self._model_tensors())
         params = dict(self._params())
         wanted_optim: dict[str, set[str]] = {prefix: set() for prefix in params}
         self._extra_in = {name: [] for name in self.extras}
-        if sorted(meta.get("extras", {})) != sorted(self.extras):
+        if sorted(meta.extras) != sorted(self.extras):
             raise StateMismatchError(
-                f"the sender registered state {sorted(meta.get('extras', {}))} and this replica "
+                f"the sender registered state {sorted(meta.extras)} and this replica "
                 f"{sorted(self.extras)}; start standbys with the same script and arguments as the workers"
             )
         own_extra = {name: slots for name, (_, slots) in self._extra_split().items()}
@@ -346,33 +430,33 @@ class TrainingState:
             raise StateMismatchError("handoff tensor order differs between sender and receiver")
         return receiving
 
-    def apply_meta(self, meta: dict[str, Any]) -> None:
+    def apply_meta(self, meta: StateMeta) -> None:
         """Set everything that is not a streamed tensor: optimizer values, hyper-parameters, scheduler, RNG."""
         params = dict(self._params())
-        for full_key, value in meta["optim_values"].items():
+        for full_key, value in meta.optim_values.items():
             gi, pi, key = full_key.split(".", 2)
             p = params[f"{gi}.{pi}"]
             self.optimizer.state[p][key] = decode_json(value, p.device)
-        groups = meta["param_groups"]
+        groups = meta.param_groups
         if len(groups) != len(self.optimizer.param_groups):
             raise StateMismatchError("the sender's optimizer has a different number of parameter groups")
         for group, values in zip(self.optimizer.param_groups, groups, strict=True):
             for k, v in values.items():
                 group[k] = decode_json(v)
-        if self.scheduler is not None and meta["scheduler"] is not None:
-            self.scheduler.load_state_dict(decode_json(meta["scheduler"]))
-        for name, skeleton in meta.get("extras", {}).items():
+        if self.scheduler is not None and meta.scheduler is not None:
+            self.scheduler.load_state_dict(decode_json(meta.scheduler))
+        for name, skeleton in meta.extras.items():
             self.extras[name].load_state_dict(join_tensors(skeleton, self._extra_in.get(name, [])))
         self._extra_in = {}
-        rng = meta["rng"]
-        version, internal, gauss = rng["python"]
+        rng = meta.rng
+        version, internal, gauss = rng.python
         random.setstate((version, tuple(internal), gauss))
-        name, keys, pos, has_gauss, cached = rng["numpy"]
+        name, keys, pos, has_gauss, cached = rng.numpy
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(rng["cpu"])), dtype=torch.uint8))
-        if "cuda" in rng and torch.cuda.is_available():
+        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(rng.cpu)), dtype=torch.uint8))
+        if rng.cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(
-                [torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in rng["cuda"]]
+                [torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in rng.cuda]
             )
 
     def digest(self) -> str:
@@ -382,6 +466,6 @@ class TrainingState:
             h.update(key.encode())
             h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
         meta = self.meta(0)
-        h.update(json.dumps([meta["optim_values"], meta["param_groups"], meta["scheduler"], meta["extras"]],
+        h.update(json.dumps([meta.optim_values, meta.param_groups, meta.scheduler, meta.extras],
                             sort_keys=True).encode())
         return h.hexdigest()

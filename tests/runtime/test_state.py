@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.training.state import StateMismatchError, TrainingState
+from runtime.training.state import StateMeta, StateMismatchError, TrainingState
 
 
 def trained(seed: int, steps: int) -> TrainingState:
@@ -24,7 +24,7 @@ def trained(seed: int, steps: int) -> TrainingState:
 
 
 def copy_state(src: TrainingState, dst: TrainingState) -> None:
-    meta = json.loads(json.dumps(src.meta(step=3)))  # exactly what travels
+    meta = StateMeta.from_bytes(src.meta(step=3).to_bytes())  # exactly what travels
     targets = dst.prepare_receive(meta)
     for (_, t), (_, s) in zip(targets, src.tensors(), strict=True):
         t.copy_(s)
@@ -90,7 +90,7 @@ def test_registered_state_and_every_generator_travel_with_the_handoff() -> None:
     sender, receiver = with_extras(trained(0, 3), 2), with_extras(trained(1, 1), 0)
     random.seed(11)
     np.random.seed(12)
-    meta = json.loads(json.dumps(sender.meta(step=3)))
+    meta = sender.meta(step=3).copy()
     expected = (random.random(), float(np.random.random()))
     random.seed(99)
     np.random.seed(98)
@@ -117,3 +117,17 @@ def test_processes_that_built_different_models_are_told_the_first_differing_tens
     assert message is not None and "'model.1.weight'" in message and "(8,)" in message and "(9,)" in message
     assert "registered.ema" in (spec_difference(a.spec(), trained(0, 0).spec(), "w0", "w1") or "")
     assert TrainingState.spec_hash(a.spec()) != TrainingState.spec_hash(b.spec())
+
+
+def test_the_metadata_is_one_typed_record_that_round_trips_and_refuses_anything_else() -> None:
+    meta = trained(0, 2).meta(step=5, extra={"note": 1})
+    back = StateMeta.from_bytes(meta.to_bytes())
+    assert back == meta.copy() and back.step == 5 and back.extra == {"note": 1}
+    assert back.to_json() == json.loads(meta.to_bytes()), "the JSON on the wire is the record's, key for key"
+    wire = meta.to_json()
+    for bad, says in ((b"[1, 2]", "not a JSON object"), (b"{", "not JSON"),
+                      (json.dumps({**wire, "version": 1}).encode(), "version 1"),
+                      (json.dumps({**wire, "tensors": [["x", "not a shape", "float32"]]}).encode(), "malformed"),
+                      (json.dumps({k: v for k, v in wire.items() if k != "rng"}).encode(), "malformed")):
+        with pytest.raises(StateMismatchError, match=says):
+            StateMeta.from_bytes(bad)

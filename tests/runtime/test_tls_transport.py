@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.training.handoff import HandoffPlan, HandoffSession, run_handoff
-from runtime.training.state import TrainingState
+from runtime.training.state import StateMeta, TrainingState
 from runtime.training.tls_transport import (
     TlsConfig,
     TlsLinkError,
@@ -104,7 +103,7 @@ class Rank(threading.Thread):
         self.port, self.rank, self.cfg, self.state, self.timeout_s = port, rank, cfg, state, timeout_s
         self.corrupt_chunk = corrupt_chunk
         self.error: BaseException | None = None
-        self.meta: dict[str, Any] | None = None
+        self.meta: StateMeta | None = None
         self.refetched = -1
         self.finished = False
 
@@ -145,7 +144,7 @@ def test_a_handoff_over_tls_leaves_the_receiver_identical_to_the_sources(
     join_all(ranks)
 
     assert [r.error for r in ranks] == [None, None, None]
-    assert ranks[2].meta is not None and ranks[2].meta["step"] == 3
+    assert ranks[2].meta is not None and ranks[2].meta.step == 3
     assert ranks[2].refetched == (1 if corrupt else 0)
     assert states[2].digest() == states[0].digest() == states[1].digest() == before[0]
     assert time.monotonic() - t0 < 5

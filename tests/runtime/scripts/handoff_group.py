@@ -51,7 +51,7 @@ def main() -> None:
                                  token if rank in receivers else options.get("source_token", "the-secret"), chunk,
                                  fault=fault)
         stats, meta = run_handoff(plan, session, rank, state)
-        result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta["step"],
+        result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta.step,
                       refetched=stats.refetched,
                       lr=opt.param_groups[0]["lr"], sched_epoch=sched.last_epoch)
     except (HandoffError, RuntimeError) as exc:
