@@ -8,7 +8,6 @@ ordered, the role tags following the ranks, and nothing left behind: no process,
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,12 @@ from cloud.local import LocalProvider
 from cloud.local.hosts import NamespaceHosts, namespaces_unavailable
 from flows.hosts import job_hosts
 from flows.models import StandbyLimits, TrainingRun
-from flows.supervisor import Happening, Supervisor
-from tests.diagnostics import explained
+from flows.supervisor import Supervisor
+from tests.flows.supervising import supervise
 from tests.runtime.conftest import TINY_JOB, clean_digest
 
 pytestmark = pytest.mark.slow
 ARGS = ("--step-ms", "40")
-
-
-def supervise(sup: Supervisor, timeout_s: float) -> list[Happening]:
-    seen: list[Happening] = []
-    deadline = time.monotonic() + timeout_s
-    sup.start(TINY_JOB)
-    with explained(sup.events_path, sup.workdir / "job.log"):
-        while not sup.done():
-            assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
-            seen += sup.tick()
-            time.sleep(0.1)  # the flow's tick pace
-    return seen
 
 
 def _processes_of(workdir: Path) -> list[int]:
@@ -68,7 +55,7 @@ def test_a_host_lost_whole_moves_its_rank_to_a_standby_host_and_the_job_ends_bit
         assert secret_file is not None and secret_file.stat().st_mode & 0o077 == 0
         launched = {i.instance_id: i for i in cloud.describe(job_id=run.job_id)}
         assert len(launched) == 3 and len({i.private_ip for i in launched.values()}) == 3
-        seen = supervise(sup, timeout_s=180.0)
+        seen = supervise(sup, TINY_JOB, timeout_s=180.0)
         report = sup.report()
         instances = {i.instance_id: i for i in cloud.describe(job_id=run.job_id)}
     finally:
@@ -116,7 +103,7 @@ def test_a_parked_standby_host_is_woken_for_a_lost_worker_and_its_agent_warms_a_
     sup = Supervisor(run, cloud, tmp_path, hosts=hosts, policy_every_s=0.2, time_scale=3600.0)
     try:
         sup.provision(TINY_JOB)
-        seen = supervise(sup, timeout_s=180.0)
+        seen = supervise(sup, TINY_JOB, timeout_s=180.0)
         report = sup.report()
         left = {i.instance_id: i.state for i in cloud.describe(job_id=run.job_id)}
     finally:

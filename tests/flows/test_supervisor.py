@@ -18,26 +18,10 @@ from flows.drill import DegradingFeed, FailureDrill
 from flows.models import StandbyLimits, TrainingRun
 from flows.supervisor import Happening, Supervisor
 from runtime.wire.event_records import GenerationStarted
-from tests.diagnostics import explained
+from tests.flows.supervising import supervise
 
 SCRIPT = Path(examples.train_mlp.__file__)
 pytestmark = pytest.mark.slow
-
-
-def supervise(sup: Supervisor, drill: FailureDrill | None, timeout_s: float) -> list[Happening]:
-    seen: list[Happening] = []
-    deadline = time.monotonic() + timeout_s
-    sup.start(SCRIPT)
-    with explained(sup.events_path, sup.workdir / "job.log"):
-        while not sup.done():
-            assert time.monotonic() < deadline, f"job still running after {timeout_s} s: {[h.event for h in seen]}"
-            n = len(sup.events)
-            hs = sup.tick()
-            if drill is not None:
-                hs += drill.observe(hs, sup.events[n:])
-            seen += hs
-            time.sleep(0.1)
-    return seen
 
 
 def test_the_policy_prewarms_for_a_degrading_node_and_a_parked_standby_covers_a_surprise(tmp_path: Path) -> None:
@@ -54,7 +38,7 @@ def test_the_policy_prewarms_for_a_degrading_node_and_a_parked_standby_covers_a_
     drill = FailureDrill(stage_timeout_s=60.0)
     try:
         sup.provision()
-        seen = supervise(sup, drill, timeout_s=240.0)
+        seen = supervise(sup, SCRIPT, timeout_s=240.0, drill=drill)
     finally:
         released = sup.release()
     events = [h.event for h in seen]
