@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
+from tests.tiers import GROUPS, MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
 
 ROOT = Path(__file__).resolve().parent.parent
 _observer = OBSERVER
@@ -37,6 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _tiers = Tiers.load()
     _observer.install()
     config.pluginmanager.register(_FixtureWatch(), "trainmover-tiers-fixtures")
+    config.pluginmanager.register(_GroupCheck(), "trainmover-tiers-group-check")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -48,12 +49,21 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if rel in recorded and rel not in dev else None
 
 
+def _test_id(item: pytest.Item) -> str:
+    """The test's node id as tests/tiers.json keys it: without the `@group` suffix xdist's loadgroup adds."""
+    nodeid = item.nodeid
+    for group in GROUPS:
+        nodeid = nodeid.removesuffix(f"@{group}")
+    return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     dev = config.getoption("--tier") == "dev"
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
-        recorded = _tiers.marks(item.nodeid, getattr(item, "fixturenames", ()))
+        recorded = _tiers.marks(_test_id(item), getattr(item, "fixturenames", ()))
         known = recorded is not None
         marks = recorded if recorded is not None else {"processes"}
         for name in sorted(marks):
@@ -65,6 +75,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+class _GroupCheck:
+    """On an xdist worker with `--dist loadgroup`, after xdist's own hook: every grouped test carries its group in its
+    node id, or xdist would spread the group over the workers (two training jobs at once on two cores) unseen."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if getattr(config, "workerinput", None) is None or not config.getvalue("loadgroup"):
+            return
+        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if lost:
+            raise pytest.UsageError(
+                f"pytest-xdist ignored the xdist_group of {len(lost)} tests (e.g. {lost[0]}): this pytest and "
+                "pytest-xdist do not group (pytest-dev/pytest-xdist#1386); install the project's dev extra "
+                "(pytest<9.2), or run without -n")
 
 
 class _FixtureWatch:
@@ -80,7 +106,7 @@ class _FixtureWatch:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    with _observer.watching("test", item.nodeid):
+    with _observer.watching("test", _test_id(item)):
         return (yield)
 
 
@@ -89,8 +115,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     assert isinstance(report, pytest.TestReport)
     if call.when == "teardown" and report.passed and not item.config.getoption("--record-tiers"):
-        recorded = _tiers.marks(item.nodeid, getattr(item, "fixturenames", ()))
-        started = _observer.seen.get(item.nodeid, [])
+        recorded = _tiers.marks(_test_id(item), getattr(item, "fixturenames", ()))
+        started = _observer.seen.get(_test_id(item), [])
         if recorded == set() and started:
             report.outcome = "failed"
             report.longrepr = (f"{item.nodeid} is in the developer tier (tests/tiers.json) but started "

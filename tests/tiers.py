@@ -61,6 +61,10 @@ def marks_of_argv(argv: Iterable[object]) -> set[str]:
     return marks
 
 
+GROUPS = ("jobs", "prefect")
+"""The xdist groups (`--dist loadgroup`): each runs its tests one after another on one worker."""
+
+
 def xdist_group(marks: set[str]) -> str | None:
     if "prefect" in marks:
         return "prefect"
