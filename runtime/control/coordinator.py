@@ -354,9 +354,8 @@ class Coordinator:
         digests = self._digests()
         refused = dict(self.records.sealer.refused)
         if result.exit_code == 0:
-            progress = self.records.get_record(keys.k_progress(), Progress)
             self.events.emit(JobFinished(wall_s=self.wall() - self._t0, generation=self.gen.gen,
-                                         digests=digests, step=progress.step if progress is not None else -1,
+                                         digests=digests, step=self._last_step(),
                                          final_digest=digests.get(self.gen.members[0]), refused_values=refused))
         else:
             self.events.emit(JobFailedEvent(wall_s=self.wall() - self._t0, reason=result.message,
@@ -816,6 +815,16 @@ class Coordinator:
                      for r, p in enumerate(gen.members)],
             replaced=[{"rank": r, "old": a, "new": b} for r, a, b in gen.replaced],
         ))
+
+    def _last_step(self) -> int:
+        """The step the job ended on: what the final generation's members committed last (each says so when it
+        finishes), else the progress the heartbeats published (a beat behind); -1 when neither is known."""
+        done = [self.records.get_record(keys.k_done(self.gen.gen, r), Finished) for r in range(len(self.gen.members))]
+        steps = [d.step for d in done if d is not None]
+        if steps:
+            return max(steps)
+        progress = self.records.get_record(keys.k_progress(), Progress)
+        return progress.step if progress is not None else -1
 
     def _digests(self) -> dict[str, str]:
         out = {}

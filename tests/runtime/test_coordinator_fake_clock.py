@@ -24,6 +24,7 @@ from runtime.wire.auth import Sealer
 from runtime.wire.event_records import (
     Event,
     GenerationStarted,
+    JobFinished,
     MemberFailed,
     Recovered,
     StandbyLost,
@@ -222,6 +223,8 @@ def test_a_hung_worker_replaced_by_a_standby_still_lets_the_job_complete() -> No
     assert result.exit_code == 0, result.message
     assert result.message == "training completed in generation 1"
     assert result.digests == {"w0": "d" * 32, "s0": "d" * 32}
+    (finished,) = [e for e in result.events if isinstance(e, JobFinished)]
+    assert finished.step == 20, "the step the members finished on, not the heartbeats' last (a beat behind)"
     assert 6.0 < scene.now < 8.0
     assert scene.member.get_record(keys.k_stop(), StopOrder) == StopOrder("training completed")
     assert scene.member.get_record(keys.k_assign("s1"), Assignment) == Assignment(-1), "the spare one is released"
