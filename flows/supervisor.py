@@ -46,6 +46,7 @@ from policy.online import NodeScore, OnlineScorer
 from policy.telemetry import TelemetrySample
 from runtime.client import JobSpec, Placement, RuntimeJob
 from runtime.wire.event_records import (
+    Coverage,
     Event,
     GenerationStarted,
     HostLost,
@@ -453,6 +454,11 @@ class Supervisor:
             case StandbyWarm(proc=proc):
                 return [Happening(f"{EVENT_PREFIX}.standby.ready", f"{EVENT_PREFIX}.process.{proc}",
                                   f"standby {proc} is warm", {"process": proc})]
+            case Coverage(covered=covered, warm=warm, warming=warming, target=target):
+                how = (f"{warm} warm standby(s) cover the job" if covered else
+                       f"the job runs uncovered: no warm standby ({warming} warming up, target {target})")
+                return [Happening(f"{EVENT_PREFIX}.job.{'covered' if covered else 'uncovered'}", job, how,
+                                  {"warm": warm, "warming": warming, "target": target})]
             case JobFinished(step=step, final_digest=digest):
                 self.steps_done = max(self.steps_done, step or 0)
                 return [Happening(f"{EVENT_PREFIX}.job.finished", job, "training finished", {"final_digest": digest})]

@@ -650,6 +650,7 @@ class Coordinator:
             # Reports are read on health ticks only: a recovery of N ranks costs 2N store round trips per read,
             # which the busy loop (every 5 ms while a death is pending) must not pay.
             self.recoveries.flush(self.gen.gen)
+            self.standbys.watch_coverage()
         return None
 
     def _update_holders(self) -> None:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 from runtime.control.health import JobFailed, Member
-from runtime.wire.event_records import StandbyReleased, StandbySpawned
+from runtime.wire.event_records import Coverage, StandbyReleased, StandbySpawned
 from runtime.wire.events import EventLog
 
 log = logging.getLogger("trainmover.coordinator")
@@ -55,6 +55,7 @@ class StandbyPool:
         self.next_index = 0
         self.spawned = 0
         self._spawn_times: deque[float] = deque()
+        self._covered: bool | None = None
 
     # -- who is there ---------------------------------------------------------------------------------
     def unpromoted(self) -> list[str]:
@@ -124,6 +125,20 @@ class StandbyPool:
         elif target < old:
             self.release_surplus(f"standby target lowered to {target}", pending_deaths)
         return old
+
+    def watch_coverage(self) -> None:
+        """Say when the job turns uncovered (no warm standby to take a lost rank) and covered again: a `coverage`
+        event at each change (and the first time), a warning when it turns uncovered."""
+        warm = len(self.ready())
+        covered = warm > 0
+        if covered == self._covered:
+            return
+        self._covered = covered
+        warming = len(self.unpromoted()) - warm
+        self.events.emit(Coverage(covered=covered, warm=warm, warming=warming, target=self.target))
+        if not covered:
+            log.warning("the job runs uncovered: no warm standby is ready (%d warming up, target %d); a lost worker "
+                        "waits for one, up to the standby wait", warming, self.target)
 
     # -- bookkeeping -----------------------------------------------------------------------------------
     def became_warm(self, name: str) -> None:

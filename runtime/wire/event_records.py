@@ -196,6 +196,18 @@ class StandbyReleased(Event):
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Coverage(Event):
+    """The job turned uncovered (no warm standby left to take a lost rank: a loss now waits for one to start, up to
+    the standby wait) or covered again; the first one says how the job starts."""
+
+    KIND: ClassVar[str] = "coverage"
+    covered: bool
+    warm: int
+    warming: int
+    target: int
+
+
 # -- control ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StandbyTargetChanged(Event):
@@ -334,8 +346,8 @@ class UnknownEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     JobStarted, GenerationStarted, JobFinished, JobFailed, MemberFailed, Recovered, StandbySpawned, StandbyWarm,
-    StandbyLost, StandbyReleased, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue, ChaosInjected,
-    ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused,
+    StandbyLost, StandbyReleased, Coverage, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue,
+    ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused,
 )}
 """Every kind the coordinator writes, by its name."""
 

@@ -22,6 +22,7 @@ from runtime.control.coordinator import HEALTH_EVERY_S, LOOP_S, Coordinator, Coo
 from runtime.wire import store as keys
 from runtime.wire.auth import Sealer
 from runtime.wire.event_records import (
+    Coverage,
     Event,
     GenerationStarted,
     JobFinished,
@@ -398,3 +399,22 @@ def test_a_peer_named_untrusted_is_fenced_and_a_rank_outside_the_generation_is_i
     (failed,) = scene.events(MemberFailed)
     assert failed.cause == "failed to prove it belongs to the job during a handoff"
     assert scene.c.gen.members == ("w0", "s0"), "and its rank goes to the warm standby"
+
+
+def test_the_job_says_when_it_runs_uncovered_and_when_it_is_covered_again() -> None:
+    """s0 warm at 0.5 s covers the job; w1 hangs, s0 takes its rank, and the job runs uncovered until the
+    replacement s1 is warm at 6 s: a `coverage` event at each change (and the first turn), none in between."""
+    def script(name: str, role: str) -> Script:
+        if name == "w1":
+            return Script(beat_until=1.0)
+        ready = {"s0": 0.5, "s1": 6.0}.get(name)
+        return Script(ready_at=ready if role == "standby" else None, finish_at=9.0)
+
+    scene = Scene(script, hang_timeout_s=2.0)
+    result = scene.c.run()
+    assert result.exit_code == 0, result.message
+    turns = [(e.covered, e.warm, e.target) for e in result.events if isinstance(e, Coverage)]
+    assert turns == [(False, 0, 1), (True, 1, 1), (False, 0, 1), (True, 1, 1)], turns
+    (failed,) = [e for e in result.events if isinstance(e, MemberFailed)]
+    uncovered = [e.time for e in result.events if isinstance(e, Coverage) and not e.covered]
+    assert uncovered[1] >= failed.declared_at, "uncovered from the promotion on, not before"
