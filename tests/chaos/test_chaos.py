@@ -121,8 +121,9 @@ def test_random_faults_leave_the_job_exact_and_accounted(
         s.connect(("127.0.0.1", port))
 
 
+@pytest.mark.xdist_group("jobs")  # in the jobs' process (INJECTED is per process), after them
 def test_the_suite_injected_at_least_200_faults() -> None:
-    """Runs after the jobs above (pytest keeps a module's order)."""
+    """Runs after the jobs above (pytest keeps a module's order; with xdist, the jobs group's worker)."""
     assert {"kill", "stop"} <= {s for j in JOBS for s in j[4].split("|")}
     if len(INJECTED) < len(JOBS):
         pytest.skip("only part of the suite ran")
