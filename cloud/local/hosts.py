@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cloud.base import InvalidRequestError, UnsupportedError
@@ -38,6 +39,30 @@ from cloud.bootstrap import AgentBootstrap
 
 KILL_WAIT_S = 10.0
 """How long a powered-off host's processes get to be reaped after SIGKILL."""
+
+
+def power_cut(listing: Callable[[], list[int]], *, within_s: float = KILL_WAIT_S) -> float:
+    """Kill every process that `listing` names at once, as a host losing power; returns when the SIGKILLs went out.
+
+    One listing then SIGKILL leaves behind a child forked between the two (the agent starting a standby, a
+    zygote forking one): it outlives its killed parent. So the processes are stopped first (a stopped process
+    cannot fork), listed again until no new one appears, and only then killed, all together.
+    """
+    stopped: set[int] = set()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        new = [pid for pid in listing() if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+    at = time.time()
+    for pid in stopped | set(listing()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return at
 
 
 def agent_argv(spec: AgentBootstrap, name: str, *, secret_file: str, address: str | None = None,
@@ -138,9 +163,7 @@ class LocalHosts(abc.ABC):
             self.remove(instance_id)
 
     def _kill(self, instance_id: str) -> None:
-        for pid in self.pids(instance_id):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        power_cut(lambda: self.pids(instance_id))
         agent = self._agents.get(instance_id)
         if agent is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -247,13 +270,8 @@ class Bridge:
         return [int(p) for p in got.stdout.split()]
 
     def kill_host(self, *hosts: int) -> float:
-        """SIGKILL every process in the namespaces of `hosts`, all at once (listed first); returns when."""
-        pids = [pid for i in hosts for pid in self.pids(i)]
-        at = time.time()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return at
+        """SIGKILL every process in the namespaces of `hosts`, all at once (`power_cut`); returns when."""
+        return power_cut(lambda: [pid for i in hosts for pid in self.pids(i)])
 
     def cut(self, i: int) -> None:
         _ip("link", "set", self.veth(i), "down")
@@ -323,4 +341,6 @@ class NamespaceHosts(LocalHosts):
             self.bridge.close()
 
 
-__all__ = ["Bridge", "LocalHosts", "NamespaceHosts", "ProcessHosts", "agent_argv", "namespaces_unavailable"]
+__all__ = [
+    "Bridge", "LocalHosts", "NamespaceHosts", "ProcessHosts", "agent_argv", "namespaces_unavailable", "power_cut",
+]

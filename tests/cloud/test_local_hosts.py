@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +19,14 @@ import pytest
 from cloud.base import InvalidRequestError, LaunchRequest, NotFoundError, PermissionDeniedError, UnsupportedError
 from cloud.bootstrap import AgentBootstrap
 from cloud.local import LocalProvider
-from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts, agent_argv, namespaces_unavailable
+from cloud.local.hosts import (
+    LocalHosts,
+    NamespaceHosts,
+    ProcessHosts,
+    agent_argv,
+    namespaces_unavailable,
+    power_cut,
+)
 from cloud.secrets import LocalFileStore, SecretRef, fetch_secret
 
 SECRET = "s" * 48
@@ -83,6 +92,46 @@ def test_a_local_provider_without_hosts_refuses_a_bootstrap_and_a_cloud_secret_i
         assert cloud.describe(job_id="hosts-unit") == []
     finally:
         hosts.close()
+
+
+_FORKER = """
+import os, time
+children = 0
+while children < 400:  # forks as fast as it can: a listing is out of date by the time it is acted on
+    if os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
+    children += 1
+time.sleep(120)
+"""
+
+
+def _alive_in_session(sid: int) -> list[int]:
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat_line = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat_line[stat_line.rindex(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                alive.append(int(entry.name))
+    return alive
+
+
+def test_a_power_cut_leaves_no_child_forked_while_it_was_listing() -> None:
+    """A power cut kills what was forked between its listing and its kill too (CI once saw one survive a stop)."""
+    proc = subprocess.Popen([sys.executable, "-c", _FORKER], start_new_session=True)
+    try:
+        _wait("the forker forking", lambda: len(_alive_in_session(proc.pid)) > 20)
+        power_cut(lambda: _alive_in_session(proc.pid))
+        assert proc.wait(timeout=10) == -9
+        _wait("every child dead", lambda: _alive_in_session(proc.pid) == [])
+    finally:
+        for pid in _alive_in_session(proc.pid):
+            os.kill(pid, 9)
+        proc.wait(timeout=10)
 
 
 def test_the_agent_argv_carries_the_secret_file_never_the_secret(store: LocalFileStore) -> None:
