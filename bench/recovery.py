@@ -275,6 +275,15 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         report["sharded"] = run_sharded_benchmark(quick, kills)
         print(format_sharded(report["sharded"]))
         mismatch = mismatch or not all(s["bitwise_identical"] for s in report["sharded"]["shapes"].values())
+    if "reconfiguration" in sections:
+        from bench.sharded import FULL, QUICK, format_reconfiguration, reconfigure_section
+
+        t0 = time.time()
+        report["reconfiguration"] = reconfigure_section(QUICK if quick else FULL)
+        report["reconfiguration"]["wall_s"] = time.time() - t0
+        print(format_reconfiguration(report["reconfiguration"]))
+        mismatch = mismatch or not all(row["same_final_state"]
+                                       for row in report["reconfiguration"]["by_shape"].values())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))

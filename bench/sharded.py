@@ -7,8 +7,9 @@ One invocation measures, on this machine, for the Llama-style decoder of example
   a time; each kill's ``lost_time_s`` (below), its parts from the coordinator, and its floor;
 * the buddy copies' steady-state cost: the FSDP job without copies and with a refresh every 1, 10 and 100 steps,
   throughput ratio to the run without, and the host memory the copies hold;
-* the reconfiguration (a full rebuild: every group and the model rebuilt on the new mesh) at 4, 8 and 16 ranks,
-  from the coordinator's ``recovered`` events of one HSDP kill each.
+* the reconfiguration at 4, 8 and 16 ranks (HSDP 2 x n/2, and 4 x 4 at 16), delta (only the groups a loss
+  touched rebuilt) against the full rebuild (every group), from the coordinator's ``recovered`` events of three
+  kills each (also alone: ``--sections reconfiguration``).
 
 ``lost_time_s`` of a kill, from rank 0's commits in the killed run: the kill hits step K (its victim dies after
 its backward pass); rank 0 committed K - 1 at ``T0`` before it; after the recovery, step K + m commits at ``T1``.
@@ -188,19 +189,67 @@ def buddy_section(size: Size, steps: int) -> dict[str, Any]:
     }
 
 
+def _connections(groups: dict[str, tuple[int, ...]], keys: Any) -> int:
+    """Point-to-point connections an eager (full-mesh) build of these groups makes."""
+    return sum(len(groups[k]) * (len(groups[k]) - 1) // 2 for k in keys)
+
+
 def reconfigure_section(size: Size) -> dict[str, Any]:
-    """One HSDP kill at each world size; the coordinator's reconfiguration split (full rebuild)."""
-    out: dict[str, Any] = {}
+    """Three HSDP kills per mesh (2 x n/2 at each world size, and 4 x 4 at 16), each job run twice: delta
+    reconfiguration (only the groups the loss touched rebuilt) and the full rebuild (every group)."""
+    from runtime.training.groups import mesh_groups
+
     small = Size(dim=64, layers=2, hidden=128, vocab=128, kill_spacing=6, reconfigure_ranks=())
-    for n in size.reconfigure_ranks:
-        r = run("hsdp", small, 12, nproc=n, standby=1, faults="kill:rank=1,step=6,phase=exchange",
-                extra=("--mesh", f"2,{n // 2},1"))
-        (rec,) = [e for e in r.events if e["event"] == "recovered"]
-        out[str(n)] = {"reconfigure_s": rec["reconfigure_s"], "split": rec.get("reconfigure_split"),
-                       "recovery_s": rec["recovery_s"]}
-    return {"method": "full rebuild (world group, mesh groups and model rebuilt on the new mesh), one HSDP "
-                      "(2 x n/2) kill per world size, tiny model; delta reconfiguration is not implemented yet",
-            "by_ranks": out}
+    meshes = [(2, n // 2) for n in size.reconfigure_ranks] + ([(4, 4)] if 16 in size.reconfigure_ranks else [])
+    out: dict[str, Any] = {}
+    for replicate, shard in meshes:
+        n = replicate * shard
+        victims = [1, shard + 1, n - 1]  # two replica groups; never rank 0
+        faults = ";".join(f"kill:rank={r},step={6 * (i + 1)},phase=exchange" for i, r in enumerate(victims))
+        groups = mesh_groups((replicate, shard), ("replicate", "shard"))
+        row: dict[str, Any] = {"ranks": n}
+        digests = {}
+        for mode in ("delta", "full"):
+            r = run("hsdp", small, 6 * (len(victims) + 1), nproc=n, standby=len(victims), faults=faults,
+                    extra=("--mesh", f"{replicate},{shard},1", "--reconfigure", mode))
+            recs = [e for e in r.events if e["event"] == "recovered"]
+            splits = [e.get("reconfigure_split") or {} for e in recs]
+
+            def median(key: str, parts: list[dict[str, Any]] = splits) -> float:
+                return statistics.median(float(x.get(key, 0.0)) for x in parts)
+
+            row[mode] = {
+                "reconfigure_s": statistics.median(e["reconfigure_s"] for e in recs),
+                "reconfigure_s_each": [e["reconfigure_s"] for e in recs],
+                **{key: median(key) for key in ("teardown_s", "last_joined_after_s", "group_init_s",
+                                                "group_build_s")},
+                "groups_rebuilt": [x.get("groups_rebuilt") for x in splits],
+                "groups": len(groups),
+                "recovery_s": statistics.median(e["recovery_s"] for e in recs),
+            }
+            digests[mode] = r.digest
+        touched = [k for k, ranks in groups.items() if 1 in ranks]  # what rank 1's loss touches
+        row["eager_connections"] = {"delta": _connections(groups, touched), "full": _connections(groups, groups)}
+        row["delta_vs_full"] = row["delta"]["reconfigure_s"] / row["full"]["reconfigure_s"]
+        row["group_init_delta_vs_full"] = row["delta"]["group_init_s"] / row["full"]["group_init_s"]
+        row["same_final_state"] = digests["delta"] is not None and digests["delta"] == digests["full"]
+        out[f"{replicate}x{shard}"] = row
+    return {"method": "3 HSDP kills per mesh (ranks 1, shard + 1, n - 1, in the gradient exchange), tiny model, "
+                      "each job run with delta reconfiguration and with the full rebuild (every mesh group); "
+                      "reconfigure_s: from the last declaration to the last member's groups ready (teardown, the "
+                      "members joining, group building, the members' proofs), median of the 3; the world group "
+                      "(lazily connected) is new in both",
+            "by_shape": out}
+
+
+def format_reconfiguration(r: dict[str, Any]) -> str:
+    lines = ["  reconfiguration, delta / full rebuild (median of 3 kills; groups rebuilt of all):"]
+    for name, v in r["by_shape"].items():
+        d, f = v["delta"], v["full"]
+        lines.append(f"    {name:>5} ({v['ranks']} ranks): {d['reconfigure_s']:.3f} / {f['reconfigure_s']:.3f} s = "
+                     f"x{v['delta_vs_full']:.2f} (group init x{v['group_init_delta_vs_full']:.2f}), "
+                     f"{d['groups_rebuilt']} of {d['groups']} groups, same final state: {v['same_final_state']}")
+    return "\n".join(lines)
 
 
 def run_sharded_benchmark(quick: bool, kills: int) -> dict[str, Any]:
@@ -246,7 +295,6 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"    every {k:>3}: step {f(v['step_s'])} s, throughput x{v['throughput_vs_none']:.3f} of none, "
                      f"host memory {v['host_memory_bytes'] / 1e6:.1f} MB ({v['host_memory_vs_local_state']:.1f}x "
                      f"the local state), optimizer waited {f(v['optimizer_waited_s'])} s")
-    lines.append("  reconfiguration (full rebuild): " + ", ".join(
-        f"{n} ranks {f(v['reconfigure_s'])} s" for n, v in r["reconfiguration"]["by_ranks"].items()))
+    lines.append(format_reconfiguration(r["reconfiguration"]))
     lines.append(f"  wall {r['wall_s']:.0f} s")
     return "\n".join(lines)

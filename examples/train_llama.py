@@ -216,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
     p.add_argument("--buddy-every", type=int, default=None,
                    help="refresh buddy copies every N steps (0: off; default: 10 for fsdp, off otherwise)")
+    p.add_argument("--reconfigure", choices=("delta", "full"), default="delta",
+                   help="after a loss, rebuild only the process groups it touched (delta) or every group (full)")
     p.add_argument("--mesh", default=None, metavar="R,S,T",
                    help="replicate,shard,tp sizes instead of the layout's own (their product: the job's workers)")
     p.add_argument("--dim", type=int, default=DEFAULT.dim, help="model width")
@@ -234,7 +236,8 @@ def make_trainer(args: argparse.Namespace) -> tm.ShardedTrainer:
         mesh = tm.MeshSpec(replicate=replicate, shard=shard, tp=tp)
     return tm.ShardedTrainer(make_builder(cfg), mesh, loss_fn, data, seed=5,
                              clip_grad_norm=args.clip_grad_norm or None, accumulation_steps=args.accumulation_steps,
-                             amp="bf16" if args.bf16 else None, buddy_every=args.buddy_every)
+                             amp="bf16" if args.bf16 else None, buddy_every=args.buddy_every,
+                             reconfigure=args.reconfigure)
 
 
 def main() -> None:

@@ -78,6 +78,9 @@ def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[Re
             "last_joined_after_s": max(r.joined_at if r.joined_at is not None else declared_at
                                        for r in reports) - declared_at,
             "group_init_s": max(r.group_init_s for r in reports),
+            "group_build_s": max(r.group_build_s for r in reports),
+            "groups_rebuilt": max(r.groups_rebuilt for r in reports),
+            "groups": max(r.groups_total for r in reports),
         },
         "handoff_bytes": sum(r.handoff_bytes for r in reports if r.role == "receiver"),
         "sources": sorted(r.rank for r in reports if r.role == "source"),

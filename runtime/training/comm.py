@@ -157,7 +157,7 @@ class Communicator:
 
     def track_sockets(self) -> None:
         """Count the TCP sockets opened since `build` began as this generation's (call again after building
-        more groups of the same generation: a device mesh's, a buddy-copy group)."""
+        more groups of the same generation). Sharded jobs track theirs per group (`runtime.training.groups`)."""
         self._sockets |= tcp_socket_inodes() - self._baseline
 
     def cut_if_older(self, latest_gen: int) -> None:
@@ -220,6 +220,11 @@ class Communicator:
                     sys.stderr.write(f"[trainmover] {message}\n")
                     return message
         return None
+
+    def take_stuck(self) -> list[object]:
+        """The work abandoned in the current group (`wait`), forgotten here: for a caller that fails it itself."""
+        stuck, self._stuck = self._stuck, []
+        return stuck
 
     def teardown(self) -> None:
         """Leave the current group. Safe to call when a peer is gone or when there is no group.
@@ -286,25 +291,25 @@ class Communicator:
         if failure is not None:
             raise CommFailure(f"buffer broadcast failed: {failure}")
 
-    def all_gather_bytes(self, data: bytes, world_size: int) -> list[bytes]:
-        """Every rank's `data` (all the same length), in rank order."""
+    def all_gather_bytes(self, data: bytes, world_size: int, group: dist.ProcessGroup | None = None) -> list[bytes]:
+        """Every rank's `data` (all the same length), in rank order (of `group`, default: the whole group)."""
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         out = [torch.zeros_like(mine) for _ in range(world_size)]
         failure: str | None = None
         try:
-            failure = self.wait([dist.all_gather(out, mine, async_op=True)])
+            failure = self.wait([dist.all_gather(out, mine, group=group, async_op=True)])
         except RuntimeError as exc:
             failure = error_text(exc)
         if failure is not None:
             raise CommFailure(f"all-gather failed: {failure}")
         return [t.cpu().numpy().tobytes() for t in out]
 
-    def mean_scalar(self, value: float, world_size: int) -> float:
+    def mean_scalar(self, value: float, world_size: int, group: dist.ProcessGroup | None = None) -> float:
         """The mean of one float over the group, computed in float64: the same value on every rank."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         failure: str | None = None
         try:
-            failure = self.wait([dist.all_reduce(t, async_op=True)])
+            failure = self.wait([dist.all_reduce(t, group=group, async_op=True)])
         except RuntimeError as exc:
             failure = error_text(exc)
         if failure is not None:

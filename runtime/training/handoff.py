@@ -168,8 +168,10 @@ class GlooLinks:
     Every wait is bounded by `timeout_s` (a peer that stops sending without dying fails the handoff instead of
     holding it for the group's collective timeout); a new generation aborts the group sooner still."""
 
-    def __init__(self, timeout_s: float = KNOBS.collective_timeout_s) -> None:
+    def __init__(self, timeout_s: float = KNOBS.collective_timeout_s, group: dist.ProcessGroup | None = None) -> None:
+        """`group`: the group to talk over (peers named by their global ranks); default: the default group."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = group
 
     def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
         self.isend(t, peer, tag).wait()
@@ -178,10 +180,10 @@ class GlooLinks:
         self.irecv(t, peer, tag).wait()
 
     def isend(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        return _Bounded(_started(dist.isend(t, dst=peer, tag=tag)), self.timeout)
+        return _Bounded(_started(dist.isend(t, dst=peer, group=self.group, tag=tag)), self.timeout)
 
     def irecv(self, t: torch.Tensor, peer: int, tag: int) -> Waiter:
-        return _Bounded(_started(dist.irecv(t, src=peer, tag=tag)), self.timeout)
+        return _Bounded(_started(dist.irecv(t, src=peer, group=self.group, tag=tag)), self.timeout)
 
 
 class _Bounded:

@@ -47,7 +47,8 @@ class Heartbeat(threading.Thread):
         self.committed_step = 0
         """The last step this process committed; the trainer sets it, the beat publishes it (progress)."""
         self._published_step = 0
-        self.on_new_generation: list[Callable[[int], None]] = []
+        self.on_new_generation: list[Callable[[int, keys.Records], None]] = []
+        """Called from this thread with the newest generation and this thread's own store connection."""
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -74,7 +75,7 @@ class Heartbeat(threading.Thread):
                 if latest > self.latest_gen:
                     self.latest_gen = latest
                     for callback in self.on_new_generation:
-                        callback(latest)
+                        callback(latest, records)
                 self.stopping = records.has(keys.k_stop())
                 step = self.committed_step
                 if step != self._published_step:

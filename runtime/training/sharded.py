@@ -25,7 +25,6 @@ Either way, every state class ends at the same step before anyone trains on.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
 import hashlib
@@ -49,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from runtime.training.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
 from runtime.training.comm import CommFailure, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
+from runtime.training.groups import GroupSet, Held
 from runtime.training.handoff import (
     GlooLinks,
     HandoffPlan,
@@ -60,9 +60,9 @@ from runtime.training.handoff import (
 )
 from runtime.training.job import Job, init
 from runtime.training.state import Stateful, TrainingState, local_shard
-from runtime.training.trainer import GenerationChanged, Joining, StepResult, Trainer, check_step_options
+from runtime.training.trainer import GenerationChanged, Joining, StepResult, Trainer, check_group, check_step_options
 from runtime.wire import store as keys
-from runtime.wire.protocol import HoldsState, StandbyReady
+from runtime.wire.protocol import Generation, HoldsState, Joined, StandbyReady
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -230,6 +230,7 @@ class ShardedTrainer(Trainer):
         amp: Literal["bf16"] | None = None,
         buddy_every: int | None = None,
         buddy_offset: int | None = None,
+        reconfigure: Literal["delta", "full"] = "delta",
     ) -> None:
         """
         Args:
@@ -253,6 +254,8 @@ class ShardedTrainer(Trainer):
                 other home for a shard), off otherwise.
             buddy_offset: a rank's copy is kept by the rank this many places after it (default: half the world,
                 on another host when hosts hold consecutive ranks).
+            reconfigure: "delta" (default): a recovery rebuilds only the mesh groups the loss touched
+                (`runtime.training.groups`); "full": every group, every generation (for comparison).
         """
         if amp not in (None, "bf16"):
             raise ValueError(f"a sharded job takes amp=None or 'bf16', got {amp!r}: fp16 needs a GradScaler whose "
@@ -260,6 +263,8 @@ class ShardedTrainer(Trainer):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a runtime.MeshSpec, got {type(mesh).__name__}")
         check_step_options(clip_grad_norm, clip_grad_value, accumulation_steps)
+        if reconfigure not in ("delta", "full"):
+            raise ValueError(f"reconfigure must be 'delta' or 'full', got {reconfigure!r}")
         self.job = job or init()
         workers = self.job.num_workers()
         if mesh.world_size != workers:
@@ -301,6 +306,9 @@ class ShardedTrainer(Trainer):
         """The step whose gradients are complete but not yet applied (see the module's docstring)."""
         self._spec_checked = False
         self._device_type = "cuda" if self.job.cfg.backend == "nccl" else "cpu"
+        cfg = self.job.cfg
+        self.groups = GroupSet(cfg.backend, self.job.store, cfg.collective_timeout_s, full=reconfigure == "full")
+        self._record: Generation | None = None
         self._init_membership(torch.device(self._device_type, torch.cuda.current_device())
                               if self._device_type == "cuda" else torch.device("cpu"))
 
@@ -321,11 +329,11 @@ class ShardedTrainer(Trainer):
     # -- building a generation's model ---------------------------------------------------------------
     def _build(self) -> TrainingState:
         """Build this generation's mesh and a fresh model on it (under the build seed: the same in every process)."""
-        device_mesh = init_device_mesh(self._device_type, self.mesh_spec.shape, mesh_dim_names=self.mesh_spec.names)
+        assert self.rank is not None
+        device_mesh = self.groups.device_mesh(self._device_type, self.rank, self.mesh_spec.shape, self.mesh_spec.names)
         if self.buddies is not None:
-            # Buddy copies travel in host memory over a Gloo group of their own, beside the training's groups.
-            self._buddy_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
-                seconds=self.job.cfg.recovery_timeout_s))
+            # Buddy copies travel in host memory, over the generation's (lazily connected) Gloo world group.
+            self._buddy_group = self.groups.host_world
         torch.manual_seed(derive_seed(self.seed, BUILD_SEED))
         built = self.build(device_mesh)
         if not isinstance(built, tuple) or len(built) not in (2, 3):
@@ -338,7 +346,6 @@ class ShardedTrainer(Trainer):
         if self.job.faults:
             optimizer.register_step_post_hook(self._optimizer_fault)
         self.device_mesh = device_mesh
-        self.comm.track_sockets()  # the mesh's and the buddy copies' groups belong to this generation too
         return state
 
     def _adopt(self, state: TrainingState) -> None:
@@ -361,6 +368,60 @@ class ShardedTrainer(Trainer):
             for key, t in into:
                 t.copy_(source[key])
         new.apply_meta(meta)
+
+    # -- the generation's groups: delta reconfiguration (runtime.training.groups) ---------------------
+    def _joined_record(self) -> Joined:
+        built, issued = self.groups.held()
+        return Joined(built, issued)
+
+    def _form_groups(self, g: int, rank: int, record: Generation, joined: dict[int, Joined]) -> float:
+        """Keep the mesh groups no loss touched, build the others and a new world group; every new group's
+        peers prove they belong to the job before anything else is exchanged on it."""
+        cfg = self.job.cfg
+        held = {r: {k: Held(j.built[k], j.issued.get(k, -1)) for k in j.built} for r, j in joined.items()}
+        self.groups.enter(g, rank, record.world_size, self.mesh_spec.shape, self.mesh_spec.names, held,
+                          cfg.connect_timeout_s)
+        self.comm.gen = g
+        self._record = record
+        check_group(self.comm, cfg.job_token, cfg.job_id, record, rank, group=self.groups.world)
+        for group in list(self.groups.mesh.values()):
+            if group.built == g and len(group.ranks) > 1:
+                check_group(self.comm, cfg.job_token, cfg.job_id, record, rank, group=group.pg, ranks=group.ranks)
+        return self.groups.last_build_s
+
+    def _leave_groups(self) -> None:
+        self.comm.gen = None
+        self.comm.take_stuck()  # the groups are shut before they are destroyed: nothing stays blocked on them
+        self.groups.leave()
+
+    def _close_groups(self) -> None:
+        self._leave_groups()
+        self.groups.close()
+
+    def _reconfigure_figures(self) -> tuple[float, int, int]:
+        return self.groups.last_teardown_s, len(self.groups.rebuilt), self.groups.total
+
+    def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
+        """Drain: fail the collectives that wait on a lost rank, keep the groups that no loss touched."""
+        current = self._record
+        if current is None or current.gen >= latest_gen:
+            return
+        newer = records.get_record(keys.k_gen(latest_gen), Generation)
+        if newer is None or newer.world_size != current.world_size:
+            lost = set(range(current.world_size))
+        else:
+            lost = {r for r in range(current.world_size) if newer.members[r] != current.members[r]}
+        peers = sorted({r for group in self.groups.mesh.values() for r in group.ranks} - lost - {self.rank})
+
+        def joined() -> dict[int, dict[str, Held]]:
+            out = {}
+            for r in peers:
+                j = records.get_record(keys.k_joined(latest_gen, r), Joined)
+                if j is not None:
+                    out[r] = {k: Held(b, j.issued.get(k, -1)) for k, b in j.built.items()}
+            return out
+
+        self.groups.drain(latest_gen, lost, joined)
 
     # -- membership ----------------------------------------------------------------------------------
     def _check_spec(self) -> None:
@@ -439,7 +500,8 @@ class ShardedTrainer(Trainer):
             stats = self._handoff_over_tls(plan, session, rank, g, joining.interrupt)
         else:
             assert self.state is not None
-            stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s))
+            stats, _ = run_handoff(plan, session, rank, self.state,
+                                   links=GlooLinks(cfg.recovery_timeout_s, self.groups.world))
         self.committed = target
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
@@ -484,7 +546,8 @@ class ShardedTrainer(Trainer):
             worker.start()
         if rank in plans:
             assert self.state is not None
-            stats, _ = run_handoff(plans[rank], session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s))
+            stats, _ = run_handoff(plans[rank], session, rank, self.state,
+                                   links=GlooLinks(cfg.recovery_timeout_s, self.groups.world))
         if serving:
             worker.join(cfg.recovery_timeout_s)
             if worker.is_alive() or not served:
@@ -505,7 +568,7 @@ class ShardedTrainer(Trainer):
         if self._device_type == "cuda":  # the handoff runs over the NCCL group: stage the copy on the GPU
             copy = Snapshot(copy.step, copy.meta(), [(k, t.to("cuda")) for k, t in copy.tensors()])
         stats, _ = run_handoff(plan, session, self.rank, copy,  # type: ignore[arg-type]
-                               links=GlooLinks(self.job.cfg.recovery_timeout_s))
+                               links=GlooLinks(self.job.cfg.recovery_timeout_s, self.groups.world))
         return stats
 
     def _refresh_copies(self, step: int) -> None:
@@ -595,9 +658,10 @@ class ShardedTrainer(Trainer):
             self._all_reduce_replicas()
         faults.at("exchange", step=step, rank=self.rank, gen=self.gen)
         self._clip()
-        global_loss = self.comm.mean_scalar(float(loss), self.world_size) if self._plateau else None
+        world = self.groups.world
+        global_loss = self.comm.mean_scalar(float(loss), self.world_size, world) if self._plateau else None
         self._pending, self._pending_loss = step, global_loss
-        barrier = self.comm.mean_scalar(float(loss), self.world_size)  # the commit barrier
+        barrier = self.comm.mean_scalar(float(loss), self.world_size, world)  # the commit barrier
         global_loss = barrier if global_loss is None else global_loss
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
         if self.buddies is not None:

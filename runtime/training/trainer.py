@@ -131,7 +131,8 @@ class Joining:
     group_ready: float
 
 
-def check_group(comm: Communicator, token: str, job_id: str, record: Generation, rank: int) -> None:
+def check_group(comm: Communicator, token: str, job_id: str, record: Generation, rank: int,
+                group: dist.ProcessGroup | None = None, ranks: tuple[int, ...] | None = None) -> None:
     """Every peer of a generation's new group proves it holds the job's secret, for the rank it holds in it.
 
     torch writes the group's rendezvous addresses to the store unsealed: an outsider who won the race for one
@@ -139,12 +140,13 @@ def check_group(comm: Communicator, token: str, job_id: str, record: Generation,
     coordinator rebuilds it) before any gradient or state is exchanged. No rank is blamed, since the impostor's
     victim is an honest process. One all-gather of 32 bytes per generation.
     """
-    g, world = record.gen, record.world_size
+    g = record.gen
+    ranks = ranks if ranks is not None else tuple(range(record.world_size))
 
     def proof(r: int) -> bytes:
         return bytes.fromhex(prove(token, "group", job_id, g, r, record.members[r]))
 
-    for r, got in enumerate(comm.all_gather_bytes(proof(rank), world)):
+    for r, got in zip(ranks, comm.all_gather_bytes(proof(rank), len(ranks), group=group), strict=True):
         if not hmac.compare_digest(got, proof(r)):
             raise CommFailure(f"the peer holding rank {r} in the group of generation {g} failed to prove it "
                               "belongs to the job; the group was refused")
@@ -242,8 +244,39 @@ class Trainer:
         self._report: RecoveryReport | None = None
         self._post_steps: list[float] = []
         self._warming_up = False
-        self.job.heartbeat.on_new_generation.append(self.comm.abort_if_older)
-        self.job.heartbeat.on_new_generation.append(self.comm.cut_if_older)
+        self._group_build_s = 0.0
+        self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
+
+    def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
+        """From the heartbeat thread (`records`: its own store connection): a newer generation formed."""
+        self.comm.abort_if_older(latest_gen)
+        self.comm.cut_if_older(latest_gen)
+
+    # -- the generation's groups (a sharded trainer keeps some across generations) ----------------------
+    def _joined_record(self) -> Joined:
+        return Joined()
+
+    def _form_groups(self, g: int, rank: int, record: Generation, joined: dict[int, Joined]) -> float:
+        """Build generation g's group, and prove to every peer of it that this process belongs to the job;
+        returns the seconds the building took (the rest is the proofs)."""
+        cfg = self.job.cfg
+        t0 = time.perf_counter()
+        self.comm.build(g, rank, record.world_size, cfg.connect_timeout_s)
+        built = time.perf_counter() - t0
+        check_group(self.comm, cfg.job_token, cfg.job_id, record, rank)
+        return built
+
+    def _leave_groups(self) -> None:
+        """Leave the current generation's group (broken, or replaced by a newer generation)."""
+        self.comm.teardown()
+
+    def _close_groups(self) -> None:
+        """Leave every group for good: the job is over, or stopped, for this process."""
+        self.comm.teardown()
+
+    def _reconfigure_figures(self) -> tuple[float, int, int]:
+        """(seconds spent leaving the old groups, groups rebuilt, groups in the job) of the last generation."""
+        return self.comm.last_teardown_s, 1, 1
 
     # -- public --------------------------------------------------------------------------------------
     def register_state(self, name: str, obj: Stateful) -> None:
@@ -452,16 +485,15 @@ class Trainer:
             raise SystemExit(1)
         world = record.world_size
         self._flush_report()
-        self.comm.teardown()
+        self._leave_groups()
         interrupt = self._interrupt(g)
-        records.put(keys.k_joined(g, rank), Joined())
+        records.put(keys.k_joined(g, rank), self._joined_record())
         t_joined = time.time()
-        records.wait_records([keys.k_joined(g, r) for r in range(world)], Joined, cfg.recovery_timeout_s, interrupt,
-                             what=f"every member to join generation {g}")
+        joined = records.wait_records([keys.k_joined(g, r) for r in range(world)], Joined, cfg.recovery_timeout_s,
+                                      interrupt, what=f"every member to join generation {g}")
         t_all_joined = time.time()
-        self.comm.build(g, rank, world, cfg.connect_timeout_s)
+        self._group_build_s = self._form_groups(g, rank, record, {r: joined[keys.k_joined(g, r)] for r in range(world)})
         self.gen, self.rank, self.world_size = g, rank, world
-        check_group(self.comm, cfg.job_token, cfg.job_id, record, rank)
         group_ready = time.time()
         records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state, pending, own, copies))
         found = records.wait_records([keys.k_status(g, r) for r in range(world)], StepStatus, cfg.recovery_timeout_s,
@@ -501,15 +533,17 @@ class Trainer:
     def _start_report(self, joining: Joining, stats: HandoffStats, target_step: int,
                       failure_seen: float | None) -> None:
         """This member's part of the recovery's timing, completed once its replay commits (`_after_commit`)."""
+        teardown_s, rebuilt, total = self._reconfigure_figures()
         self._report = RecoveryReport(
             rank=joining.rank, proc=self.job.cfg.proc, role=stats.role, failure_seen_at=failure_seen,
             gen_seen_at=joining.gen_seen, group_ready_at=joining.group_ready, handoff_s=stats.seconds,
             handoff_bytes=stats.bytes, handoff_end_at=time.time(), replay_step=target_step + 1,
             refetched_chunks=stats.refetched,
             steady_step_s=statistics.median(self._step_times) if self._step_times else None,
-            teardown_s=self.comm.last_teardown_s, joined_at=joining.t_joined,
+            teardown_s=teardown_s, joined_at=joining.t_joined,
             join_wait_s=joining.t_all_joined - joining.t_joined,
             group_init_s=joining.group_ready - joining.t_all_joined,
+            group_build_s=self._group_build_s, groups_rebuilt=rebuilt, groups_total=total,
         )
         self._post_steps = []
 
@@ -544,7 +578,7 @@ class Trainer:
                  kind: Literal["comm", "state_lost"] = "comm") -> int:
         """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
         records, cfg = self.job.records, self.job.cfg
-        self.comm.teardown()
+        self._leave_groups()
         self._restore_uncommitted()
         records.put(keys.k_failed(g, cfg.proc), FailureReport(
             message=message, time=time.time(), step=self.committed, kind=kind, untrusted_rank=untrusted))
@@ -570,14 +604,14 @@ class Trainer:
         self._flush_report()
         self.digest = self._final_digest()
         records.put(keys.k_digest(self.job.proc), FinalDigest(self.digest))
-        self.comm.teardown()
+        self._close_groups()
 
     def _final_digest(self) -> str:
         """The digest every replica publishes at the end (equal digests: bit-identical replicas)."""
         return self.state.digest()
 
     def _stop_requested(self) -> None:
-        self.comm.teardown()
+        self._close_groups()
         sys.stderr.write(f"[trainmover] {self.job.proc}: the coordinator stopped the job\n")
         raise SystemExit(1)
 

@@ -664,7 +664,11 @@ class StandbyReady(StoreRecord):
 
 @dataclass(frozen=True, slots=True)
 class Joined(StoreRecord):
-    """A member entered generation g's rendezvous."""
+    """A member entered generation g's rendezvous. A sharded member says which mesh groups it holds
+    (`runtime.training.groups`): the generation that built each, and the collectives issued on it (-1: cut)."""
+
+    built: dict[str, int] = field(default_factory=dict)
+    issued: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,6 +729,11 @@ class RecoveryReport(StoreRecord):
     joined_at: float | None = None
     join_wait_s: float = 0.0
     group_init_s: float = 0.0
+    group_build_s: float = 0.0
+    """Of `group_init_s`: building the groups (the rest: the members' proofs over them)."""
+    groups_rebuilt: int = 0
+    """Process groups this recovery rebuilt in the whole job (a sharded job keeps the ones no loss touched)."""
+    groups_total: int = 0
     replay_done_at: float | None = None
     replay_step_s: float | None = None
     post_steps_s: list[float] = field(default_factory=list)

@@ -135,6 +135,20 @@ def test_hsdp_ranks_killed_at_each_point_of_a_step_are_replaced_bit_exactly() ->
 
 
 @pytest.mark.slow
+def test_a_lost_rank_rebuilds_only_its_two_groups_and_the_full_rebuild_all_four_both_bit_exact() -> None:
+    """HSDP 2 x 2 has four mesh groups: replicate {0, 2} and {1, 3}, shard {0, 1} and {2, 3}. Rank 1 killed in
+    the gradient exchange: the delta rebuilds {1, 3} and {0, 1}, ranks 0, 2 and 3 keep the other two
+    communicators; `--reconfigure full` rebuilds all four. Both end where the uninterrupted run ends."""
+    faults = "kill:rank=1,step=5,phase=exchange"
+    delta = _run("hsdp", faults, steps=10)
+    full = _run("hsdp", faults, "--reconfigure", "full", steps=10)
+    for result, rebuilt in ((delta, 2), (full, 4)):
+        _assert_exact(result, "hsdp", 10)
+        (rec,) = events_of(result, Recovered)
+        assert (rec.reconfigure_split["groups_rebuilt"], rec.reconfigure_split["groups"]) == (rebuilt, 4)
+
+
+@pytest.mark.slow
 def test_hsdp_with_tied_embeddings_bf16_and_accumulation_two_ranks_of_different_shards_at_once() -> None:
     extra = ("--tied", "--bf16", "--accumulation-steps", "2")
     result = _run("hsdp", "kill:rank=0,step=5,phase=exchange;kill:rank=3,step=5,phase=exchange", *extra, steps=10)
