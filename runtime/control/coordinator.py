@@ -78,6 +78,7 @@ from runtime.wire.protocol import (
     JobOver,
     MoveResult,
     Progress,
+    StateHomes,
     StopOrder,
 )
 
@@ -130,6 +131,10 @@ class ProcessPool(Protocol):
         """The live processes placed on that incarnation of a host."""
         ...
 
+    def host_of(self, name: str) -> str | None:
+        """The host (name and incarnation) process `name` runs on; None for a pool with no hosts."""
+        ...
+
     def free_slots(self) -> int | None:
         """How many more processes fit (None: no limit)."""
         ...
@@ -170,6 +175,9 @@ class SimplePool:
 
     def procs_on(self, host_name: str, incarnation: str) -> list[str]:
         return []
+
+    def host_of(self, name: str) -> str | None:
+        return None
 
     def free_slots(self) -> int | None:
         return None
@@ -254,6 +262,8 @@ class Coordinator:
                                     pool.free_slots)
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
+        self._homes: list[list[int]] | None = None
+        """`StateHomes` once read (None: none yet; a data-parallel job has none: every rank holds every state)."""
         self.recoveries = Recoveries(self.records, events)
         self.failed_seen_at: float | None = None
         self.completing_since: float | None = None
@@ -788,7 +798,7 @@ class Coordinator:
                     f"stopped. {hint}"
                 )
             return
-        assignment = {d.rank: ready[i] for i, d in enumerate(deaths)}
+        assignment = self._assign(deaths, ready)
         reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
         new = self.gen.replace(assignment, reason)
         declared_at = self.wall()
@@ -800,6 +810,25 @@ class Coordinator:
         self.waiting_since = None
         if self.s.replenish:
             self.standbys.top_up("replace a promoted standby")
+
+    def _assign(self, deaths: list[Death], ready: list[str]) -> dict[int, str]:
+        """A ready standby for each lost rank: for a sharded job, one on a host where no surviving copy of that
+        rank's state lives (`StateHomes`), where there is one, so that a host lost later cannot take both homes of
+        a shard; otherwise in the order the standbys became ready."""
+        if self._homes is None:
+            record = self.records.get_record(keys.k_state_homes(), StateHomes)
+            if record is not None and len(record.homes) == len(self.gen.members):
+                self._homes = record.homes
+        lost = {d.rank for d in deaths}
+        free = list(ready)
+        out: dict[int, str] = {}
+        for d in deaths:
+            homes = self._homes[d.rank] if self._homes else []
+            avoid = {self.pool.host_of(self.gen.members[r]) for r in homes if r not in lost} - {None}
+            pick = next((p for p in free if self.pool.host_of(p) not in avoid), free[0])
+            free.remove(pick)
+            out[d.rank] = pick
+        return out
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
         self.records.put(keys.k_gen(gen.gen), gen)

@@ -205,6 +205,15 @@ class HostPool:
             return sorted(p.name for h in self.hosts if h.name == host_name and h.incarnation == incarnation
                           and h.lost is None for p in h.procs.values() if p.code is None)
 
+    def host_of(self, name: str) -> str | None:
+        """The host (`name/incarnation`) process `name` was placed on, while it has not exited."""
+        with self._cond:
+            for h in self.hosts:
+                for p in h.procs.values():
+                    if p.name == name and p.code is None:
+                        return h.key
+        return None
+
     def live_hosts(self) -> list[Host]:
         with self._cond:
             return [h for h in self.hosts if h.lost is None]

@@ -62,7 +62,7 @@ from runtime.training.job import Job, init
 from runtime.training.state import Stateful, TrainingState, local_shard
 from runtime.training.trainer import GenerationChanged, Joining, StepResult, Trainer, check_group, check_step_options
 from runtime.wire import store as keys
-from runtime.wire.protocol import Generation, HoldsState, Joined, StandbyReady
+from runtime.wire.protocol import Generation, HoldsState, Joined, StandbyReady, StateHomes
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -172,6 +172,16 @@ def plan_sharded_handoff(mesh: MeshSpec,
                 "with replica groups (MeshSpec.replicate > 1) so that every shard has a second home")
         plans[cls] = HandoffPlan(target, sources, receivers)
     return target, plans
+
+
+def state_homes(mesh: MeshSpec, buddy_offset: int | None) -> list[list[int]]:
+    """For each rank, the other ranks that hold its state: its class peers (other replica groups) and, with buddy
+    copies every `buddy_offset` ranks, its copy's keeper. The coordinator places replacements away from them."""
+    n = mesh.world_size
+    homes = [[p for p in range(n) if p != r and mesh.state_class(p) == mesh.state_class(r)] for r in range(n)]
+    if buddy_offset is not None:
+        homes = [sorted({*h, (r + buddy_offset) % n}) for r, h in enumerate(homes)]
+    return homes
 
 
 def _is_comm_error(message: str) -> bool:
@@ -488,6 +498,8 @@ class ShardedTrainer(Trainer):
         if g == 0:
             self._broadcast_initial_model()
             records.put(keys.k_holds(g, rank), HoldsState(0))
+            if rank == 0:
+                records.put(keys.k_state_homes(), StateHomes(self._state_homes()))
             self._refresh_copies(0)
             return
         plan = plans[self.mesh_spec.state_class(rank)]
@@ -508,6 +520,12 @@ class ShardedTrainer(Trainer):
         if any(p.receivers for p in plans.values()):
             self._start_report(joining, stats, target, failure_seen)
         self._refresh_copies(self.committed)
+
+    def _state_homes(self) -> list[list[int]]:
+        offset = None
+        if self.buddies is not None:
+            offset = self.buddies.offset or default_offset(self.mesh_spec.world_size)
+        return state_homes(self.mesh_spec, offset)
 
     def _session(self, g: int, joining: Joining) -> HandoffSession:
         cfg, rank = self.job.cfg, joining.rank

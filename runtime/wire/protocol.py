@@ -407,6 +407,8 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, list)
     if kind == "list[int]":
         return isinstance(value, list) and all(_is(v, "int") for v in value)
+    if kind == "list[list[int]]":
+        return isinstance(value, list) and all(_is(v, "list[int]") for v in value)
     if kind == "list[dict[str, Any]]":
         return isinstance(value, list) and all(isinstance(v, dict) for v in value)
     if kind == "dict[str, Any]":
@@ -645,6 +647,15 @@ class FaultFired(StoreRecord):
     rank: int | None = None
     step: int | None = None
     phase: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StateHomes(StoreRecord):
+    """A sharded job's copies of each rank's state: `homes[r]` lists the other ranks that hold rank r's state
+    (its replica peers, or the keeper of its buddy copy). The coordinator promotes a standby for rank r on a host
+    where none of them lives, where it can (a host lost later must not take both homes of a shard)."""
+
+    homes: list[list[int]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,11 @@ def k_spec(proc: str) -> str:
     return f"proc/{proc}/spec"
 
 
+def k_state_homes() -> str:
+    """Which ranks hold a copy of each rank's state (`StateHomes`: a sharded job's rank 0 writes it once)."""
+    return "job/state-homes"
+
+
 def k_job_spec() -> str:
     """The first spec published; every process must match it (set once, with compare_set)."""
     return "job/spec"

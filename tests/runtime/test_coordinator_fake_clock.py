@@ -49,6 +49,7 @@ from runtime.wire.protocol import (
     ProcessHello,
     RecoveryReport,
     StandbyReady,
+    StateHomes,
     StopOrder,
 )
 from tests.runtime.test_coordinator_logic import StubProcess
@@ -418,3 +419,21 @@ def test_the_job_says_when_it_runs_uncovered_and_when_it_is_covered_again() -> N
     (failed,) = [e for e in result.events if isinstance(e, MemberFailed)]
     uncovered = [e.time for e in result.events if isinstance(e, Coverage) and not e.covered]
     assert uncovered[1] >= failed.declared_at, "uncovered from the promotion on, not before"
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("homes", [True, False])
+def test_a_lost_rank_gets_a_standby_away_from_the_hosts_that_hold_its_states_other_copies(homes: bool) -> None:
+    """HSDP 2 x 2: rank 1's state also lives on rank 3 (host B). s0 is on host B, s1 on host C: rank 1 goes to s1,
+    although s0 became ready first, so that losing host B later cannot take both copies of its shard. A job that
+    said nothing of its states' homes (data parallelism: every rank holds them all) takes s0."""
+    hosts = {"w0": "A", "w1": "A", "w2": "B", "w3": "B", "s0": "B", "s1": "C"}
+    scene = Scene(lambda name, role: Script(exit_at=2.0) if name == "w1" else
+                  Script(ready_at=0.3 if name == "s0" else 0.6) if role == "standby" else Script(),
+                  nproc=4, standby=2)
+    scene.pool.host_of = hosts.get  # type: ignore[method-assign]
+    if homes:
+        scene.member.put(keys.k_state_homes(), StateHomes([[2], [3], [0], [1]]))
+    scene.c.start()
+    scene.until(lambda: scene.c.gen.gen == 1, 5.0)
+    assert scene.c.gen.members[1] == ("s1" if homes else "s0")

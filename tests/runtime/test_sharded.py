@@ -11,7 +11,7 @@ import torch
 
 from runtime.training.buddy import BuddyStatus, plan_restore
 from runtime.training.handoff import HandoffPlan, MemberStatus, StateLost
-from runtime.training.sharded import MeshSpec, plan_sharded_handoff
+from runtime.training.sharded import MeshSpec, plan_sharded_handoff, state_homes
 from runtime.wire.event_records import MemberFailed, Recovered
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
@@ -101,6 +101,13 @@ def test_a_rank_lost_with_its_keeper_is_named_and_nothing_older_than_the_copies_
                 _buddy(3, False)]
     with pytest.raises(StateLost, match=r"shard 1 of 4 \(rank 1\) was lost together with its buddy copy on rank 3"):
         plan_restore(statuses, offset=2, target=35, max_replay=20, describe=FSDP.describe)
+
+
+def test_a_ranks_other_homes_are_its_replica_peers_and_its_buddy_copys_keeper() -> None:
+    assert state_homes(HSDP, None) == [[2], [3], [0], [1]]
+    assert state_homes(DP_TP, None) == [[2], [3], [0], [1]]
+    assert state_homes(FSDP, 2) == [[2], [3], [0], [1]]
+    assert state_homes(MeshSpec(replicate=3, shard=2), None) == [[2, 4], [3, 5], [0, 4], [1, 5], [0, 2], [1, 3]]
 
 
 # -- real jobs ---------------------------------------------------------------------------------------------------
