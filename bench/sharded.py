@@ -13,8 +13,10 @@ One invocation measures, on this machine, for the Llama-style decoder of example
 
 ``lost_time_s`` of a kill, from rank 0's commits in the killed run: the kill hits step K (its victim dies after
 its backward pass); rank 0 committed K - 1 at ``T0`` before it; after the recovery, step K + m commits at ``T1``.
-Had nothing failed, that commit would be at ``T0 + (m + 1) * s`` (``s``: the uninterrupted run's steady step), so
-the kill cost ``T1 - T0 - (m + 1) * s`` (m = 3: the warm-up after the recovery is counted).
+Had nothing failed, that commit would be at ``T0 + (m + 1) * s``, so
+the kill cost ``T1 - T0 - (m + 1) * s`` (m = 3: the warm-up after the recovery is counted). ``s`` is the killed
+run's own steady step (its steps away from the kills): another run's, on a shared machine, differs by more than
+a recovery costs.
 
 Its floor: the bytes the recovery moved over the measured point-to-point bandwidth, plus the steps it must redo at
 full speed: the killed step's forward and backward (about a step) and, from a buddy copy, every step since the
@@ -110,6 +112,17 @@ def steady_step_s(run: Run, skip: int = 3) -> float:
     return statistics.median(durations)
 
 
+def own_steady_step_s(killed: Run, plan: list[tuple[int, int]], skip: int = 3) -> float:
+    """The killed run's own steady step: the median of rank 0's step times away from the kills (not the first
+    `skip` steps, not from the step before a kill to AFTER + 1 steps after it, not a step committed twice)."""
+    near = {s for _, k in plan for s in range(k - 1, k + AFTER + 2)}
+    counts: dict[int, int] = {}
+    for c in killed.commits:
+        counts[c[0]] = counts.get(c[0], 0) + 1
+    steady = [c[3] for c in killed.commits if c[0] > skip and c[0] not in near and counts[c[0]] == 1]
+    return statistics.median(steady) if steady else steady_step_s(killed, skip)
+
+
 def kill_plan(kills: int, spacing: int) -> tuple[list[tuple[int, int]], int]:
     """(rank, step) of each kill, never rank 0, and the steps the job needs."""
     plan = [(1 + i % 3, spacing * (i + 1)) for i in range(kills)]
@@ -146,7 +159,9 @@ def shape_section(layout: str, size: Size, kills: int, bandwidth_for: Any) -> di
     clean = run(layout, size, steps, standby=kills, extra=extra)
     killed = run(layout, size, steps, standby=kills, extra=extra,
                  faults=";".join(f"kill:rank={r},step={s},phase=exchange" for r, s in plan))
-    step_s = steady_step_s(clean)
+    # Had nothing failed, the killed run would have gone on at its own pace: its own steady steps, not the clean
+    # run's (another run on a shared machine can be slower or faster by more than a recovery costs).
+    step_s = own_steady_step_s(killed, plan)
     shard_bytes = clean.summary["state_bytes"]
     bandwidth = bandwidth_for(shard_bytes)
     losses = kill_losses(killed, plan, step_s, bandwidth)
@@ -159,7 +174,8 @@ def shape_section(layout: str, size: Size, kills: int, bandwidth_for: Any) -> di
         "floor_s": statistics.median(floors),
         "lost_time_vs_floor": None if lost["median"] is None else lost["median"] / statistics.median(floors),
         "bitwise_identical": killed.digest is not None and killed.digest == clean.digest,
-        "step_s": step_s, "shard_state_bytes": shard_bytes, "p2p_bandwidth_bytes_per_s": bandwidth,
+        "step_s": step_s, "clean_step_s": steady_step_s(clean), "shard_state_bytes": shard_bytes,
+        "p2p_bandwidth_bytes_per_s": bandwidth,
         "lost_time_wall_diff_per_kill_s": (killed.wall_s - clean.wall_s) / kills,
         **{k: statistics.median(x[k] for x in losses) for k in ("detect_s", "reconfigure_s", "handoff_s",
                                                                  "replay_s", "recovery_s")},

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.sharded import AFTER, Run, kill_losses, kill_plan
+from bench.sharded import AFTER, Run, kill_losses, kill_plan, own_steady_step_s
 
 STEP_S = 1.0
 
@@ -49,3 +49,12 @@ def test_a_kill_the_commits_do_not_bracket_is_an_error() -> None:
     run = Run(10.0, [_recovered(1, 5, 0)], [(s, 0, float(s), STEP_S) for s in range(1, 5)], {}, "d")
     with pytest.raises(RuntimeError, match="do not bracket the kill at step 5"):
         kill_losses(run, [(1, 5)], STEP_S, bandwidth=1e9)
+
+
+def test_the_steady_step_is_the_killed_runs_own_away_from_its_kills() -> None:
+    # 0.8 s steps, except the recovery around the kill at step 10 (slow, and step 10 committed twice).
+    commits = [(s, 0, float(s), 0.8) for s in range(1, 10)]
+    commits += [(10, 0, 10.0, 0.9), (10, 1, 12.0, 1.5)] + [(s, 1, 12.0 + s - 10, 1.1 if s < 14 else 0.8)
+                                                           for s in range(11, 20)]
+    run = Run(30.0, [_recovered(1, 10, 0)], commits, {}, "d")
+    assert own_steady_step_s(run, [(1, 10)]) == pytest.approx(0.8)
