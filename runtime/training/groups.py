@@ -143,6 +143,7 @@ class GroupSet:
         self._cut: set[str] = set()
         self._lock = threading.RLock()
         self._drain_timer: threading.Thread | None = None
+        self._abandoned: list[dist.ProcessGroup] = []
 
     # -- what a member publishes when it joins ---------------------------------------------------------
     def held(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -198,8 +199,12 @@ class GroupSet:
         self.last_build_s = time.perf_counter() - t1
         return plan
 
-    def leave(self) -> None:
-        """Leave the current generation: its world groups go; the mesh groups stay until the next plan."""
+    def leave(self, abandoned: bool = False) -> None:
+        """Leave the current generation: its world groups go; the mesh groups stay until the next plan.
+
+        `abandoned`: work on the world group was given up while it waited (`Communicator.wait`), perhaps on a pair
+        that never connected (a lazily connected group waits for the peer's address in the store, where no socket
+        can be shut): the group is dropped without being destroyed, since destroying it would wait for that work."""
         t0 = time.perf_counter()
         with self._lock:
             if self.world is None and self.host_world is None:
@@ -213,7 +218,10 @@ class GroupSet:
         if self.backend == "gloo":
             shut_sockets(sockets)
         for pg in worlds.values():
-            self._destroy(pg)
+            if abandoned:
+                self._abandoned.append(pg)  # kept alive for good: its stuck thread ends at its own timeout
+            else:
+                self._destroy(pg)
         self.last_teardown_s = time.perf_counter() - t0
 
     def close(self) -> None:

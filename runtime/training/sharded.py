@@ -401,8 +401,7 @@ class ShardedTrainer(Trainer):
 
     def _leave_groups(self) -> None:
         self.comm.gen = None
-        self.comm.take_stuck()  # the groups are shut before they are destroyed: nothing stays blocked on them
-        self.groups.leave()
+        self.groups.leave(abandoned=bool(self.comm.take_stuck()))
 
     def _close_groups(self) -> None:
         self._leave_groups()
