@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,37 @@ SLOTS = 2
 WORKER_HOSTS = 2
 
 
-def run_hosts_job(spec: WorkloadSpec, steps: int, faults: str, standby_hosts: int) -> JobRun:
+CUT_AFTER_S = 2.0
+"""How long the partition run trains (after its start, then after each recovery) before the next host is cut."""
+
+
+def run_hosts_job(spec: WorkloadSpec, steps: int, faults: str, standby_hosts: int, cuts: int = 0) -> JobRun:
     with tempfile.TemporaryDirectory(prefix="tm-hosts-") as tmp:
         out = Path(tmp) / "rank0.json"
         with cluster(WORKER_HOSTS + standby_hosts, Path(tmp)) as c:
-            return _run(c, Path(tmp), out, spec, steps, faults, standby_hosts)
+            return _run(c, Path(tmp), out, spec, steps, faults, standby_hosts, cuts)
+
+
+def _cut_hosts(c: Cluster, events: Events, coord: subprocess.Popen[bytes], cuts: int) -> None:
+    """Cut off, one after the other, the host that holds rank 3 (its link down, every process alive), each
+    `CUT_AFTER_S` into training or after the previous recovery."""
+    for n in range(cuts):
+        def generation(ev: list[dict[str, Any]], n: int = n) -> dict[str, Any] | None:
+            return next((e for e in ev if e["event"] == "generation" and e["generation"] == n), None)
+
+        def recovered(ev: list[dict[str, Any]], n: int = n) -> bool:
+            return len([e for e in ev if e["event"] == "recovered"]) > n
+
+        gen = events.wait_for(f"generation {n}", generation, 600, alive=coord)
+        time.sleep(CUT_AFTER_S)  # a stretch of steady training before the cut: the workload, not a synchronisation
+        proc = next(m["proc"] for m in gen["members"] if m["rank"] == 3)
+        host = [e["host"] for e in events.read() if e["event"] == "placed" and e["proc"] == proc][-1]
+        c.cut(int(host[1:]))
+        events.wait_for(f"recovery {n + 1}", recovered, 600, alive=coord)
 
 
 def _run(c: Cluster, tmp: Path, out: Path, spec: WorkloadSpec, steps: int, faults: str,
-         standby_hosts: int) -> JobRun:
+         standby_hosts: int, cuts: int) -> JobRun:
     secret = secrets.token_hex(32)
     with socket.socket() as probe:
         probe.bind((c.coordinator_ip, 0))
@@ -54,6 +77,7 @@ def _run(c: Cluster, tmp: Path, out: Path, spec: WorkloadSpec, steps: int, fault
     try:
         for i in range(len(c.hosts)):
             c.start_agent(i, port, secret, SLOTS, "--quiet", env=env)
+        _cut_hosts(c, events, coord, cuts)
         code = coord.wait(timeout=1800)
     finally:
         if coord.poll() is None:
@@ -85,4 +109,29 @@ def host_loss(spec: WorkloadSpec, kill_steps: list[int], steps: int, handoff_flo
                                f"gradient exchange, at steps {kill_steps}; each host a network namespace"}
     tm["ranks_per_recovery"] = [len(e["ranks"]) for e in killed.of_kind("recovered")]
     tm["generations_per_recovery"] = [e.get("generations") for e in killed.of_kind("recovered")]
+    return tm
+
+
+PARTITION_STEPS = 150
+"""Long enough for two cuts, each found after the host timeout, at about 0.12 s a step."""
+
+
+def host_partition(spec: WorkloadSpec, cuts: int, handoff_floor_s: float, floor_s: float,
+                   host_timeout_s: float) -> dict[str, Any]:
+    """The partition section: the host of rank 3 cut off `cuts` times (link down, processes alive), against a clean
+    run of the same hosts; or why it was skipped."""
+    from bench.recovery import summarize_trainmover
+
+    reason = unavailable()
+    if reason:
+        return {"skipped": reason}
+    clean = run_hosts_job(spec, PARTITION_STEPS, "", cuts)
+    cut = run_hosts_job(spec, PARTITION_STEPS, "", cuts, cuts=cuts)
+    tm = summarize_trainmover([clean], cut, [0] * cuts, handoff_floor_s, floor_s)
+    tm["host_timeout_s"] = host_timeout_s
+    tm["target_s"] = host_timeout_s + 0.5
+    tm["settings"] = {"hosts": WORKER_HOSTS, "slots": SLOTS, "standby_hosts": cuts, "workers": WORKER_HOSTS * SLOTS,
+                      "cuts": f"the host of whoever holds rank 3, its link down with every process alive, "
+                              f"{CUT_AFTER_S} s into training and {CUT_AFTER_S} s after each recovery"}
+    tm["ranks_per_recovery"] = [len(e["ranks"]) for e in cut.of_kind("recovered")]
     return tm

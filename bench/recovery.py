@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.hostloss import host_loss
+from bench.hostloss import host_loss, host_partition
 from bench.peers.checkpoint_restart import kill_fractions, lost_time_checkpoint_restart
 from bench.peers.common import rounded, spread, steady_step_s
 from bench.peers.p2p import measure_p2p_bandwidth
@@ -168,6 +168,8 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
     hl_steps, hl_total = kill_schedule(HOST_KILLS, spacing=KILL_SPACING)
     hl = timed("host_loss", host_loss, spec, hl_steps, hl_total, handoff_floor_s, floor_s)
     report["host_loss"] = hl if "skipped" in hl else rounded(hl)
+    hp = timed("host_partition", host_partition, spec, HOST_KILLS, handoff_floor_s, floor_s, KNOBS.host_timeout_s)
+    report["host_partition"] = hp if "skipped" in hp else rounded(hp)
     report["benchmark_wall_s"] = time.time() - t0
     report["ratios"] = _ratios(report)
     return report
@@ -246,15 +248,17 @@ def format_report(r: dict[str, Any]) -> str:
           f"{f(k['redone_s']):>10}{f(k['recovery_bound_s']):>9}{f(k['floor_s']):>9}"
           f"{f(k['warmup_penalty_in_run_s']):>9}  {_verdict(k)}" for k in tm["kills"]),
         _host_loss_line(r.get("host_loss", {}), f),
+        _host_loss_line(r.get("host_partition", {}), f, "host cut off (link down, processes alive)"),
         f"  wall {r['benchmark_wall_s']:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["section_wall_s"].items()),
     ]
     return "\n".join(lines)
 
 
-def _host_loss_line(hl: dict[str, Any], f: Any) -> str:
+def _host_loss_line(hl: dict[str, Any], f: Any, what: str = "host loss") -> str:
     if not hl or "skipped" in hl:
-        return f"  host loss across namespaces: skipped ({hl.get('skipped', 'not run')})"
-    return (f"  host loss (2 hosts x 2 + standby hosts, namespaces): lost_time_s median {f(hl['lost_time_s'])} "
+        return f"  {what} across namespaces: skipped ({hl.get('skipped', 'not run')})"
+    target = f", target {f(hl['target_s'])} (host timeout + 0.5 s)" if "target_s" in hl else ""
+    return (f"  {what} (2 hosts x 2 + standby hosts, namespaces){target}: lost_time_s median {f(hl['lost_time_s'])} "
             f"(min {f(hl['lost_time_min_s'])}, max {f(hl['lost_time_max_s'])}) over {hl['kills_valid']} host kills of "
             f"{hl['ranks_per_recovery']} ranks each; detect {f(hl['detect_s'])}, reconfigure {f(hl['reconfigure_s'])}, "
             f"handoff {f(hl['handoff_s'])}, replay {f(hl['replay_s'])}; bit-exact {hl['bitwise_identical']}")

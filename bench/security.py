@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.peers.common import REPO_ROOT, free_port
+from runtime.wire.tunnel import StoreDoor, StoreGate
 
 MODULE = "bench.security"
 TOKEN = "b" * 64
@@ -92,12 +94,34 @@ def records(beats: int = 400) -> dict[str, float]:
     sealed_s = _best(sealed_beats)
     raw_s = _best(raw_beats)
     beat_us, raw_us = sealed_s / beats * 1e6, raw_s / beats * 1e6
+    # The same sealed beats through the store's tunnel (a host's door, TLS, the coordinator's gate), and one
+    # plain round trip each way: what a process on another host pays (runtime.wire.tunnel).
+    gate = StoreGate(socket.create_server(("127.0.0.1", 0)), server.port, TOKEN)
+    door = StoreDoor("127.0.0.1", gate.port, TOKEN)
+    try:
+        far = dist.TCPStore("127.0.0.1", door.port, None, False, timeout=datetime.timedelta(seconds=30))
+        far_rec = keys.Records(far, sealer)
+
+        def tunnel_beats() -> None:
+            for i in range(beats):
+                far_rec.put(keys.k_heartbeat("w0"), i)
+                far_rec.get_int(keys.k_current_gen())
+                far_rec.has(keys.k_stop())
+
+        tunnel_us = _best(tunnel_beats) / beats * 1e6
+        rtt_us = _best(lambda: [client.check(["raw/stop"]) for _ in range(n)]) / n * 1e6
+        rtt_tunnel_us = _best(lambda: [far.check(["raw/stop"]) for _ in range(n)]) / n * 1e6
+    finally:
+        door.close()
+        gate.close()
     return {
         "seal_gen_record_us": round(seal_us, 2), "open_gen_record_us": round(open_us, 2),
         "record_bytes": len(sealed), "heartbeat_sealed_us": round(beat_us, 1),
         "heartbeat_unsealed_us": round(raw_us, 1),
         "heartbeat_extra_us": round(beat_us - raw_us, 1),
         "heartbeat_extra_core_fraction": round((beat_us - raw_us) * 4 / 1e6, 6),  # 4 beats a second
+        "heartbeat_tunnel_us": round(tunnel_us, 1),
+        "store_round_trip_us": round(rtt_us, 1), "store_round_trip_tunnel_us": round(rtt_tunnel_us, 1),
     }
 
 

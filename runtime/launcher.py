@@ -30,6 +30,7 @@ from runtime.host.agent import Agent, AgentConfig, Child
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.events import EventLog
 from runtime.wire.netaddr import interface_of
+from runtime.wire.tunnel import StoreGate, TunnelError, is_loopback
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -187,28 +188,37 @@ def launch(cfg: LaunchConfig) -> JobResult:
                 scratch.cleanup()
                 raise ConfigError(str(exc)) from None
             tls = (cert, key, cfg.tls_ca or cert)
-    server = listen_store(cfg.host, cfg.port)
+    server, gate = open_store(cfg.host, cfg.port, token)
+    public_port = gate.port if gate is not None else server.port
     events = EventLog(cfg.events_path)
     try:
-        pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, server.port, token, tls)
+        pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, public_port, token, tls)
     except ConfigError:
         events.close()
+        if gate is not None:
+            gate.close()
         raise
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
         faults=cfg.faults, start_when_standbys_ready=cfg.wait_for_standbys, chaos=cfg.chaos,
+        public_port=public_port,
     )
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.getsignal(signal.SIGTERM)
     if main_thread:
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        result = Coordinator(settings, server, pool, events).run()
+        coordinator = Coordinator(settings, server, pool, events)
+        if gate is not None:  # refused connections counted and reported with the refused records
+            gate.on_refused = coordinator.records.sealer.refuse
+        result = coordinator.run()
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         pool.close()
+        if gate is not None:
+            gate.close()
         events.close()
         if scratch is not None:
             scratch.cleanup()
@@ -232,10 +242,11 @@ def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[s
         pool.close(2)
         raise ConfigError(f"{exc}: start `trainmover agent --coordinator {cfg.host}:{port} --slots G` on each "
                           "host, with the job's secret in --secret-file or $TRAINMOVER_JOB_SECRET") from None
-    slots = sum(h.slots for h in pool.live_hosts())
+    slots = sum(h.slots for h in pool.live_hosts() if h.role != "standby")
     if slots < cfg.nproc:
         pool.close(2)
-        raise ConfigError(f"the {cfg.agents} hosts have {slots} slots, fewer than the {cfg.nproc} workers")
+        raise ConfigError(f"the {cfg.agents} hosts have {slots} slots that may run workers (agents not started "
+                          f"with --role standby), fewer than the {cfg.nproc} workers")
     return pool
 
 
@@ -256,6 +267,24 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def open_store(host: str, port: int, token: str) -> tuple[dist.TCPStore, StoreGate | None]:
+    """The job's store and, when `host` is not a loopback address, the gate in front of it.
+
+    On loopback the store listens on `host:port` itself. Elsewhere it listens on 127.0.0.1 only (an ephemeral
+    port) and `host:port` is its gate (runtime.wire.tunnel): mutual TLS keyed by the job's secret, so nobody
+    without the secret reads or writes a key.
+    """
+    if is_loopback(host):
+        return listen_store(host, port), None
+    listener = bind(host, port, "--port")
+    server = listen_store("127.0.0.1", 0)
+    try:
+        return server, StoreGate(listener, server.port, token)
+    except TunnelError as exc:
+        listener.close()
+        raise ConfigError(str(exc)) from None
 
 
 def listen_store(host: str, port: int) -> dist.TCPStore:

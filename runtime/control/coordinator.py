@@ -136,7 +136,7 @@ class ProcessPool(Protocol):
         ...
 
     def free_slots(self) -> int | None:
-        """How many more processes fit (None: no limit)."""
+        """How many more standbys fit (None: no limit)."""
         ...
 
     def suspect(self, name: str) -> bool:
@@ -211,6 +211,8 @@ class CoordinatorSettings:
     """Random faults the coordinator injects itself (runtime.control.chaos), for soak tests and benchmarks."""
     max_standby_failures: int = 5
     """Standbys that die in a row before they are warm, after which the job stops instead of spawning more."""
+    public_port: int = 0
+    """The store's port as clients see it (its gate's, runtime.wire.tunnel, across hosts); 0: the store's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +320,8 @@ class Coordinator:
         self._t0 = self.wall()
         self.records.put(keys.k_job_config(), JobConfig(self.s.nproc, self.s.job_id))
         self.events.emit(JobStarted(job_id=self.s.job_id, nproc=self.s.nproc, standby=self.s.standby,
-                                    port=self.store.port, helpers=self.pool.helpers(), **self.pool.describe()))
+                                    port=self.s.public_port or self.store.port, helpers=self.pool.helpers(),
+                                    **self.pool.describe()))
         self._pool_events()
         for name in self.gen.members:
             self._spawn(name, "worker")

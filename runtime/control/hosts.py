@@ -93,6 +93,8 @@ class Host:
     procs: dict[int, RemoteProcess] = field(default_factory=dict)
     """slot -> the process the coordinator placed there (alive or not yet reported gone)."""
     lost: str | None = None
+    role: str = "any"
+    """What the host may run (`trainmover agent --role`): "worker", "standby" or "any"."""
 
     @property
     def key(self) -> str:
@@ -229,8 +231,9 @@ class HostPool:
                 self._cond.wait(left)
 
     def free_slots(self) -> int:
+        """Free slots on the hosts that may run a standby (role "any" or "standby")."""
         with self._cond:
-            return sum(h.slots - len(h.procs) for h in self.hosts if h.lost is None)
+            return sum(h.slots - len(h.procs) for h in self.hosts if h.lost is None and h.role != "worker")
 
     def spawn(self, name: str, role: str) -> RemoteProcess:
         with self._cond:
@@ -260,8 +263,12 @@ class HostPool:
 
     def _place(self, role: str) -> tuple[Host, int]:
         """Workers fill hosts in the order they joined; a standby goes to a host that holds no member (a
-        standby host) first, else to any free slot. A host whose cloud announced it will go gets nothing new."""
-        live = [h for h in self.hosts if h.lost is None and (h.name, h.incarnation) not in self._doomed]
+        standby host) first, and of those first to one on another machine (address) than every member, else to
+        any free slot. A host takes only what its agent's role allows (a "standby"
+        host never a worker, a "worker" host never a standby). A host whose cloud announced it will go gets
+        nothing new."""
+        live = [h for h in self.hosts if h.lost is None and (h.name, h.incarnation) not in self._doomed
+                and h.role in ("any", role)]
 
         def free(h: Host) -> list[int]:
             return [s for s in range(h.slots) if s not in h.procs]
@@ -269,12 +276,15 @@ class HostPool:
         def holds_member(h: Host) -> bool:
             return any(p.role == "worker" or p.name in self._members for p in h.procs.values())
 
-        order = live if role == "worker" else sorted(live, key=lambda h: holds_member(h))
+        # Two agents with one address are one machine: a standby beside a member there dies with it.
+        member_machines = {h.address for h in self.hosts if h.lost is None and holds_member(h)}
+        order = live if role == "worker" else sorted(live, key=lambda h: (holds_member(h),
+                                                                           h.address in member_machines))
         for h in order:
             slots = free(h)
             if slots:
                 return h, slots[0]
-        raise NoSlot(f"no free slot on the {len(live)} hosts of the job")
+        raise NoSlot(f"no free slot on the {len(live)} hosts of the job that may run a {role}")
 
     def wait_exit(self, handle: RemoteProcess, timeout_s: float) -> int | None:
         deadline = time.monotonic() + timeout_s
@@ -434,7 +444,7 @@ class HostPool:
             pending.hello = msg
             nonce = new_nonce()
             link.key = session_key(self.token, msg.nonce, nonce)
-            link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s), {"cn": nonce})
+            link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s, self.job_id), {"cn": nonce})
             return
         if link.sealed_in == 0:  # an unsealed second frame: the agent does not hold the secret
             self._refuse(sock, "its frames are not sealed with the job's secret")
@@ -442,8 +452,12 @@ class HostPool:
         hello = pending.hello
         now = time.monotonic()
         host = Host(hello.host, hello.incarnation, hello.slots, hello.address, hello.pid, link, time.time(),
-                    now, time.time())
+                    now, time.time(), role=hello.role)
         with self._cond:
+            if any(h.name == host.name and h.address != host.address for h in self.hosts):
+                # Two machines with one hostname (cloned images, network namespaces): told apart by address in
+                # every event. The same machine coming back (same address) keeps its name.
+                host.name = f"{host.name}@{host.address}"
             if any(h.key == host.key for h in self.hosts):
                 self._refuse(sock, f"host {host.key} joined already")
                 return

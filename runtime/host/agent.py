@@ -34,7 +34,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from runtime.config import ENV_BACKEND, ENV_BIND_HOST, ENV_JOB_TOKEN, FORK_SERVER, KNOBS, flag
+from runtime.config import (
+    ENV_BACKEND,
+    ENV_BIND_HOST,
+    ENV_JOB_TOKEN,
+    ENV_STORE_HOST,
+    ENV_STORE_PORT,
+    FORK_SERVER,
+    KNOBS,
+    flag,
+)
 from runtime.host.zygote import ZygoteClient, wait_exit
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.netaddr import interface_of
@@ -56,6 +65,7 @@ from runtime.wire.protocol import (
     new_nonce,
     session_key,
 )
+from runtime.wire.tunnel import Doors, TunnelError
 
 log = logging.getLogger("trainmover.agent")
 
@@ -85,8 +95,10 @@ class AgentConfig:
     address: str | None = field(default=None, metadata=flag(
         "--address", "address this host's processes listen on (default: the one facing the coordinator)"))
     """Where this host's processes listen for their peers; default: this end of the link to the coordinator."""
-    job_id: str = field(default="", metadata=flag("--job-id", "join only this job (default: whichever job the "
-                                                              "coordinator runs)"))
+    job_id: str = field(default="", metadata=flag("--job-id", "join only this job (default: the first job this "
+                                                              "agent is admitted to, and only that one from then on)"))
+    role: Literal["any", "worker", "standby"] = field(default="any", metadata=flag(
+        "--role", "what this host runs: workers only, standbys only, or either (default %(default)s)"))
     connect_timeout_s: float = field(default=KNOBS.agent_connect_timeout_s, metadata=flag(
         "--connect-timeout", "how long to keep trying to reach the coordinator (default %(default)s s)", metavar="S"))
     rejoin: bool = field(default=True, metadata=flag(
@@ -224,9 +236,15 @@ class Agent:
         self.cfg = cfg
         self.children: dict[str, Child] = {}
         self.incarnation = uuid.uuid4().hex[:8]
+        self.job_id = cfg.job_id
+        """The one job this agent serves: --job-id, else the first job it is admitted to (a coordinator of another
+        job, started later at the same address with the same secret, refuses it)."""
         self.exit_code = 0
         self.fenced = 0
         """Times this agent fenced itself or was fenced."""
+        self.doors = Doors(cfg.secret)
+        """This host's doors to the job's store (runtime.wire.tunnel): its processes reach a store that is not on
+        loopback through one, never directly."""
         self.zygote: ZygoteClient | None = None
         if cfg.fork_server:
             env = zygote_env if zygote_env is not None else dict(os.environ)
@@ -244,6 +262,7 @@ class Agent:
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
+        self.doors.close()
 
     # -- the outer loop: connect, serve, fence, come back as new -------------------------------------
     def run(self) -> int:
@@ -289,8 +308,8 @@ class Agent:
         link = Link(sock, "agent")
         nonce = new_nonce()
         address = self.cfg.address or sock.getsockname()[0]
-        link.send(Hello(job_id=self.cfg.job_id, host=self.cfg.name, incarnation=self.incarnation,
-                        slots=self.cfg.slots, address=address, pid=os.getpid(), nonce=nonce))
+        link.send(Hello(job_id=self.job_id, host=self.cfg.name, incarnation=self.incarnation,
+                        slots=self.cfg.slots, address=address, pid=os.getpid(), nonce=nonce, role=self.cfg.role))
         welcome, raw = link.recv(HANDSHAKE_S)
         if isinstance(welcome, Fence):
             raise AgentError(f"the coordinator refused this host: {welcome.reason}")
@@ -300,9 +319,15 @@ class Agent:
         if not link.check_last():
             raise AgentError("the coordinator could not prove the job's secret: check that this agent and the "
                              "coordinator read the same secret (a different job, or an impostor, is listening there)")
+        if self.job_id and welcome.job_id and welcome.job_id != self.job_id:
+            raise AgentError(f"the coordinator at {self.cfg.coordinator} runs job {welcome.job_id}, and this agent "
+                             f"serves job {self.job_id} only: start a new agent for the new job")
+        if not self.job_id and welcome.job_id:
+            self.job_id = welcome.job_id  # sealed: the coordinator's proof covers it
         link.send(Beat())  # sealed: this host's proof of the secret
-        log.info("agent %s (incarnation %s): joined the coordinator at %s with %d slots, address %s",
-                 self.cfg.name, self.incarnation, self.cfg.coordinator, self.cfg.slots, address)
+        log.info("agent %s (incarnation %s): joined job %s at %s with %d slots, address %s, role %s",
+                 self.cfg.name, self.incarnation, self.job_id or "?", self.cfg.coordinator, self.cfg.slots, address,
+                 self.cfg.role)
         sock.settimeout(5.0)  # sends only; reads happen when the selector says so
         heard = time.monotonic()
         beat_due = heard + welcome.heartbeat_s
@@ -388,6 +413,12 @@ class Agent:
         env.update(order.env)
         env.update({ENV_JOB_TOKEN: self.cfg.secret, ENV_AGENT_PID: str(os.getpid()), ENV_LOCAL_RANK: str(order.slot),
                     ENV_BIND_HOST: address})
+        if ENV_STORE_HOST in env and ENV_STORE_PORT in env:
+            try:
+                host, port = self.doors.local(env[ENV_STORE_HOST], int(env[ENV_STORE_PORT]))
+            except (TunnelError, ValueError) as exc:
+                return Started(order.proc, -1, f"no way to the job's store: {exc}")
+            env.update({ENV_STORE_HOST: host, ENV_STORE_PORT: str(port)})
         iface = interface_of(address)
         if iface is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", iface)

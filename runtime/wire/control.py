@@ -31,6 +31,7 @@ import torch.distributed as dist
 from runtime.wire import store as keys
 from runtime.wire.auth import ENV_SECRET, Sealer
 from runtime.wire.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress
+from runtime.wire.tunnel import StoreDoor, is_loopback
 
 __all__ = ["MAX_STANDBY_TARGET", "ControlValueError", "JobControl", "JobEnded", "JobNotFound", "MoveOutcome",
            "MoveRequest", "parse_move", "parse_standby_target"]
@@ -124,11 +125,20 @@ class JobControl:
         # Probe with a plain socket first: a TCPStore client that finds nobody prints C++ tracebacks while it
         # retries, which is noise for the common mistake of a wrong port or a job that has ended.
         _wait_for_listener(host, port, deadline)
+        # A store off loopback is behind its gate (runtime.wire.tunnel): this client goes through a door of its own.
+        self._door = None if is_loopback(host) else StoreDoor(host, port, secret)
+        if self._door is not None and not self._door.reachable(max(1.0, deadline - time.monotonic())):
+            why = self._door.last_error
+            self._door.close()
+            raise JobNotFound(f"the job's store at {host}:{port} did not let this client in ({why}); use the secret "
+                              f"the job was started with (or {ENV_SECRET})")
+        at = ("127.0.0.1", self._door.port) if self._door is not None else (host, port)
         try:
             self._store: dist.TCPStore | None = dist.TCPStore(
-                host, port, None, False, timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+                *at, None, False, timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
             )
         except (RuntimeError, OSError) as exc:
+            self.close()
             raise JobNotFound(f"{host}:{port} accepts connections but is not a job store ({exc})") from exc
         try:
             _wait_for_key(self._store, keys.k_job_config(), deadline)
@@ -159,7 +169,11 @@ class JobControl:
         # A plain connection first: the store's socket closes while the launcher process is still exiting, and
         # a call on the client then would print torch's C++ trace.
         try:
-            socket.create_connection((self.host, self.port), timeout=1.0).close()
+            if self._door is not None:
+                if not self._door.reachable(1.0):
+                    raise OSError(self._door.last_error)
+            else:
+                socket.create_connection((self.host, self.port), timeout=1.0).close()
             over = self._store.check([keys.k_over()])
         except (OSError, RuntimeError):
             over = True
@@ -216,6 +230,8 @@ class JobControl:
 
     def close(self) -> None:
         self._store = None  # a TCPStore client closes its socket when released
+        if self._door is not None:
+            self._door.close()
 
     def __enter__(self) -> JobControl:
         return self

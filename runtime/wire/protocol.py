@@ -65,6 +65,11 @@ class Hello:
     """Where this host's processes listen for their peers (Gloo, TLS handoffs)."""
     pid: int
     nonce: str
+    role: str = "any"
+    """What this host may run: "worker", "standby" or "any" (`trainmover agent --role`)."""
+
+
+HOST_ROLES = ("any", "worker", "standby")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,8 @@ class Welcome:
     heartbeat_s: float
     lease_s: float
     """An agent that hears nothing from the coordinator for this long kills its processes (it is fenced)."""
+    job_id: str = ""
+    """The job this coordinator runs: an agent started without --job-id serves this one from then on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +218,8 @@ def decode(raw: dict[str, Any]) -> Message:
         values[f.name] = value
     if kind is Signal and values.get("signal", "kill") not in ("kill", "stop"):
         raise ProtocolError("signal: must be kill or stop")
+    if kind is Hello and values.get("role", "any") not in HOST_ROLES:
+        raise ProtocolError(f"hello: role must be one of {', '.join(HOST_ROLES)}")
     if kind is HostNotice and values.get("kind") not in NOTICE_KINDS:
         raise ProtocolError(f"host_notice: kind must be one of {', '.join(NOTICE_KINDS)}")
     return kind(**values)

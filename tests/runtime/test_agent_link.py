@@ -254,3 +254,133 @@ def test_on_one_machine_the_coordinator_sees_an_exit_on_its_own_pidfd_before_the
         h.close()
         with pytest.raises(ProcessLookupError):
             os.kill(h.pid, 0)  # reaped: not even a zombie is left
+
+
+def _raw_host(p: HostPool, token: str, name: str, slots: int, role: str = "any", address: str = "127.0.0.1",
+              incarnation: str = "1") -> socket.socket:
+    """A host admitted by hand-made frames (nothing is started on it): its role or name is what the test is about."""
+    sock = socket.create_connection(("127.0.0.1", p.port))
+    link = Link(sock, "agent")
+    nonce = new_nonce()
+    link.send(Hello("job1", name, incarnation, slots, address, 1, nonce, role=role))
+    welcome, raw = link.recv(5)
+    assert isinstance(welcome, Welcome) and welcome.job_id == "job1"
+    link.key = session_key(token, nonce, raw["cn"])
+    assert link.check_last()
+    link.send(Beat())
+    return sock
+
+
+def test_hosts_take_only_what_their_role_allows(pool: tuple[HostPool, str]) -> None:
+    """`trainmover agent --role`: a worker host never gets a standby, a standby host never a worker; free slots
+    count only what may run standbys; a role outside the three is a protocol error."""
+    p, token = pool
+    socks = [_raw_host(p, token, "wk", 2, "worker"), _raw_host(p, token, "sb", 1, "standby")]
+    p.wait_for_hosts(2, 5)
+    try:
+        with p._cond:
+            assert p._place("worker")[0].name == "wk" and p._place("standby")[0].name == "sb"
+        assert p.free_slots() == 1
+        socks.append(_raw_host(p, token, "any", 1, "any"))
+        p.wait_for_hosts(3, 5)
+        assert p.free_slots() == 2
+        with p._cond:
+            (wk,) = [h for h in p.hosts if h.name == "wk"]
+            wk.procs = {i: p._new_handle(f"w{i}", "worker", wk, i) for i in (0, 1)}  # full: workers go to "any" next
+            assert p._place("worker")[0].name == "any"
+            (sb,) = [h for h in p.hosts if h.name == "sb"]
+            sb.procs = {0: p._new_handle("s0", "standby", sb, 0)}
+            assert p._place("standby")[0].name == "any"
+            (an,) = [h for h in p.hosts if h.name == "any"]
+            an.procs = {0: p._new_handle("s1", "standby", an, 0)}
+            with pytest.raises(NoSlot, match="may run a standby"):
+                p._place("standby")
+            for h in p.hosts:
+                h.procs = {}
+    finally:
+        for s in socks:
+            s.close()
+    # A second agent on the workers' machine (same address) is the last choice for a standby.
+    socks = [_raw_host(p, token, "wk2", 1, "worker", address="10.9.0.1"),
+             _raw_host(p, token, "twin", 1, address="10.9.0.1"), _raw_host(p, token, "far", 1, address="10.9.0.2")]
+    p.wait_for_hosts(3, 5)  # the three above are gone (their links closed)
+    try:
+        with p._cond:
+            (wk2,) = [h for h in p.hosts if h.name == "wk2" and h.lost is None]
+            wk2.procs = {0: p._new_handle("w2", "worker", wk2, 0)}
+            assert p._place("standby")[0].name == "far"
+            (far,) = [h for h in p.hosts if h.name == "far"]
+            far.procs = {0: p._new_handle("s2", "standby", far, 0)}
+            assert p._place("standby")[0].name == "twin"
+            for h in p.hosts:
+                h.procs = {}
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(ProtocolError, match="role must be"):
+        decode({"v": VERSION, "t": "hello", "job_id": "", "host": "h", "incarnation": "1", "slots": 1,
+                "address": "a", "pid": 1, "nonce": "n", "role": "boss"})
+
+
+def test_an_agent_serves_the_first_job_it_joined_and_refuses_the_next(pool: tuple[HostPool, str]) -> None:
+    """An agent started without --job-id is admitted to job0 (a coordinator that then dies); when another job's
+    coordinator later listens at the same address with the same secret, the agent asks for job0 only: it is
+    refused, counts toward nothing, and stops with a message naming both jobs."""
+    p2, token = pool  # job1, started second; first a coordinator of job0 on a port the agent will come back to
+    first = socket.create_server(("127.0.0.1", 0))
+    port = first.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            Agent(AgentConfig(coordinator=f"127.0.0.1:{port}", slots=1, secret=token, name="stale",
+                              connect_timeout_s=20.0, fork_server=False)).run()
+        except AgentError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    conn, _ = first.accept()
+    first.close()
+    link = Link(conn, "coordinator")
+    hello, _ = link.recv(5)
+    assert isinstance(hello, Hello) and hello.job_id == ""
+    nonce = new_nonce()
+    link.key = session_key(token, hello.nonce, nonce)
+    link.send(Welcome(0.05, 5.0, "job0"), {"cn": nonce})
+    assert isinstance(link.recv(5)[0], Beat)
+    conn.close()  # job0's coordinator dies; the agent comes back as a new incarnation, asking for job0
+    relay = socket.create_server(("127.0.0.1", port))  # job1's coordinator, at the same address
+    try:
+        back, _ = relay.accept()
+        relayed = Link(back, "coordinator")
+        again, _ = relayed.recv(5)
+        assert isinstance(again, Hello) and again.job_id == "job0"
+        to_p2 = socket.create_connection(("127.0.0.1", p2.port))
+        l2 = Link(to_p2, "agent")
+        l2.send(again)
+        fence, _ = l2.recv(5)
+        assert isinstance(fence, Fence) and "runs job job1, not job0" in fence.reason
+        relayed.send(fence)
+        to_p2.close()
+        back.close()
+    finally:
+        relay.close()
+    thread.join(timeout=15)
+    assert not thread.is_alive() and errors and "job1, not job0" in str(errors[0])
+    assert p2.live_hosts() == [] and _events(p2, AgentRefused)[0].reason.startswith("it asked for job job0")
+
+
+def test_two_machines_with_one_hostname_are_told_apart_by_address(pool: tuple[HostPool, str]) -> None:
+    """Cloned images and network namespaces share a hostname: the second is named with its address in every event;
+    the same machine coming back as a new incarnation (same address) keeps its name."""
+    p, token = pool
+    socks = [_raw_host(p, token, "vm", 1, address="10.0.0.1"), _raw_host(p, token, "vm", 1, address="10.0.0.2"),
+             _raw_host(p, token, "vm", 1, address="10.0.0.1", incarnation="2")]
+    try:
+        p.wait_for_hosts(3, 5)
+        assert [h.name for h in p.hosts] == ["vm", "vm@10.0.0.2", "vm"]
+        assert len({h.key for h in p.hosts}) == 3
+    finally:
+        for s in socks:
+            s.close()

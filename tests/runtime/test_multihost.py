@@ -8,6 +8,7 @@ same world size, and leave no process, namespace or link behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -213,6 +214,44 @@ def test_two_hosts_at_once_then_no_standby_host_left(hosts: Cluster, tmp_path: P
 def _placements(job: Job) -> list[dict[str, Any]]:
     """Where each process runs: the `placed` events."""
     return job.events.of("placed")
+
+
+def test_an_outsider_on_another_host_reads_writes_and_kills_nothing(hosts: Cluster, tmp_path: Path) -> None:
+    """A host without the secret, during training: TCPStore's protocol straight at the store's port, a flood of
+    junk connections, heartbeat overwrites and deletes, mutual TLS with a certificate from another secret, junk and
+    a bogus hello at the agent port. It opens no store and reads, writes or deletes no key; no healthy process is
+    declared failed; every refused connection is counted in `job_finished.refused_values`; the job is bit-exact."""
+    for _ in range(3):
+        hosts.add_host()
+    steps = 160
+    job = Job(hosts, tmp_path, agents=2, nproc=2, standby=1, steps=steps, step_ms=60)
+    try:
+        for i in range(2):
+            job.agent(i, 2)
+        started = job.wait("generation 0", lambda ev: next((e for e in ev if e["event"] == "job_started"), None)
+                           if _gen(0)(ev) else None)
+        outsider = subprocess.run(
+            ["ip", "netns", "exec", hosts.ns(2), sys.executable,
+             str(Path(__file__).parent / "scripts" / "store_outsider.py"), hosts.coordinator_ip,
+             str(started["port"]), str(started["agent_port"])],
+            capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert outsider.returncode == 0, outsider.stderr[-3000:]
+        got = json.loads(outsider.stdout.strip().splitlines()[-1])
+        assert job.events.of("recovered") == [] and job.events.of("member_failed") == [], \
+            "the outsider got a healthy process declared failed"
+        assert job.finish() == 0, job.log.read_text()
+        assert {k: v for k, v in got.items() if k != "gate_connections"} == {
+            "keys_read": 0, "keys_written": 0, "keys_deleted": 0, "stores_opened": 0,
+            "tls_with_another_secret_admitted": 0}
+        assert job.events.of("member_failed") == [] and job.events.of("host_lost") == []
+        assert not [e for e in job.events.of("host_joined") if e["host"] == "evil"]
+        refused = job.events.of("job_finished")[0]["refused_values"]
+        # Every connection it made was refused and counted (a TCPStore client retries: at least one each).
+        assert refused.get("store/tunnel", 0) >= got["gate_connections"], refused
+        _exact(job, 2, steps)
+        _no_process_left(hosts)
+    finally:
+        job.close()
 
 
 def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster, tmp_path: Path) -> None:
