@@ -338,6 +338,9 @@ class LaunchConfig:
         "--backend", "gloo (CPU) or nccl (one GPU per process: workers and standbys alike; default %(default)s)"))
     events_path: str | None = field(default=None, metadata=flag(
         "--events", "write membership and recovery events as JSON lines", metavar="FILE"))
+    rank_logs: str | None = field(default=None, metadata=flag(
+        "--rank-logs", "collect every process's output here, one file per rank that follows the rank across "
+        "failovers (rank-R.log; standby-NAME.log before a promotion)", metavar="DIR"))
     hang_timeout_s: float = field(default=KNOBS.hang_timeout_s, metadata=flag(
         "--hang-timeout", "heartbeat silence after which a worker is declared hung and fenced (default %(default)s s)",
         metavar="S"))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from runtime.config import ConfigError, LaunchConfig, ProcessConfig
 from runtime.control.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
 from runtime.control.hosts import Host, HostPool, HostTiming, RemoteProcess
+from runtime.control.ranklogs import RankLogs
 from runtime.host.agent import Agent, AgentConfig, Child
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.events import EventLog
@@ -109,7 +110,8 @@ class LocalHostPool(HostPool):
 
     def __init__(self, listen: socket.socket, token: str, cfg: LaunchConfig, argv: list[str], env: dict[str, str],
                  zygote_env: dict[str, str]) -> None:
-        super().__init__(listen, token, cfg.job_id, argv, env, LOCAL_TIMING)
+        super().__init__(listen, token, cfg.job_id, argv, env, LOCAL_TIMING,
+                         RankLogs(cfg.rank_logs) if cfg.rank_logs else None)
         slots = LOCAL_GLOO_SLOTS
         if cfg.backend == "nccl":
             import torch
@@ -233,7 +235,8 @@ def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[s
     """The coordinator's side of the agents: listen on the agent port, wait for `cfg.agents` hosts."""
     listener = bind(cfg.host, cfg.agent_port, "--agent-port")
     env = _process_env(cfg, store_port, tls)
-    pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing())
+    pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing(),
+                    RankLogs(cfg.rank_logs) if cfg.rank_logs else None)
     log.info("waiting for %d agents on %s:%d", cfg.agents, cfg.host, pool.port)
     port = pool.port  # named in the error below, after the listener is closed
     try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config import KNOBS
+from runtime.control.ranklogs import RankLogs
 from runtime.wire.event_records import AgentRefused, Event, HostJoined, HostLost, HostNoticed, Placed
 from runtime.wire.protocol import (
     Beat,
@@ -37,6 +38,7 @@ from runtime.wire.protocol import (
     HostNotice,
     Link,
     Message,
+    Output,
     ProtocolError,
     Signal,
     Spawn,
@@ -95,6 +97,8 @@ class Host:
     lost: str | None = None
     role: str = "any"
     """What the host may run (`trainmover agent --role`): "worker", "standby" or "any"."""
+    ran: set[str] = field(default_factory=set)
+    """Every process ever placed on this incarnation (its output may arrive after its exit)."""
 
     @property
     def key(self) -> str:
@@ -148,7 +152,9 @@ class HostPool:
     together (a rack, a switch) are seen within milliseconds, and their ranks then move in one generation."""
 
     def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
-                 env: dict[str, str], timing: HostTiming) -> None:
+                 env: dict[str, str], timing: HostTiming, rank_logs: RankLogs | None = None) -> None:
+        self.rank_logs = rank_logs
+        """Where the processes' output goes (`--rank-logs`); None: the agents' own output, as they started them."""
         self.listener = listen
         self.token = token
         self.job_id = job_id
@@ -240,8 +246,9 @@ class HostPool:
             host, slot = self._place(role)
             handle = self._new_handle(name, role, host, slot)
             host.procs[slot] = handle
+            host.ran.add(name)
         env = {**self.env, "TM_PROC": name, "TM_ROLE": role}
-        self.order(host, Spawn(name, role, slot, list(self.argv), env))
+        self.order(host, Spawn(name, role, slot, list(self.argv), env, output=self.rank_logs is not None))
         handle.started.wait(SPAWN_ANSWER_S)
         with self._cond:
             if handle.pid < 0 and handle.code is None:
@@ -311,6 +318,8 @@ class HostPool:
         with self._cond:
             self._members = set(members)
             hosts = [h for h in self.hosts if h.lost is None]
+        if self.rank_logs is not None:
+            self.rank_logs.generation(gen, members)
         for h in hosts:
             self.order(h, GenerationNotice(gen, []))
 
@@ -342,6 +351,8 @@ class HostPool:
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.rank_logs is not None:
+            self.rank_logs.close()
 
     def describe(self) -> dict[str, Any]:
         """For the job_started event: where agents connect, and the hosts that joined."""
@@ -489,6 +500,10 @@ class HostPool:
             handle = self._handle(host, msg.proc)
             if handle is not None and handle.code is None:
                 self._exit(handle, msg.code, None, msg.at)
+            return
+        if isinstance(msg, Output):
+            if self.rank_logs is not None and msg.proc in host.ran:  # its own processes only
+                self.rank_logs.write(msg.proc, host.name, msg.text)
             return
         if isinstance(msg, HostNotice):
             procs = sorted(p.name for p in host.procs.values() if p.code is None)

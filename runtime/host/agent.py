@@ -20,6 +20,7 @@ Started by whatever starts a command on every host (cloud-init, a Kubernetes pod
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import logging
 import os
@@ -49,6 +50,7 @@ from runtime.wire.auth import ENV_SECRET
 from runtime.wire.netaddr import interface_of
 from runtime.wire.protocol import (
     NOTICE_KINDS,
+    OUTPUT_CHUNK,
     Beat,
     Exited,
     Fence,
@@ -56,6 +58,7 @@ from runtime.wire.protocol import (
     Hello,
     HostNotice,
     Link,
+    Output,
     ProtocolError,
     Signal,
     Spawn,
@@ -113,6 +116,15 @@ class AgentConfig:
         if not sep or not port.isdigit() or not host:
             raise AgentError(f"--coordinator must be HOST:PORT (the agent port), got {self.coordinator!r}")
         return host.strip("[]"), int(port)
+
+
+@dataclass
+class _Stream:
+    """The read end of a process's stdout and stderr, forwarded to the coordinator (`Spawn.output`)."""
+
+    proc: str
+    fd: int
+    decoder: codecs.IncrementalDecoder
 
 
 class Child:
@@ -242,6 +254,8 @@ class Agent:
         self.exit_code = 0
         self.fenced = 0
         """Times this agent fenced itself or was fenced."""
+        self._streams: dict[int, _Stream] = {}
+        """Read ends of the processes' output this agent forwards, by descriptor."""
         self.doors = Doors(cfg.secret)
         """This host's doors to the job's store (runtime.wire.tunnel): its processes reach a store that is not on
         loopback through one, never directly."""
@@ -351,6 +365,8 @@ class Agent:
                 for key, _ in sel.select(max(0.0, min(beat_due, heard + welcome.lease_s) - now)):
                     if isinstance(key.data, NoticeWatch):
                         self._forward(key.data, link)
+                    elif isinstance(key.data, _Stream):
+                        self._pump(key.data, link, sel)
                     elif key.data is None:
                         data = sock.recv(65536)
                         if not data:
@@ -367,6 +383,23 @@ class Agent:
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
             sel.close()
+            for stream in self._streams.values():
+                os.close(stream.fd)
+            self._streams.clear()
+
+    def _pump(self, stream: _Stream, link: Link, sel: selectors.BaseSelector) -> None:
+        """Forward what a process wrote since the last read; at its end, stop watching its stream."""
+        try:
+            data = os.read(stream.fd, OUTPUT_CHUNK)
+        except BlockingIOError:
+            return
+        text = stream.decoder.decode(data, final=not data)
+        if text:
+            link.send(Output(stream.proc, text))
+        if not data:
+            sel.unregister(stream.fd)
+            os.close(stream.fd)
+            del self._streams[stream.fd]
 
     def _forward(self, watch: NoticeWatch, link: Link) -> None:
         notices = watch.take()
@@ -430,17 +463,30 @@ class Agent:
                 self.zygote.close()
                 self.zygote = None
         pid = None
-        if order.role == "standby" and self.zygote is not None and not nccl:
-            pid = self.zygote.spawn(env, list(order.argv))
-        if pid is not None:
-            child = Child(order.proc, order.slot, pid)
-            how = "forked"
-        else:
-            try:
-                popen = subprocess.Popen([sys.executable, *order.argv], env=env, start_new_session=True)
-            except OSError as exc:
-                return Started(order.proc, -1, f"cannot start {order.argv[:1]}: {exc}")
-            child, how = Child(order.proc, order.slot, popen.pid, popen), "started"
+        out_r, out_w = os.pipe() if order.output else (None, None)
+        try:
+            if order.role == "standby" and self.zygote is not None and not nccl:
+                pid = self.zygote.spawn(env, list(order.argv), out_w)
+            if pid is not None:
+                child = Child(order.proc, order.slot, pid)
+                how = "forked"
+            else:
+                try:
+                    popen = subprocess.Popen([sys.executable, *order.argv], env=env, start_new_session=True,
+                                             stdout=out_w, stderr=out_w)
+                except OSError as exc:
+                    if out_r is not None:
+                        os.close(out_r)
+                    return Started(order.proc, -1, f"cannot start {order.argv[:1]}: {exc}")
+                child, how = Child(order.proc, order.slot, popen.pid, popen), "started"
+        finally:
+            if out_w is not None:
+                os.close(out_w)  # the process holds its own copy: its exit is the stream's end
+        if out_r is not None:
+            os.set_blocking(out_r, False)
+            stream = _Stream(order.proc, out_r, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            self._streams[out_r] = stream
+            sel.register(out_r, selectors.EVENT_READ, stream)
         self.children[order.proc] = child
         if child.pidfd is not None:
             sel.register(child.pidfd, selectors.EVENT_READ, child)

@@ -17,6 +17,7 @@ thread before forking, so a forked process is as fresh as a new interpreter for 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -41,10 +42,12 @@ class ForkRequest:
 
     env: dict[str, str]
     argv: list[str]
+    output: bool = False
+    """The request came with a descriptor (SCM_RIGHTS) that becomes the process's stdout and stderr."""
 
     def to_json(self) -> bytes:
         """The request as the line the zygote reads."""
-        return json.dumps({"env": self.env, "argv": self.argv}).encode() + b"\n"
+        return json.dumps({"env": self.env, "argv": self.argv, "output": self.output}).encode() + b"\n"
 
     @classmethod
     def from_json(cls, line: bytes | str) -> ForkRequest:
@@ -55,7 +58,7 @@ class ForkRequest:
             raise ValueError("a fork request needs its environment as an object of strings")
         if not isinstance(argv, list) or not argv:
             raise ValueError("a fork request needs a non-empty argv")
-        return cls(env, [str(a) for a in argv])
+        return cls(env, [str(a) for a in argv], raw.get("output") is True)
 
 
 def become_subreaper(on: bool = True) -> bool:
@@ -172,17 +175,22 @@ class ZygoteClient:
                 self.stop()
         return self._ready
 
-    def spawn(self, env: dict[str, str], argv: list[str]) -> int | None:
+    def spawn(self, env: dict[str, str], argv: list[str], output_fd: int | None = None) -> int | None:
         """The pid of a new process running `argv` with `env`, or None (the caller starts it another way).
 
         None is only ever returned with no process left from the request: a zygote that answers late (a fork of a
         big process on a loaded machine) may already have forked it, and a second process under the same name,
         started by the caller, would take the same role in the job. So a zygote given up on is stopped with every
-        process it forked that this process was not told about (`stop`)."""
+        process it forked that this process was not told about (`stop`). `output_fd` (passed over the socket)
+        becomes the process's stdout and stderr."""
         if not self.ready() or self.sock is None:
             return None
         try:
-            self.sock.sendall(ForkRequest(env, argv).to_json())
+            line = ForkRequest(env, argv, output_fd is not None).to_json()
+            if output_fd is None:
+                self.sock.sendall(line)
+            else:
+                socket.send_fds(self.sock, [line], [output_fd])
             pid = int(self._read_line(REQUEST_TIMEOUT_S))
         except (OSError, ValueError, TimeoutError):
             self.stop()  # dead, hung or confused: never ask it again (and no stray fork of it is left)
@@ -260,11 +268,17 @@ def forks_adopted_by(parent: int) -> set[int]:
 
 
 # -- the zygote process ------------------------------------------------------------------------------------
-def _child(request: ForkRequest, sock: socket.socket) -> None:
+def _child(request: ForkRequest, sock: socket.socket, output_fd: int | None) -> None:
     """In the forked training process: become what `python script args` would have been, then run it."""
     import runpy
 
     sock.close()
+    if output_fd is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(output_fd, 1)
+        os.dup2(output_fd, 2)
+        os.close(output_fd)
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -295,17 +309,20 @@ def serve(fd: int) -> None:
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     sock.sendall(b"ready\n")
     buffer = b""
+    passed: collections.deque[int] = collections.deque()  # descriptors sent with requests, in order
     while True:
         try:
-            chunk = sock.recv(1 << 16)
+            chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, 16)
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        passed.extend(fds)
         if not chunk:
             return  # the launcher is gone, or closed the socket: the job is over
         buffer += chunk
         while b"\n" in buffer:
             line, _, buffer = buffer.partition(b"\n")
             request = ForkRequest.from_json(line)
+            output_fd = passed.popleft() if request.output and passed else None
             r, w = os.pipe()
             middle = os.fork()
             if middle == 0:
@@ -313,10 +330,12 @@ def serve(fd: int) -> None:
                 pid = os.fork()
                 if pid == 0:
                     os.close(w)
-                    _child(request, sock)  # never returns: the script's own exit ends the process
+                    _child(request, sock, output_fd)  # never returns: the script's own exit ends the process
                 os.write(w, f"{pid}\n".encode())
                 os._exit(0)  # orphan the training process: the launcher (a subreaper) adopts it
             os.close(w)
+            if output_fd is not None:
+                os.close(output_fd)  # the training process holds it now
             with os.fdopen(r) as f:
                 pid_line = f.readline().strip()
             os.waitpid(middle, 0)

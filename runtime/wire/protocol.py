@@ -103,6 +103,21 @@ class Spawn:
     """The script and its arguments (the script is at this path on every host: the image contract)."""
     env: dict[str, str]
     """Launch variables (runtime.config) without the job's secret, which the agent adds itself."""
+    output: bool = False
+    """Send the process's stdout and stderr to the coordinator (`Output` frames) for its rank logs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """agent -> coordinator: what one of its processes wrote to stdout or stderr (UTF-8; invalid bytes replaced)."""
+
+    TYPE: ClassVar[str] = "output"
+    proc: str
+    text: str
+
+
+OUTPUT_CHUNK = 32768
+"""Bytes of a process's output read (and sent) at a time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,11 +193,13 @@ class GenerationNotice:
 
 
 MESSAGES: dict[str, type] = {
-    m.TYPE: m for m in (Hello, Welcome, Beat, Spawn, Started, Exited, Signal, Fence, Stop, GenerationNotice, HostNotice)
+    m.TYPE: m for m in (Hello, Welcome, Beat, Spawn, Started, Exited, Signal, Fence, Stop, GenerationNotice, HostNotice,
+                        Output)
 }
-Message = Hello | Welcome | Beat | Spawn | Started | Exited | Signal | Fence | Stop | GenerationNotice | HostNotice
+Message = (Hello | Welcome | Beat | Spawn | Started | Exited | Signal | Fence | Stop | GenerationNotice | HostNotice
+           | Output)
 
-_CHECKS: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "list[str]": list,
+_CHECKS: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": list,
                            "dict[str, str]": dict, "Literal['kill', 'stop']": str}
 
 

@@ -118,7 +118,8 @@ def test_host_killed_mid_exchange_then_an_agent_killed_alone(hosts: Cluster, tmp
         hosts.add_host()
     steps = 300
     job = Job(hosts, tmp_path, agents=3, nproc=4, standby=2, steps=steps, step_ms=60,
-              faults="host:rank=1,step=5,phase=exchange")
+              faults="host:rank=1,step=5,phase=exchange", extra=("--rank-logs", str(tmp_path / "logs")),
+              script_args=("--say",))
     try:
         agents = [job.agent(i, 2) for i in range(3)]
         lost = job.wait("the first host lost", lambda ev: [e for e in ev if e["event"] == "host_lost"])
@@ -142,7 +143,12 @@ def test_host_killed_mid_exchange_then_an_agent_killed_alone(hosts: Cluster, tmp
         lost = job.events.of("host_lost")
         assert [e["host"] for e in lost] == [first["host"], f"h{victim}"]
         assert len(job.events.of("recovered")[1]["ranks"]) == 2
-        _exact(job, 4, steps)
+        _exact(job, 4, steps, script_args=("--say",))
+        # --rank-logs: rank 1's file holds its output from each host that held it, in turn.
+        rank1 = (tmp_path / "logs" / "rank-1.log").read_text()
+        holders = [line.split()[1:5:3] for line in rank1.splitlines() if line.startswith("--- ")]
+        assert holders[0] == ["w1", first["host"]] and len({h for _, h in holders}) >= 2, holders
+        assert "generation 1: rank 1 is s" in rank1 and f"step {steps} by " in rank1
         for a in agents:
             a.wait(timeout=20)
         _no_process_left(hosts)

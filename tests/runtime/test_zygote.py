@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -63,6 +64,32 @@ def test_forked_processes_are_our_children_with_their_own_argv_env_and_random_st
         assert seen["path0"] == str(tmp_path)
     assert len({r[1]["random"] for r in results.values()}) == 3, "each child seeds Python's random afresh"
     assert len({r[1]["numpy"] for r in results.values()}) == 3, "and NumPy's"
+
+
+def test_a_forked_process_writes_its_stdout_and_stderr_to_the_descriptor_sent_with_its_request(
+        zygote: ZygoteClient, tmp_path: Path) -> None:
+    """`--rank-logs`: the agent sends a pipe's write end with the request (SCM_RIGHTS); the forked process's
+    stdout and stderr both land there, and the pipe ends when the process does (the zygote keeps no copy)."""
+    script = tmp_path / "talker.py"
+    script.write_text("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n")
+    r, w = os.pipe()
+    try:
+        pid = zygote.spawn(dict(os.environ), [str(script)], w)
+    finally:
+        os.close(w)
+    assert pid is not None
+    p = ForkedProcess("talker", "standby", pid)
+    assert p.wait(30) == 0
+    p.close()
+    data, deadline = b"", time.monotonic() + 10
+    try:
+        while chunk := (os.read(r, 4096) if select.select([r], [], [], max(0.0, deadline - time.monotonic()))[0]
+                        else None):
+            data += chunk
+        assert chunk == b"", "the pipe must end with the process: nobody else may hold its write end"
+    finally:
+        os.close(r)
+    assert data.decode().splitlines() == ["to stdout", "to stderr"]
 
 
 def test_a_forked_process_can_be_killed_and_reaped(zygote: ZygoteClient, tmp_path: Path) -> None:
@@ -147,7 +174,8 @@ def test_a_fork_request_is_one_json_line_read_back_whole_or_refused() -> None:
     request = ForkRequest({"TM_PROC": "s3", "PATH": "/bin"}, ["train.py", "--steps", "5"])
     line = request.to_json()
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert json.loads(line) == {"env": {"TM_PROC": "s3", "PATH": "/bin"}, "argv": ["train.py", "--steps", "5"]}
+    assert json.loads(line) == {"env": {"TM_PROC": "s3", "PATH": "/bin"}, "argv": ["train.py", "--steps", "5"],
+                                "output": False}
     assert ForkRequest.from_json(line) == request
     for bad in (b"[]", b'{"env": {"A": 1}, "argv": ["x"]}', b'{"env": {}, "argv": []}', b"not json"):
         with pytest.raises(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from runtime.training.job import Job
@@ -31,10 +32,15 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--step-ms-until-gen", type=int, default=0,
                    help="--step-ms only until the job reaches this generation (each recovery starts one), then full "
                         "speed: a test's window for its outside action stays wide on a loaded machine, the run short")
+    p.add_argument("--say", action="store_true",
+                   help="print each committed step with this process's name to stdout, and its rank to stderr")
     return p
 
 
 def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
+    if args.say:
+        print(f"step {result.step} by {job.proc}", flush=True)
+        print(f"rank {result.rank} at step {result.step}", file=sys.stderr, flush=True)
     if args.pace_ms and not job.store.check([k_chaos_done()]):
         factor = args.pace_end_factor if result.step > args.steps * 3 // 4 else 1.0
         time.sleep(args.pace_ms * factor / 1000)
