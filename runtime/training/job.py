@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 import select
 import signal
@@ -170,5 +171,8 @@ def init() -> Job:
         except LaunchError as exc:
             sys.stderr.write(f"trainmover: {exc}\n")
             raise SystemExit(2) from None
+        # `kill -USR1 <pid>` prints every thread's stack to the process's stderr (its agent's log, or its rank
+        # log with --rank-logs): what a stuck member is waiting on, without stopping it.
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         _job = Job(cfg)
     return _job
