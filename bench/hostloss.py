@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,8 @@ from bench.peers.trainmover import OUT_ENV, TM_SCRIPT, JobRun, collect
 from bench.workload import SPEC_ENV, WorkloadSpec
 
 SLOTS = 2
+TINY_JOB = Path(__file__).resolve().parents[1] / "tests" / "runtime" / "scripts" / "tiny_job.py"
+"""The runtime tests' small script: what the standby warm-up measurement trains (its model size is not the point)."""
 WORKER_HOSTS = 2
 
 
@@ -135,3 +138,58 @@ def host_partition(spec: WorkloadSpec, cuts: int, handoff_floor_s: float, floor_
                               f"{CUT_AFTER_S} s into training and {CUT_AFTER_S} s after each recovery"}
     tm["ranks_per_recovery"] = [len(e["ranks"]) for e in cut.of_kind("recovered")]
     return tm
+
+
+def standby_warm_across_hosts(asks: int = 3) -> dict[str, Any]:
+    """How long a standby takes to be warm on another host once asked for, in steady training: a worker host and a
+    standby host (namespaces, `asks + 1` standby slots), one standby at the start; then the standby target is raised
+    by one, `asks` times, through `JobControl` across the store's tunnel, each after the previous one is warm.
+    Each ask's `standby_ready.ready_after_s` (spawn order to warm), and the start-up standby's for comparison."""
+    from runtime.wire.control import JobControl
+
+    reason = unavailable()
+    if reason:
+        return {"skipped": reason}
+    with tempfile.TemporaryDirectory(prefix="tm-warm-") as tmp, cluster(2, Path(tmp)) as c:
+        secret = secrets.token_hex(32)
+        with socket.socket() as probe:
+            probe.bind((c.coordinator_ip, 0))
+            port = probe.getsockname()[1]
+        events = Events(Path(tmp) / "events.jsonl")
+        cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", "2", "--agent-port", str(port),
+               "--host", c.coordinator_ip, "--nproc", "2", "--standby", "1", "--threads", "1", "--quiet",
+               "--wait-for-standbys", "--events", str(events.path), str(TINY_JOB),
+               "--steps", "100000", "--step-ms", "20"]
+        with open(Path(tmp) / "coordinator.log", "wb") as log:
+            coord = subprocess.Popen(cmd, env={**os.environ, "TRAINMOVER_JOB_SECRET": secret}, stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            c.start_agent(0, port, secret, 2, "--quiet", "--role", "worker")
+            c.start_agent(1, port, secret, asks + 1, "--quiet", "--role", "standby")
+            def running(ev: list[dict[str, Any]]) -> dict[str, Any] | None:
+                if not any(e["event"] == "generation" for e in ev):
+                    return None
+                return next(e for e in ev if e["event"] == "job_started")
+
+            started = events.wait_for("generation 0", running, 300, alive=coord)
+            control = JobControl(c.coordinator_ip, started["port"], timeout_s=30, secret=secret)
+            try:
+                for n in range(asks):
+                    def warm(ev: list[dict[str, Any]], want: int = n + 2) -> bool:
+                        return len([e for e in ev if e["event"] == "standby_ready"]) >= want
+
+                    control.set_standby_target(n + 2)
+                    events.wait_for(f"standby {n + 2} warm", warm, 120, alive=coord)
+            finally:
+                control.close()
+        finally:
+            coord.kill()
+            coord.wait(timeout=10)
+        ready = [e for e in events.read() if e["event"] == "standby_ready"]
+    asked = [round(e["ready_after_s"], 3) for e in ready[1:]]
+    return {"asked_ready_after_s": asked, "asked_median_s": round(statistics.median(asked), 3),
+            "asked_max_s": max(asked), "warmup_s": [round(e["warmup_s"], 4) for e in ready[1:]],
+            "at_start_ready_after_s": round(ready[0]["ready_after_s"], 3),
+            "method": "ready_after_s of each standby_ready event: from the coordinator's spawn order to the standby "
+                      "warm (forked by the standby host's zygote, its model and buffers built); the standby target "
+                      "raised through JobControl across the store's tunnel, one ask at a time, in steady training"}

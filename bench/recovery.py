@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.hostloss import host_loss, host_partition
+from bench.hostloss import host_loss, host_partition, standby_warm_across_hosts
 from bench.peers.checkpoint_restart import kill_fractions, lost_time_checkpoint_restart
 from bench.peers.common import rounded, spread, steady_step_s
 from bench.peers.p2p import measure_p2p_bandwidth
@@ -170,6 +170,7 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
     report["host_loss"] = hl if "skipped" in hl else rounded(hl)
     hp = timed("host_partition", host_partition, spec, HOST_KILLS, handoff_floor_s, floor_s, KNOBS.host_timeout_s)
     report["host_partition"] = hp if "skipped" in hp else rounded(hp)
+    report["standby_warm_across_hosts"] = timed("standby_warm_across_hosts", standby_warm_across_hosts)
     report["benchmark_wall_s"] = time.time() - t0
     report["ratios"] = _ratios(report)
     return report
@@ -249,9 +250,18 @@ def format_report(r: dict[str, Any]) -> str:
           f"{f(k['warmup_penalty_in_run_s']):>9}  {_verdict(k)}" for k in tm["kills"]),
         _host_loss_line(r.get("host_loss", {}), f),
         _host_loss_line(r.get("host_partition", {}), f, "host cut off (link down, processes alive)"),
+        _warm_line(r.get("standby_warm_across_hosts", {}), f),
         f"  wall {r['benchmark_wall_s']:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["section_wall_s"].items()),
     ]
     return "\n".join(lines)
+
+
+def _warm_line(w: dict[str, Any], f: Any) -> str:
+    if not w or "skipped" in w:
+        return f"  standby warm across hosts: skipped ({w.get('skipped', 'not run')})"
+    return (f"  standby warm across hosts once asked for (target 3 s): median {f(w['asked_median_s'])}, max "
+            f"{f(w['asked_max_s'])} over {len(w['asked_ready_after_s'])} asks; at the job's start "
+            f"{f(w['at_start_ready_after_s'])}")
 
 
 def _host_loss_line(hl: dict[str, Any], f: Any, what: str = "host loss") -> str:
