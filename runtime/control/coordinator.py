@@ -143,6 +143,11 @@ class ProcessPool(Protocol):
         """Whether process `name` may be lost with its host (its hang is then left to the host's timeout)."""
         ...
 
+    def beat_seen(self, name: str) -> float | None:
+        """When (the coordinator's monotonic clock) process `name` last beat as its host's agent saw it, apart from
+        the job's store; None when the pool has no such report."""
+        ...
+
     def announce(self, gen: int, members: list[str]) -> None:
         """A new generation was published with these members."""
         ...
@@ -184,6 +189,9 @@ class SimplePool:
 
     def suspect(self, name: str) -> bool:
         return False
+
+    def beat_seen(self, name: str) -> float | None:
+        return None
 
     def announce(self, gen: int, members: list[str]) -> None:
         pass
@@ -256,7 +264,7 @@ class Coordinator:
         self.procs: dict[str, Member] = {}
         self.gen = Generation(0, tuple(f"w{i}" for i in range(settings.nproc)))
         self.health = HealthWatch(self.records, settings.hang_timeout_s, settings.startup_timeout_s, wall,
-                                  pool.suspect)
+                                  pool.suspect, pool.beat_seen)
         # Through a weak reference, for the same reason: the standby pool must not keep the coordinator alive.
         me = weakref.proxy(self)
         self.standbys = StandbyPool(self.procs, lambda name, role: me._spawn(name, role), events, settings.standby,

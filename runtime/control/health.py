@@ -110,6 +110,9 @@ class HealthWatch:
     wall: Callable[[], float]
     suspect: Callable[[str], bool] = lambda _: False
     """Whether a process's whole host went silent: the host timeout then takes all its ranks at once."""
+    beat_seen: Callable[[str], float | None] = lambda _: None
+    """When a process last beat as its agent saw it (the pool's `beat_seen`), apart from the store: a beat that is
+    missing from the store (deleted or overwritten there by someone else) is not a hang while its agent sees it."""
 
     def poll(self, procs: dict[str, Member], now: float) -> Verdicts:
         """Read every live process's heartbeat (one round trip for those that beat before) and judge it."""
@@ -130,9 +133,15 @@ class HealthWatch:
                 out.fence.append(Fencing(name, f"did not start within {self.startup_timeout_s:.0f} s"))
                 continue
             elif m.hb_value >= 0 and now - m.hb_changed_at > self.hang_timeout_s and not self.suspect(name):
-                out.fence.append(Fencing(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)",
-                                         m.hb_changed_wall))
-                continue
+                seen = self.beat_seen(name)
+                if seen is not None and now - seen <= self.hang_timeout_s:
+                    # Its agent saw it beat: the store's heartbeat is what went missing. Counted, never a kill.
+                    self.records.sealer.refuse(key, "silent in the store while its agent sees it beat")
+                    m.hb_changed_at, m.hb_changed_wall = seen, self.wall() - (now - seen)
+                else:
+                    out.fence.append(Fencing(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)",
+                                             m.hb_changed_wall))
+                    continue
             if m.handle.role == "standby" and not m.ready and m.hello_ok and (
                 warm := self.records.get_record(keys.k_ready(name), StandbyReady)
             ) is not None:

@@ -39,6 +39,7 @@ from runtime.wire.protocol import (
     Link,
     Message,
     Output,
+    ProcBeats,
     ProtocolError,
     Signal,
     Spawn,
@@ -153,6 +154,8 @@ class HostPool:
 
     def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
                  env: dict[str, str], timing: HostTiming, rank_logs: RankLogs | None = None) -> None:
+        self._beat_at: dict[str, float] = {}
+        """When (monotonic) each process last beat, as its agent saw it (`ProcBeats`)."""
         self.rank_logs = rank_logs
         """Where the processes' output goes (`--rank-logs`); None: the agents' own output, as they started them."""
         self.listener = listen
@@ -235,6 +238,11 @@ class HostPool:
                     have = len([h for h in self.hosts if h.lost is None])
                     raise TimeoutError(f"{have} of {count} agents joined within {timeout_s:.0f} s")
                 self._cond.wait(left)
+
+    def beat_seen(self, name: str) -> float | None:
+        """When (time.monotonic) process `name` last beat as its agent saw it, apart from the store; None: never."""
+        with self._cond:
+            return self._beat_at.get(name)
 
     def free_slots(self) -> int:
         """Free slots on the hosts that may run a standby (role "any" or "standby")."""
@@ -500,6 +508,12 @@ class HostPool:
             handle = self._handle(host, msg.proc)
             if handle is not None and handle.code is None:
                 self._exit(handle, msg.code, None, msg.at)
+            return
+        if isinstance(msg, ProcBeats):
+            now = time.monotonic()
+            for proc, age in msg.ages.items():
+                if proc in host.ran and 0 <= age < 3600:
+                    self._beat_at[proc] = max(self._beat_at.get(proc, 0.0), now - age)
             return
         if isinstance(msg, Output):
             if self.rank_logs is not None and msg.proc in host.ran:  # its own processes only

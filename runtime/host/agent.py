@@ -25,10 +25,12 @@ import contextlib
 import logging
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -59,6 +61,7 @@ from runtime.wire.protocol import (
     HostNotice,
     Link,
     Output,
+    ProcBeats,
     ProtocolError,
     Signal,
     Spawn,
@@ -73,6 +76,9 @@ from runtime.wire.tunnel import Doors, TunnelError
 log = logging.getLogger("trainmover.agent")
 
 ENV_AGENT_PID = "TM_AGENT_PID"
+ENV_AGENT_BEATS = "TM_AGENT_BEATS"
+"""The agent's beat socket (a Unix datagram socket in a directory only this user can enter): each process sends
+"NAME COUNT" there at every heartbeat, so the agent sees it beat without the job's store."""
 """The agent's pid, in every process it starts: the process kills itself when that pid is gone."""
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ALLOWED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
@@ -254,6 +260,13 @@ class Agent:
         self.exit_code = 0
         self.fenced = 0
         """Times this agent fenced itself or was fenced."""
+        self._beat_dir = tempfile.mkdtemp(prefix="trainmover-beats-")  # mode 700: this user's processes only
+        self.beat_path = os.path.join(self._beat_dir, "beats.sock")
+        self._beat_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._beat_sock.bind(self.beat_path)
+        self._beat_sock.setblocking(False)
+        self._beats: dict[str, tuple[int, float]] = {}
+        """Each process's last beat count and when (monotonic) it last went up."""
         self._streams: dict[int, _Stream] = {}
         """Read ends of the processes' output this agent forwards, by descriptor."""
         self.doors = Doors(cfg.secret)
@@ -277,6 +290,8 @@ class Agent:
             self.zygote.close()
             self.zygote = None
         self.doors.close()
+        self._beat_sock.close()
+        shutil.rmtree(self._beat_dir, ignore_errors=True)
 
     # -- the outer loop: connect, serve, fence, come back as new -------------------------------------
     def run(self) -> int:
@@ -347,6 +362,7 @@ class Agent:
         beat_due = heard + welcome.heartbeat_s
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ, None)
+        sel.register(self._beat_sock, selectors.EVENT_READ, self._beat_sock)
         watch = self.cfg.notices
         if watch is not None:
             sel.register(watch.read_fd, selectors.EVENT_READ, watch)
@@ -367,6 +383,8 @@ class Agent:
                         self._forward(key.data, link)
                     elif isinstance(key.data, _Stream):
                         self._pump(key.data, link, sel)
+                    elif key.data is self._beat_sock:
+                        self._take_beats()
                     elif key.data is None:
                         data = sock.recv(65536)
                         if not data:
@@ -379,6 +397,10 @@ class Agent:
                     else:
                         self._reap(key.data, link, sel)
                 if time.monotonic() >= beat_due:
+                    now = time.monotonic()
+                    ages = {p: round(now - t, 4) for p, (_, t) in self._beats.items() if p in self.children}
+                    if ages:
+                        link.send(ProcBeats(ages))
                     link.send(Beat())
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
@@ -386,6 +408,21 @@ class Agent:
             for stream in self._streams.values():
                 os.close(stream.fd)
             self._streams.clear()
+
+    def _take_beats(self) -> None:
+        """Read the beats the processes sent since the last look ("NAME COUNT"; a count that did not go up, or a
+        name this agent did not start, is ignored)."""
+        for _ in range(1024):
+            try:
+                data = self._beat_sock.recv(256)
+            except (BlockingIOError, InterruptedError):
+                return
+            name, _, count = data.decode(errors="replace").partition(" ")
+            if name not in self.children or not count.isdigit():
+                continue
+            last = self._beats.get(name)
+            if last is None or int(count) > last[0]:
+                self._beats[name] = (int(count), time.monotonic())
 
     def _pump(self, stream: _Stream, link: Link, sel: selectors.BaseSelector) -> None:
         """Forward what a process wrote since the last read; at its end, stop watching its stream."""
@@ -445,7 +482,7 @@ class Agent:
         env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
         env.update(order.env)
         env.update({ENV_JOB_TOKEN: self.cfg.secret, ENV_AGENT_PID: str(os.getpid()), ENV_LOCAL_RANK: str(order.slot),
-                    ENV_BIND_HOST: address})
+                    ENV_BIND_HOST: address, ENV_AGENT_BEATS: self.beat_path})
         if ENV_STORE_HOST in env and ENV_STORE_PORT in env:
             try:
                 host, port = self.doors.local(env[ENV_STORE_HOST], int(env[ENV_STORE_PORT]))
@@ -513,6 +550,7 @@ class Agent:
                 os.close(child.pidfd)
                 child.pidfd = None
         self.children.clear()
+        self._beats.clear()
 
 
 def configure_agent_logging(quiet: bool) -> None:

@@ -13,6 +13,7 @@ import faulthandler
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -63,7 +64,11 @@ class Heartbeat(threading.Thread):
         last_ok = time.monotonic()
         beats = 0
         agent = _agent_pidfd()
+        to_agent, agent_beats = _agent_beat_socket()
         while not self._halt.is_set():
+            if to_agent is not None:  # the agent sees this process beat without the store (runtime.host.agent)
+                with contextlib.suppress(OSError):
+                    to_agent.sendto(f"{self.cfg.proc} {beats}".encode(), agent_beats)
             if agent is not None and select.select([agent], [], [], 0)[0]:
                 # The host's agent is gone (runtime.host.agent): nobody on this host can fence or report this process
                 # any more, so it fences itself; the coordinator has lost the host and moves its ranks.
@@ -94,6 +99,16 @@ class Heartbeat(threading.Thread):
 
     def halt(self) -> None:
         self._halt.set()
+
+
+def _agent_beat_socket() -> tuple[socket.socket | None, str]:
+    """A datagram socket to the agent's beat socket (TM_AGENT_BEATS), or None without an agent."""
+    path = os.environ.get("TM_AGENT_BEATS", "")
+    if not path:
+        return None, ""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    return sock, path
 
 
 def _agent_pidfd() -> int | None:

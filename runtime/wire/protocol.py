@@ -116,6 +116,16 @@ class Output:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class ProcBeats:
+    """agent -> coordinator, beside its beats: how long ago each of its processes last beat, as the process told
+    the agent itself (a Unix socket in a private directory, not the job's store). A heartbeat missing from the store
+    (deleted or overwritten by someone who reached it) is no sign of a hang while its agent still sees beats."""
+
+    TYPE: ClassVar[str] = "proc_beats"
+    ages: dict[str, float]
+
+
 OUTPUT_CHUNK = 32768
 """Bytes of a process's output read (and sent) at a time."""
 
@@ -194,13 +204,13 @@ class GenerationNotice:
 
 MESSAGES: dict[str, type] = {
     m.TYPE: m for m in (Hello, Welcome, Beat, Spawn, Started, Exited, Signal, Fence, Stop, GenerationNotice, HostNotice,
-                        Output)
+                        Output, ProcBeats)
 }
 Message = (Hello | Welcome | Beat | Spawn | Started | Exited | Signal | Fence | Stop | GenerationNotice | HostNotice
-           | Output)
+           | Output | ProcBeats)
 
 _CHECKS: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "bool": bool, "list[str]": list,
-                           "dict[str, str]": dict, "Literal['kill', 'stop']": str}
+                           "dict[str, str]": dict, "dict[str, float]": dict, "Literal['kill', 'stop']": str}
 
 
 def to_json(msg: Message) -> dict[str, Any]:
@@ -228,6 +238,10 @@ def decode(raw: dict[str, Any]) -> Message:
             raise ProtocolError(f"{kind.TYPE}: field {f.name!r} must be {f.type}, got {type(value).__name__}")  # type: ignore[attr-defined]
         if str(f.type) == "list[str]" and not all(isinstance(v, str) for v in value):
             raise ProtocolError(f"{kind.TYPE}: field {f.name!r} must hold strings")  # type: ignore[attr-defined]
+        if str(f.type) == "dict[str, float]" and not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()
+        ):
+            raise ProtocolError(f"{kind.TYPE}: field {f.name!r} must map strings to numbers")  # type: ignore[attr-defined]
         if str(f.type) == "dict[str, str]" and not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
         ):

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,3 +143,34 @@ def test_an_outsider_without_the_secret_steers_nothing_and_the_job_ends_bit_exac
         assert f"ignored a value of {kind}" in job.stderr, f"a member refused the forged {kind}"
     assert [e for e in job.events("untrusted_value") if e["key_kind"] == "proc/w#/fatal"], "read when w1 died"
     assert "Traceback" not in job.stderr and "Exception raised from" not in job.stderr
+
+
+def test_heartbeats_deleted_and_overwritten_in_the_store_get_no_healthy_process_killed(
+    tmp_path: Path, reference_digest: Callable[[int, int], str]
+) -> None:
+    """The store's heartbeat keys deleted and overwritten with junk, over and over, for 2.5 hang timeouts (the
+    attack of issue 26, here on one machine where the store is on loopback): each process's agent still sees it beat
+    through its own socket (runtime.host.agent's beat socket), so no one is declared hung; the silences are counted
+    as refused heartbeats; the job ends bit-exact."""
+    with running(tmp_path, "--standby", "1", "--wait-for-standbys", "--hang-timeout", "1.5",
+                 pace_ms=1.4 * PACE_MS) as job:
+        (started,) = job.wait_for("job_started")
+        job.wait_for("generation")
+        outsider = dist.TCPStore("127.0.0.1", started["port"], None, False, timeout=datetime.timedelta(seconds=10))
+        targets = [keys.k_heartbeat(p) for p in ("w0", "w1", "s0")]
+        deadline = time.monotonic() + 2.5 * 1.5
+        attacks = 0
+        while time.monotonic() < deadline:
+            for key in targets:
+                outsider.delete_key(key)
+                attacks += 1
+            if attacks % 30 == 0:
+                for key in targets:
+                    outsider.set(key, "0" * 64 + "999999")  # and junk in its place now and then
+            time.sleep(0.002)  # the attacker's own pace, not a synchronisation
+        del outsider
+        finished = job.finish()
+    assert not job.events("member_failed") and not job.events("recovered"), "a healthy process was declared hung"
+    assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
+    assert finished["refused_values"].get("proc/w#/heartbeat", 0) + finished["refused_values"].get(
+        "proc/s#/heartbeat", 0) > 0, finished["refused_values"]
