@@ -61,22 +61,30 @@ def _cut_hosts(c: Cluster, events: Events, coord: subprocess.Popen[bytes], cuts:
         events.wait_for(f"recovery {n + 1}", recovered, 600, alive=coord)
 
 
-def _run(c: Cluster, tmp: Path, out: Path, spec: WorkloadSpec, steps: int, faults: str,
-         standby_hosts: int, cuts: int) -> JobRun:
+def _start_coordinator(c: Cluster, tmp: Path, args: list[str], env: dict[str, str]
+                       ) -> tuple[subprocess.Popen[bytes], int, str, Events]:
+    """`trainmover coordinator` for the cluster's hosts with `args` (options, then the script and its arguments),
+    a fresh secret, its events in `tmp`; (process, agent port, secret, events)."""
     secret = secrets.token_hex(32)
     with socket.socket() as probe:
         probe.bind((c.coordinator_ip, 0))
         port = probe.getsockname()[1]
     events = Events(tmp / "events.jsonl")
     cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", str(len(c.hosts)), "--agent-port",
-           str(port), "--host", c.coordinator_ip, "--nproc", str(WORKER_HOSTS * SLOTS), "--standby",
-           str(standby_hosts * SLOTS), "--threads", "1", "--no-replenish", "--wait-for-standbys", "--quiet",
-           "--hang-timeout", "6",
-           "--events", str(events.path), *(["--faults", faults] if faults else []), str(TM_SCRIPT), str(steps)]
-    env = {SPEC_ENV: spec.to_env(), OUT_ENV: str(out)}
+           str(port), "--host", c.coordinator_ip, "--threads", "1", "--quiet", "--events", str(events.path), *args]
     with open(tmp / "coordinator.log", "wb") as log:
         coord = subprocess.Popen(cmd, env={**os.environ, **env, "TRAINMOVER_JOB_SECRET": secret}, stdout=log,
                                  stderr=subprocess.STDOUT, cwd=ROOT)
+    return coord, port, secret, events
+
+
+def _run(c: Cluster, tmp: Path, out: Path, spec: WorkloadSpec, steps: int, faults: str,
+         standby_hosts: int, cuts: int) -> JobRun:
+    env = {SPEC_ENV: spec.to_env(), OUT_ENV: str(out)}
+    coord, port, secret, events = _start_coordinator(c, tmp, [
+        "--nproc", str(WORKER_HOSTS * SLOTS), "--standby", str(standby_hosts * SLOTS), "--no-replenish",
+        "--wait-for-standbys", "--hang-timeout", "6", *(["--faults", faults] if faults else []),
+        str(TM_SCRIPT), str(steps)], env)
     try:
         for i in range(len(c.hosts)):
             c.start_agent(i, port, secret, SLOTS, "--quiet", env=env)
@@ -151,18 +159,9 @@ def standby_warm_across_hosts(asks: int = 3) -> dict[str, Any]:
     if reason:
         return {"skipped": reason}
     with tempfile.TemporaryDirectory(prefix="tm-warm-") as tmp, cluster(2, Path(tmp)) as c:
-        secret = secrets.token_hex(32)
-        with socket.socket() as probe:
-            probe.bind((c.coordinator_ip, 0))
-            port = probe.getsockname()[1]
-        events = Events(Path(tmp) / "events.jsonl")
-        cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", "2", "--agent-port", str(port),
-               "--host", c.coordinator_ip, "--nproc", "2", "--standby", "1", "--threads", "1", "--quiet",
-               "--wait-for-standbys", "--events", str(events.path), str(TINY_JOB),
-               "--steps", "100000", "--step-ms", "20"]
-        with open(Path(tmp) / "coordinator.log", "wb") as log:
-            coord = subprocess.Popen(cmd, env={**os.environ, "TRAINMOVER_JOB_SECRET": secret}, stdout=log,
-                                     stderr=subprocess.STDOUT, cwd=ROOT)
+        coord, port, secret, events = _start_coordinator(c, Path(tmp), [
+            "--nproc", "2", "--standby", "1", "--wait-for-standbys", str(TINY_JOB), "--steps", "100000",
+            "--step-ms", "20"], {})
         try:
             c.start_agent(0, port, secret, 2, "--quiet", "--role", "worker")
             c.start_agent(1, port, secret, asks + 1, "--quiet", "--role", "standby")

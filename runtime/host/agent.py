@@ -76,10 +76,10 @@ from runtime.wire.tunnel import Doors, TunnelError
 log = logging.getLogger("trainmover.agent")
 
 ENV_AGENT_PID = "TM_AGENT_PID"
+"""The agent's pid, in every process it starts: the process kills itself when that pid is gone."""
 ENV_AGENT_BEATS = "TM_AGENT_BEATS"
 """The agent's beat socket (a Unix datagram socket in a directory only this user can enter): each process sends
 "NAME COUNT" there at every heartbeat, so the agent sees it beat without the job's store."""
-"""The agent's pid, in every process it starts: the process kills itself when that pid is gone."""
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ALLOWED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
 """What a spawn order may set besides the runtime's own TM_* launch variables."""
@@ -397,10 +397,9 @@ class Agent:
                     else:
                         self._reap(key.data, link, sel)
                 if time.monotonic() >= beat_due:
-                    now = time.monotonic()
-                    ages = {p: round(now - t, 4) for p, (_, t) in self._beats.items() if p in self.children}
-                    if ages:
-                        link.send(ProcBeats(ages))
+                    if self._beats:
+                        at = time.monotonic()
+                        link.send(ProcBeats({p: round(at - t, 4) for p, (_, t) in self._beats.items()}))
                     link.send(Beat())
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
@@ -411,14 +410,15 @@ class Agent:
 
     def _take_beats(self) -> None:
         """Read the beats the processes sent since the last look ("NAME COUNT"; a count that did not go up, or a
-        name this agent did not start, is ignored)."""
+        name this agent did not start or has reaped, is ignored)."""
         for _ in range(1024):
             try:
                 data = self._beat_sock.recv(256)
             except (BlockingIOError, InterruptedError):
                 return
             name, _, count = data.decode(errors="replace").partition(" ")
-            if name not in self.children or not count.isdigit():
+            child = self.children.get(name)
+            if child is None or child.code is not None or not count.isdigit():
                 continue
             last = self._beats.get(name)
             if last is None or int(count) > last[0]:
@@ -538,6 +538,7 @@ class Agent:
         os.close(child.pidfd)
         child.pidfd = None
         code = child.wait(5.0)
+        self._beats.pop(child.proc, None)
         link.send(Exited(child.proc, child.pid, -int(signal.SIGKILL) if code is None else code, at))
 
     def _kill_all(self) -> None:

@@ -124,14 +124,15 @@ class JobControl:
         deadline = time.monotonic() + timeout_s
         # Probe with a plain socket first: a TCPStore client that finds nobody prints C++ tracebacks while it
         # retries, which is noise for the common mistake of a wrong port or a job that has ended.
-        _wait_for_listener(host, port, deadline)
-        # A store off loopback is behind its gate (runtime.wire.tunnel): this client goes through a door of its own.
+        # A store off loopback is behind its gate (runtime.wire.tunnel): this client goes through a door of its own,
+        # and probes with a TLS handshake (a plain connection would count as a refused stranger there).
         self._door = None if is_loopback(host) else StoreDoor(host, port, secret)
-        if self._door is not None and not self._door.reachable(max(1.0, deadline - time.monotonic())):
-            why = self._door.last_error
-            self._door.close()
-            raise JobNotFound(f"the job's store at {host}:{port} did not let this client in ({why}); use the secret "
-                              f"the job was started with (or {ENV_SECRET})")
+        try:
+            _wait_for_listener(host, port, deadline, self._door)
+        except JobNotFound:
+            if self._door is not None:
+                self._door.close()
+            raise
         at = ("127.0.0.1", self._door.port) if self._door is not None else (host, port)
         try:
             self._store: dist.TCPStore | None = dist.TCPStore(
@@ -242,17 +243,25 @@ class JobControl:
         self.close()
 
 
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+def _wait_for_listener(host: str, port: int, deadline: float, door: StoreDoor | None = None) -> None:
     while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        timeout = max(0.1, min(1.0, deadline - time.monotonic()))
+        if door is not None:
+            if door.reachable(timeout):
                 return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise JobNotFound(
-                    f"no trainmover job answers at {host}:{port} ({exc.strerror or exc}); start it with "
-                    f"`trainmover run --port {port} ...`, or check the host and port"
-                ) from None
+            if door.refused:
+                raise JobNotFound(f"the job's store at {host}:{port} did not let this client in ({door.last_error}); "
+                                  f"use the secret the job was started with (or {ENV_SECRET})")
+            why = door.last_error
+        else:
+            try:
+                with socket.create_connection((host, port), timeout=timeout):
+                    return
+            except OSError as exc:
+                why = str(exc.strerror or exc)
+        if time.monotonic() >= deadline:
+            raise JobNotFound(f"no trainmover job answers at {host}:{port} ({why}); start it with "
+                              f"`trainmover run --port {port} ...`, or check the host and port")
         time.sleep(0.1)
 
 

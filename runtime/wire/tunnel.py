@@ -265,6 +265,8 @@ class StoreDoor(_Loop):
         self.gate = (host, port)
         self.last_error = ""
         """Why the last connection to the gate failed ("" while none has)."""
+        self.refused = False
+        """Whether the gate refused this door's certificate (another secret): retrying cannot help."""
         super().__init__(socket.create_server(("127.0.0.1", 0)), "trainmover-store-door")
 
     async def _admit(self, conn: socket.socket, peer: Any) -> None:
@@ -293,6 +295,7 @@ class StoreDoor(_Loop):
                 return True
         except ssl.SSLError:
             self.last_error = "the gate refused this secret's certificate (another job's secret?)"
+            self.refused = True
         except OSError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
         return False
