@@ -23,7 +23,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     r.add_argument("--sections", default="data-parallel,sharded", metavar="data-parallel,sharded",
                    help="comma-separated: data-parallel (the systems side by side, host loss), sharded (lost time per "
                         "mesh shape, buddy copies' cost, reconfiguration by world size), reconfiguration (that last "
-                        "part alone: delta against the full rebuild) (default: %(default)s)")
+                        "part alone: delta against the full rebuild), coordinator-loss (the coordinator SIGKILLed, "
+                        "alone; data-parallel runs it too) (default: %(default)s)")
     c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
     c.add_argument("--interruptions", type=_positive, default=100,
                    help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
@@ -100,8 +101,10 @@ def bench_command(ns: argparse.Namespace) -> int:
         return chaos_main(ns.interruptions, ns.json, every_s=ns.every, seed=ns.seed, signals=signals,
                           targets=targets)
     sections = [x for x in ns.sections.split(",") if x]
-    if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration") for x in sections):
-        print("trainmover bench recovery: --sections takes data-parallel, sharded, reconfiguration, comma-separated; "
+    if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration", "coordinator-loss")
+                           for x in sections):
+        print("trainmover bench recovery: --sections takes data-parallel, sharded, reconfiguration, coordinator-loss, "
+              "comma-separated; "
               f"got {ns.sections!r}")
         return 2
     from bench.recovery import main

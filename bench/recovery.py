@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.failover import coordinator_loss, format_coordinator_loss
 from bench.hostloss import host_loss, host_partition, standby_warm_across_hosts
 from bench.peers.checkpoint_restart import kill_fractions, lost_time_checkpoint_restart
 from bench.peers.common import rounded, spread, steady_step_s
@@ -171,6 +172,7 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
     hp = timed("host_partition", host_partition, spec, HOST_KILLS, handoff_floor_s, floor_s, KNOBS.host_timeout_s)
     report["host_partition"] = hp if "skipped" in hp else rounded(hp)
     report["standby_warm_across_hosts"] = timed("standby_warm_across_hosts", standby_warm_across_hosts)
+    report["coordinator_loss"] = timed("coordinator_loss", coordinator_loss, spec)
     report["benchmark_wall_s"] = time.time() - t0
     report["ratios"] = _ratios(report)
     return report
@@ -251,6 +253,7 @@ def format_report(r: dict[str, Any]) -> str:
         _host_loss_line(r.get("host_loss", {}), f),
         _host_loss_line(r.get("host_partition", {}), f, "host cut off (link down, processes alive)"),
         _warm_line(r.get("standby_warm_across_hosts", {}), f),
+        format_coordinator_loss(r.get("coordinator_loss", {"skipped": "not run"})),
         f"  wall {r['benchmark_wall_s']:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["section_wall_s"].items()),
     ]
     return "\n".join(lines)
@@ -289,6 +292,12 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         report["sharded"] = run_sharded_benchmark(quick, kills)
         print(format_sharded(report["sharded"]))
         mismatch = mismatch or not all(s["bitwise_identical"] for s in report["sharded"]["shapes"].values())
+    if "coordinator-loss" in sections:
+        from bench.workload import WorkloadSpec as Spec
+
+        report["coordinator_loss"] = coordinator_loss(Spec.quick() if quick else Spec.full())
+        print(format_coordinator_loss(report["coordinator_loss"]))
+        mismatch = mismatch or report["coordinator_loss"].get("bitwise_identical") is False
     if "reconfiguration" in sections:
         from bench.sharded import FULL, QUICK, format_reconfiguration, reconfigure_section
 

@@ -83,20 +83,27 @@ def _notice_watch(kind: str | None, name: str, url: str) -> NoticeWatch | None:
     return NoticeWatch(ScheduledEventsSource(name, endpoint=url))
 
 
-def agent_command(ns: argparse.Namespace) -> int:
-    import dataclasses
+def _secret(path: str | None, who: str) -> str:
+    """The job's secret from --secret-file, else $TRAINMOVER_JOB_SECRET (never the command line: `ps` shows it);
+    ValueError saying where to put it."""
     import os
 
-    from runtime.host.agent import Agent, AgentConfig, AgentError, configure_agent_logging
     from runtime.wire.auth import ENV_SECRET, check_secret, read_secret_file
 
+    if path:
+        return read_secret_file(path)
+    if os.environ.get(ENV_SECRET):
+        return check_secret(os.environ[ENV_SECRET], ENV_SECRET)
+    raise ValueError(f"the {who} needs the job's secret: --secret-file FILE or ${ENV_SECRET}")
+
+
+def agent_command(ns: argparse.Namespace) -> int:
+    import dataclasses
+
+    from runtime.host.agent import Agent, AgentConfig, AgentError, configure_agent_logging
+
     try:
-        if ns.secret_file:
-            secret = read_secret_file(ns.secret_file)
-        elif os.environ.get(ENV_SECRET):
-            secret = check_secret(os.environ[ENV_SECRET], ENV_SECRET)
-        else:
-            raise AgentError(f"the agent needs the job's secret: --secret-file FILE or ${ENV_SECRET}")
+        secret = _secret(ns.secret_file, "agent")
         configure_agent_logging(ns.quiet)
         cfg = from_namespace(AgentConfig, ns, secret=secret)
         cfg = dataclasses.replace(cfg, notices=_notice_watch(ns.notices, cfg.name, ns.metadata_url))
@@ -107,6 +114,30 @@ def agent_command(ns: argparse.Namespace) -> int:
             agent.close()
     except (AgentError, ValueError, OSError) as exc:
         print(f"trainmover agent: {exc}", file=sys.stderr)
+        return 2
+
+
+def add_store_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "store", help="serve a job's store in a process of its own, so that the job outlives its coordinator",
+        description="Serve the job's key-value store (behind its TLS gate when --host is not loopback) until the job "
+                    "ends. Start the coordinator with --store HOST:PORT; if it dies, the agents keep their processes "
+                    "training, and `trainmover coordinator --takeover --store HOST:PORT ...` takes the job over. The "
+                    "job's secret comes from --secret-file or $TRAINMOVER_JOB_SECRET.")
+    p.add_argument("--host", required=True, help="address to listen on (only there)")
+    p.add_argument("--port", type=int, required=True, help="port to listen on")
+    p.add_argument("--secret-file", metavar="FILE", help="the job's secret (mode 600)")
+    p.add_argument("--idle-exit", type=float, default=600.0, metavar="S",
+                   help="exit when no coordinator has renewed its lease here for this long (default %(default)s s)")
+
+
+def store_command(ns: argparse.Namespace) -> int:
+    from runtime.launcher import ConfigError, serve_store
+
+    try:
+        return serve_store(ns.host, ns.port, _secret(ns.secret_file, "store"), ns.idle_exit)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"trainmover store: {exc}", file=sys.stderr)
         return 2
 
 

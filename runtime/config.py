@@ -405,6 +405,14 @@ class LaunchConfig:
     agents_wait_s: float = field(default=KNOBS.agents_wait_s, metadata=flag(
         "--agents-wait", "how long to wait for the agents to join (default %(default)s s)", group="hosts",
         metavar="S"))
+    store: str = field(default="", metadata=flag(
+        "--store", "use the job's store that `trainmover store` serves at HOST:PORT instead of one in this process: "
+                   "the job then outlives this coordinator, and another can take it over (--takeover)",
+        group="hosts", metavar="HOST:PORT"))
+    takeover: bool = field(default=False, metadata=flag(
+        "--takeover", "take over the job that runs on --store once its coordinator is gone (its lease unrenewed for "
+                      "the agents' lease), adopting the processes its agents re-attach with; same script, --nproc "
+                      "and --job-id as the job was started with", group="hosts"))
     fork_server: bool = field(default=KNOBS.fork_server, metadata={"flag": dataclasses.replace(FORK_SERVER,
                                                                                              group="local")})
     """For the one machine's agent (group "local": `run` alone; across hosts each agent has its own)."""
@@ -430,6 +438,16 @@ class LaunchConfig:
                 self.host_timing().validate()
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        if self.store and not self.agents:
+            raise ConfigError("--store is for a coordinator across hosts (--agents N): on one machine the agent runs "
+                              "in the coordinator's process, so nothing could outlive it")
+        if self.store:
+            host, sep, port = self.store.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ConfigError(f"--store must be HOST:PORT (where `trainmover store` listens), got {self.store!r}")
+        if self.takeover and not self.store:
+            raise ConfigError("--takeover needs --store: the job to take over lives in the store that outlived its "
+                              "coordinator")
         if not 0 <= self.agent_port <= 65535:
             raise ConfigError(f"--agent-port must be a TCP port (0 picks a free one), got {self.agent_port}")
         if self.hang_timeout_s <= self.heartbeat_s * 2:

@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -24,14 +25,15 @@ import time
 import torch.distributed as dist
 
 from runtime.config import ConfigError, LaunchConfig, ProcessConfig
-from runtime.control.coordinator import Coordinator, CoordinatorSettings, JobResult, configure_logging
+from runtime.control.coordinator import Coordinator, CoordinatorSettings, JobFailed, JobResult, configure_logging
 from runtime.control.hosts import Host, HostPool, HostTiming, RemoteProcess
+from runtime.control.lease import Lease, LeaseError
 from runtime.control.ranklogs import RankLogs
 from runtime.host.agent import Agent, AgentConfig, Child
-from runtime.wire.auth import ENV_SECRET
+from runtime.wire.auth import ENV_SECRET, Sealer
 from runtime.wire.events import EventLog
 from runtime.wire.netaddr import interface_of
-from runtime.wire.tunnel import StoreGate, TunnelError, is_loopback
+from runtime.wire.tunnel import StoreDoor, StoreGate, TunnelError, is_loopback
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -131,17 +133,19 @@ class LocalHostPool(HostPool):
     def helpers(self) -> dict[str, int]:
         return self.agent.helpers()
 
-    def close(self, exit_code: int = 0) -> None:
-        super().close(exit_code)  # the agent stops, and kills whatever of the job is left
+    def close(self, exit_code: int = 0, stop_agents: bool = True) -> None:
+        super().close(exit_code, stop_agents)  # the agent stops, and kills whatever of the job is left
         self._agent_thread.join(timeout=15.0)
         self.agent.close()
 
 
-def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] | None) -> dict[str, str]:
+def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] | None,
+                 store_host: str | None = None) -> dict[str, str]:
     """The launch variables every process of the job gets from its agent (the per-process ones and the secret
     are the agent's to add)."""
     pc = ProcessConfig(
-        store_host=cfg.host, store_port=store_port, job_id=cfg.job_id, job_token="", proc="", role="worker",
+        store_host=store_host or cfg.host, store_port=store_port, job_id=cfg.job_id, job_token="", proc="",
+        role="worker",
         backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
         recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
         handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
@@ -190,15 +194,26 @@ def launch(cfg: LaunchConfig) -> JobResult:
                 scratch.cleanup()
                 raise ConfigError(str(exc)) from None
             tls = (cert, key, cfg.tls_ca or cert)
-    server, gate = open_store(cfg.host, cfg.port, token)
-    public_port = gate.port if gate is not None else server.port
+    door: StoreDoor | None = None
+    lease: Lease | None = None
+    if cfg.store:  # the store lives apart (`trainmover store`): the job can outlive this coordinator
+        server, door = connect_store(cfg.store, token)
+        gate = None
+        public_port = int(cfg.store.rpartition(":")[2])
+    else:
+        server, gate = open_store(cfg.host, cfg.port, token)
+        public_port = gate.port if gate is not None else server.port
     events = EventLog(cfg.events_path)
     try:
-        pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, public_port, token, tls)
+        if cfg.store:
+            pool, lease = start_pool_on_store(cfg, server, token, tls)
+        else:
+            pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, public_port, token, tls)
     except ConfigError:
         events.close()
-        if gate is not None:
-            gate.close()
+        for closing in (gate, door):
+            if closing is not None:
+                closing.close()
         raise
     settings = CoordinatorSettings(
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
@@ -210,17 +225,26 @@ def launch(cfg: LaunchConfig) -> JobResult:
     previous = signal.getsignal(signal.SIGTERM)
     if main_thread:
         signal.signal(signal.SIGTERM, _raise_interrupt)
+    coordinator: Coordinator | None = None
     try:
-        coordinator = Coordinator(settings, server, pool, events)
+        coordinator = Coordinator(settings, server, pool, events, lease=lease)
         if gate is not None:  # refused connections counted and reported with the refused records
             gate.on_refused = coordinator.records.sealer.refuse
-        result = coordinator.run()
+        if lease is not None and lease.previous is not None:
+            try:
+                coordinator.take_over(lease.previous, lease.stale_for, _adopt_s(cfg))
+            except JobFailed as exc:
+                raise ConfigError(str(exc)) from None
+            result = coordinator.run_loop()
+        else:
+            result = coordinator.run()
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        pool.close()
-        if gate is not None:
-            gate.close()
+        pool.close(stop_agents=coordinator is None or not coordinator.deposed)
+        for closing in (gate, door):
+            if closing is not None:
+                closing.close()
         events.close()
         if scratch is not None:
             scratch.cleanup()
@@ -237,6 +261,11 @@ def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[s
     env = _process_env(cfg, store_port, tls)
     pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, cfg.host_timing(),
                     RankLogs(cfg.rank_logs) if cfg.rank_logs else None)
+    _wait_for_agents(cfg, pool)
+    return pool
+
+
+def _wait_for_agents(cfg: LaunchConfig, pool: HostPool) -> None:
     log.info("waiting for %d agents on %s:%d", cfg.agents, cfg.host, pool.port)
     port = pool.port  # named in the error below, after the listener is closed
     try:
@@ -250,7 +279,84 @@ def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[s
         pool.close(2)
         raise ConfigError(f"the {cfg.agents} hosts have {slots} slots that may run workers (agents not started "
                           f"with --role standby), fewer than the {cfg.nproc} workers")
-    return pool
+
+
+def _adopt_s(cfg: LaunchConfig) -> float:
+    """How long a coordinator that took over waits for the agents to re-attach with the members: an agent notices
+    its coordinator gone at its lease (or at once, when the coordinator's process died and its link closed), reads
+    the store's lease twice a beat apart, then polls it for the new epoch; a host timeout and a margin of 3 beats
+    cover that."""
+    return cfg.host_timeout_s + 3 * cfg.agent_heartbeat_s
+
+
+def connect_store(address: str, token: str, wait_s: float = 30.0) -> tuple[dist.TCPStore, StoreDoor | None]:
+    """A client of the job's store that `trainmover store` serves at HOST:PORT (through a door when it is not on
+    loopback); ConfigError when nothing answers there within `wait_s` or it refuses the secret."""
+    import datetime
+
+    from runtime.wire.control import JobNotFound, wait_for_listener
+
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    door = None if is_loopback(host) else StoreDoor(host, port, token)
+    try:
+        wait_for_listener(host, port, time.monotonic() + wait_s, door)
+    except JobNotFound as exc:
+        if door is not None:
+            door.close()
+        raise ConfigError(f"{exc} (the store of a coordinator started with --store is `trainmover store --host "
+                          f"{host} --port {port}`, started first)") from None
+    at = ("127.0.0.1", door.port) if door is not None else (host, port)
+    store = dist.TCPStore(at[0], at[1], None, False, timeout=datetime.timedelta(seconds=30), use_libuv=True)
+    return store, door
+
+
+def start_pool_on_store(cfg: LaunchConfig, store: dist.TCPStore, token: str,
+                        tls: tuple[str, str, str] | None) -> tuple[HostPool, Lease]:
+    """The agents' side of a coordinator whose store lives apart: the job's lease first (created for a new job,
+    taken over with --takeover), then the pool, which tells each agent where the store is and the lease's epoch."""
+    listener = bind(cfg.host, cfg.agent_port, "--agent-port")
+    agents_at = f"[{cfg.host}]:{listener.getsockname()[1]}" if ":" in cfg.host else \
+        f"{cfg.host}:{listener.getsockname()[1]}"
+    lease = Lease(store, Sealer(token, "coordinator"), agents_at, clock=time.monotonic, sleep=time.sleep,
+                  wall=time.time)
+    timing = cfg.host_timing()
+    try:
+        if cfg.takeover:
+            _check_job(cfg, store, token)
+            log.info("waiting for the job's coordinator to be gone (its lease unrenewed for %.1f s)", timing.lease_s)
+            lease.take_over(timing.lease_s, cfg.agents_wait_s)
+        else:
+            lease.create()
+    except LeaseError as exc:
+        listener.close()
+        raise ConfigError(str(exc)) from None
+    store_host, _, store_port = cfg.store.rpartition(":")
+    env = _process_env(cfg, int(store_port), tls, store_host.strip("[]"))
+    pool = HostPool(listener, token, cfg.job_id, [cfg.script, *cfg.args], env, timing,
+                    RankLogs(cfg.rank_logs) if cfg.rank_logs else None, store=cfg.store, epoch=lease.epoch,
+                    adopting=cfg.takeover)
+    if not cfg.takeover:
+        _wait_for_agents(cfg, pool)
+    return pool, lease
+
+
+def _check_job(cfg: LaunchConfig, store: dist.TCPStore, token: str) -> None:
+    """Before taking a job over: the store holds this job (id and world size), and it has not ended; ConfigError
+    saying what differs (the lease is left alone)."""
+    from runtime.wire import store as keys
+    from runtime.wire.protocol import JobConfig, JobOver
+
+    records = keys.Records(store, Sealer(token, "coordinator"))
+    config = records.get_record(keys.k_job_config(), JobConfig)
+    if config is None or config.job_id != cfg.job_id or config.nproc != cfg.nproc:
+        found = f"job {config.job_id} of {config.nproc} workers" if config else "no job started with this secret"
+        raise LeaseError(f"the store at {cfg.store} holds {found}, not job {cfg.job_id} of {cfg.nproc} workers: take "
+                         "it over with the --job-id and --nproc it was started with")
+    over = records.get_record(keys.k_over(), JobOver)
+    if over is not None:
+        raise LeaseError(f"job {cfg.job_id} on {cfg.store} has ended (exit status {over.exit_code}): there is "
+                         "nothing to take over")
 
 
 def bind(host: str, port: int, flag: str) -> socket.socket:
@@ -270,6 +376,55 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+STORE_AFTER_OVER_S = 30.0
+"""How long `trainmover store` serves after the job ended: its coordinator still reads digests and stops the
+processes through it."""
+
+
+def serve_store(host: str, port: int, token: str, idle_exit_s: float = 600.0, poll_s: float = 0.5,
+                stop: threading.Event | None = None) -> int:
+    """`trainmover store`: the job's store (and its gate off loopback) in a process of its own, which outlives any
+    coordinator: a coordinator started with `--store HOST:PORT` uses it, and a later one takes the job over from
+    it (runtime.control.lease). Serves until `STORE_AFTER_OVER_S` after the job ended, or until no coordinator has
+    renewed a lease there for `idle_exit_s`, or until `stop` is set (SIGTERM, SIGINT)."""
+    from runtime.wire import store as keys
+    from runtime.wire.protocol import JobOver
+
+    server, gate = open_store(host, port, token)
+    sealer = Sealer(token, "store")
+    records = keys.Records(server, sealer)
+    if gate is not None:
+        gate.on_refused = sealer.refuse
+    stop = stop or threading.Event()
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    print(f"[trainmover] the job's store listens on {host}:{gate.port if gate else server.port}", file=sys.stderr,
+          flush=True)
+    last_lease, moved_at, over_at = b"", time.monotonic(), None
+    try:
+        while not stop.wait(poll_s):
+            now = time.monotonic()
+            lease = server.get(keys.k_lease()) if server.check([keys.k_lease()]) else b""
+            if lease != last_lease:
+                last_lease, moved_at = lease, now
+            if over_at is None and records.get_record(keys.k_over(), JobOver) is not None:
+                over_at = now
+            if over_at is not None and now - over_at > STORE_AFTER_OVER_S:
+                break
+            if now - moved_at > idle_exit_s:
+                print(f"[trainmover] no coordinator renewed a lease here for {idle_exit_s:.0f} s; the store exits",
+                      file=sys.stderr, flush=True)
+                return 3
+    finally:
+        if gate is not None:
+            gate.close()
+        if sealer.total_refused():
+            print(f"[trainmover] the store refused: {dict(sealer.refused)}", file=sys.stderr, flush=True)
+    return 0
 
 
 def open_store(host: str, port: int, token: str) -> tuple[dist.TCPStore, StoreGate | None]:

@@ -16,24 +16,29 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     if command == "demo" and "--runtime" not in argv:
         return _flow_demo(parser, sub, argv)
-    if command in ("run", "demo", "coordinator", "agent"):
+    if command in ("run", "demo", "coordinator", "agent", "store"):
         from runtime.cli import (
             add_agent_parser,
             add_coordinator_parser,
             add_demo_parser,
             add_run_parser,
+            add_store_parser,
             agent_command,
             demo_command,
             run_command,
+            store_command,
         )
 
         add_run_parser(sub)
         add_coordinator_parser(sub)
         add_agent_parser(sub)
+        add_store_parser(sub)
         add_demo_parser(sub)
         ns = parser.parse_args([a for a in argv if a != "--runtime"])
         if ns.command == "agent":
             return agent_command(ns)
+        if ns.command == "store":
+            return store_command(ns)
         return run_command(ns) if ns.command in ("run", "coordinator") else demo_command(ns)
     if command == "policy":
         from policy.cli import add_policy_parser, policy_command
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run a training script with N workers and K warm standbys")
     sub.add_parser("coordinator", help="coordinate a job across hosts, each running `trainmover agent`")
     sub.add_parser("agent", help="this host's agent: start the processes a coordinator assigns to its slots")
+    sub.add_parser("store", help="serve a job's store in a process of its own (the job outlives its coordinator)")
     sub.add_parser("demo", help="the main job on this machine: a resilient training flow with two failures")
     sub.add_parser("bench", help="benchmarks (recovery)")
     sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")

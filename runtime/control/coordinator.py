@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from runtime.control.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control.decisions import MoveContext, move_refusal
 from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
 from runtime.control.hosts import NoSlot
+from runtime.control.lease import Deposed, Lease
 from runtime.control.recoveries import Death, Recoveries
 from runtime.control.standbys import StandbyPool
 from runtime.faults import parse_plan
@@ -48,6 +49,7 @@ from runtime.wire.event_records import (
     ChaosInjected,
     ChaosUnresolved,
     ControlRejected,
+    CoordinatorTookOver,
     Event,
     GenerationStarted,
     JobFinished,
@@ -67,6 +69,7 @@ from runtime.wire.protocol import (
     Assignment,
     ChaosDone,
     ControlCommand,
+    CoordinatorLease,
     CurrentGeneration,
     FailureReport,
     FaultFired,
@@ -78,6 +81,9 @@ from runtime.wire.protocol import (
     JobOver,
     MoveResult,
     Progress,
+    RecoveryOpened,
+    RecoveryReport,
+    StandbyReady,
     StateHomes,
     StopOrder,
 )
@@ -152,6 +158,15 @@ class ProcessPool(Protocol):
         """A new generation was published with these members."""
         ...
 
+    def attached(self) -> set[str]:
+        """The hosts (name and incarnation) whose agents are attached now; empty for a pool with no hosts."""
+        ...
+
+    def take_adopted(self) -> Sequence[ProcessHandle]:
+        """Processes the pool's agents re-attached with since the last call (a coordinator that took the job over
+        adopts them instead of starting them)."""
+        ...
+
 
 class SimplePool:
     """The answers of a pool with no hosts behind it: processes signal their exits themselves, nothing to describe,
@@ -195,6 +210,12 @@ class SimplePool:
 
     def announce(self, gen: int, members: list[str]) -> None:
         pass
+
+    def attached(self) -> set[str]:
+        return set()
+
+    def take_adopted(self) -> Sequence[ProcessHandle]:
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +268,14 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        lease: Lease | None = None,
     ) -> None:
         self.s = settings
+        self.lease = lease
+        """This coordinator's hold on the job when its store lives apart (runtime.control.lease): renewed every health
+        tick, and every generation is claimed through it; None: the store lives and dies with this process."""
+        self.deposed = False
+        """Another coordinator took the job over: this one leaves the processes and the store alone."""
         self.store = store
         self.pool = pool
         self.events = events
@@ -269,7 +296,7 @@ class Coordinator:
         me = weakref.proxy(self)
         self.standbys = StandbyPool(self.procs, lambda name, role: me._spawn(name, role), events, settings.standby,
                                     settings.max_standby_failures, clock, self.health.looks_alive,
-                                    pool.free_slots)
+                                    pool.free_slots, lambda: store.add(keys.k_standby_names(), 1) - 1)
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
         self._homes: list[list[int]] | None = None
@@ -299,6 +326,11 @@ class Coordinator:
         self._health_due = True
         self._next_health = 0.0
         self._t0 = 0.0
+        self._adopt_until: float | None = None
+        """While a coordinator that took over waits for the current members to be re-attached: until when."""
+        self._took_over: CoordinatorTookOver | None = None
+        self._adopted_exited: list[ProcessHandle] = []
+        """Processes an agent re-attached with as exited (while no coordinator ran), declared dead once adopted."""
         self._wake_fd = pool.wake_fd()
         """A pool across hosts (runtime.control.hosts) wakes the loop through this when a process exits or a host is
         lost."""
@@ -312,10 +344,20 @@ class Coordinator:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def run(self) -> JobResult:
+        """Start the job and run it to its end."""
+        return self.run_loop(start=True)
+
+    def run_loop(self, start: bool = False) -> JobResult:
+        """Run the loop to the job's end (after `start()`, or after `take_over()`)."""
         try:
-            self.start()
+            if start:
+                self.start()
             while (result := self.step()) is None:
                 pass
+        except Deposed as exc:
+            self.deposed = True
+            log.error("%s", exc)
+            result = JobResult(5, str(exc), [], {})
         except JobFailed as exc:
             result = JobResult(1, str(exc), [], {})
         except KeyboardInterrupt:
@@ -340,9 +382,127 @@ class Coordinator:
             self._publish(self.gen)
             self._emit_generation(self.gen)
 
+    def take_over(self, previous: CoordinatorLease, stale_s: float, adopt_s: float) -> None:
+        """Instead of `start()`: take over the job another coordinator ran (its lease went stale and this one holds
+        the next epoch). What it knew is rebuilt from the job's store (the configuration, the current generation,
+        which members hold the state, the recovery in flight, the orchestrator's last commands) and from the
+        processes the agents re-attach with (`ProcessPool.take_adopted`); a member that no agent reports within
+        `adopt_s` is declared dead then, like any lost member. Raises JobFailed for a store of another job."""
+        self._t0 = self.wall()
+        config = self.records.get_record(keys.k_job_config(), JobConfig)
+        if config is None or config.job_id != self.s.job_id or config.nproc != self.s.nproc:
+            found = f"job {config.job_id} of {config.nproc} workers" if config else "no job"
+            raise JobFailed(f"the store holds {found}, not job {self.s.job_id} of {self.s.nproc} workers: take over "
+                            "with the --job-id and --nproc the job was started with")
+        current = self.records.get_record(keys.k_current_gen(), CurrentGeneration)
+        if current is not None:
+            gen = self.records.get_record(keys.k_gen(current.gen), Generation)
+            if gen is None:
+                raise JobFailed(f"generation {current.gen}'s record is missing or unsealed in the store; the job "
+                                "cannot be taken over")
+            self.gen, self.started = gen, True
+        else:
+            self.started = False  # the first coordinator was still waiting for its standbys
+        self.holders = self._holders_from_records()
+        for key in (keys.k_control_standby_target(), keys.k_control_move()):
+            command = self.records.get_record(key, ControlCommand)
+            if command is not None:  # applied by the previous coordinator (one given while none ran is lost)
+                self._control_last[key], self._control_seq[key] = command, command.seq
+                if key == keys.k_control_standby_target() and command.request.strip().isdigit():
+                    self.standbys.target = int(command.request)
+        result = self.records.get_record(keys.k_control_move_result(), MoveResult)
+        self._last_move_seq = result.seq if result is not None else 0
+        opened = self.records.get_record(keys.k_recovery(self.gen.gen), RecoveryOpened) if self.started else None
+        reports = [self.records.get_record(keys.k_report(self.gen.gen, r), RecoveryReport)
+                   for r in range(self.gen.world_size)] if opened is not None else []
+        if opened is not None and not all(r is not None and r.final for r in reports):  # else reported already
+            deaths = [Death(*d) for d in opened.deaths]
+            self.recoveries.open(self.gen, deaths, opened.declared_at)
+        self._adopt_until = self.clock() + adopt_s
+        self._took_over = CoordinatorTookOver(epoch=previous.epoch + 1, previous=previous.holder,
+                                              generation=self.gen.gen, stale_s=stale_s, time=self.wall())
+        log.warning("took the job over from coordinator %s (epoch %d) at generation %d; waiting up to %.1f s for "
+                    "the agents to re-attach with its members", previous.holder, previous.epoch, self.gen.gen,
+                    adopt_s)
+        self._pool_events()
+
+    def _holders_from_records(self) -> set[str]:
+        """Members that hold the complete training state, from the generations' records: every worker of
+        generation 0, less each rank given away, plus each rank whose new process said it holds the state."""
+        holders = set(self.gen.members) if self.gen.gen == 0 else set()
+        for g in range(self.gen.gen + 1) if self.started else ():
+            record = self.gen if g == self.gen.gen else self.records.get_record(keys.k_gen(g), Generation)
+            if record is None:
+                continue
+            if g == 0:
+                holders = set(record.members)
+            for _, old, _ in record.replaced:
+                holders.discard(old)
+            for rank, proc in enumerate(record.members):
+                if proc not in holders and self.records.get_record(keys.k_holds(g, rank), HoldsState) is not None:
+                    holders.add(proc)
+        return holders & set(self.gen.members)
+
+    def _adopt(self, now: float) -> bool:
+        """Take in the processes the agents re-attached with; True while the current members are still awaited."""
+        # Hosts attached before the processes are taken: a host and the processes it re-attached with arrive
+        # together, so every process of a host in this set is in this batch (or an earlier one).
+        attached = self.pool.attached()
+        exited = self._adopted_exited
+        for handle in self.pool.take_adopted():
+            if handle.name in self.procs:
+                handle.kill()  # declared lost already (it came back too late): it must not write into the job
+                continue
+            member = handle.name in self.gen.members
+            m = Member(handle, now, hb_changed_at=now, hb_changed_wall=self.wall())
+            m.hello_ok = self.health.hello_ok(handle.name, m)
+            if handle.role == "standby":
+                m.ready = self.records.get_record(keys.k_ready(handle.name), StandbyReady) is not None
+                m.assigned_gen = self.gen.gen if member else None
+            self.procs[handle.name] = m
+            if handle.poll() is not None:  # it exited: its agent says how and when
+                m.hello_ok = True
+                if member:
+                    exited.append(handle)  # while no coordinator ran, or before the last one declared it
+                else:
+                    m.dead, m.exit_code = True, handle.poll()  # gone already: nothing of the job depends on it
+        if self._adopt_until is None:
+            self._declare_adopted_exits()
+            return False
+        missing = [p for p in self.gen.members if p not in self.procs]
+        # A member is awaited until the adoption wait ends, or until the host it was placed on re-attached without it.
+        if [p for p in missing if self.records.get(keys.k_placed(p)) not in attached] and now < self._adopt_until:
+            return True
+        took = self._took_over
+        assert took is not None
+        self._adopt_until = self._took_over = None
+        self.events.emit(replace(took, adopted=sorted(self.procs), missing=missing,
+                                 adopt_s=round(self.wall() - took.time, 4), time=self.wall()))
+        self.pool.announce(self.gen.gen, list(self.gen.members))  # placement and rank logs learn the members
+        self._declare_adopted_exits()
+        for name in missing:
+            self.procs[name] = Member(_Gone(name), now, hello_ok=True)  # it joined: it was a member
+            self._declare_dead(name, "not reported by any agent when this coordinator took the job over", -9)
+        return False
+
+    def _declare_adopted_exits(self) -> None:
+        """Processes handed over as exited while no coordinator ran: each dies now, at the moment its agent saw."""
+        exited, self._adopted_exited = self._adopted_exited, []
+        for handle in exited:
+            code = handle.poll()
+            assert code is not None
+            self._declare_dead(handle.name, exit_cause(handle, code), code, getattr(handle, "exited_at", None))
+
     def step(self) -> JobResult | None:
         """One turn of the loop: wait for an exit or the next health tick, then act; the job's end when it came.
         Raises JobFailed when the job cannot go on."""
+        if self._adopt(self.clock()):  # a coordinator that took over, still waiting for the members
+            if self.lease is not None and self.clock() >= self._next_health:
+                self._next_health = self.clock() + HEALTH_EVERY_S
+                self.lease.renew()
+            self._wait_for_exit(LOOP_S * 4)
+            self._pool_events()
+            return None
         # Block until a child exits or the next health check is due: the coordinator shares the machine with the
         # workers (here, two cores), so it must not spin.
         busy = bool(self.pending_deaths) or not self.started or self.completing_since is not None
@@ -355,6 +515,8 @@ class Coordinator:
         due = now >= self._next_health
         if due:
             self._next_health = now + HEALTH_EVERY_S
+            if self.lease is not None:
+                self.lease.renew()
             if self.completing_since is None:
                 self._poll_health(now)
                 self._poll_control()
@@ -365,7 +527,11 @@ class Coordinator:
         return None
 
     def finish(self, result: JobResult) -> JobResult:
-        """End the job: events, every process stopped, the store told it is over."""
+        """End the job: events, every process stopped, the store told it is over. A deposed coordinator ends only
+        itself: the job and its processes are its successor's."""
+        if self.deposed:
+            self._selector.close()
+            return JobResult(result.exit_code, result.message, list(self.events.events), {})
         self.records.put(keys.k_over(), JobOver(result.exit_code))
         self.recoveries.flush(self.gen.gen, final=True)
         for name, at in self._chaos_hit.items():
@@ -419,6 +585,8 @@ class Coordinator:
             raise JobFailed(f"cannot place {role} {name}: {exc}; start more agents or fewer workers") from None
         now = self.clock()
         self.procs[name] = Member(handle, now, hb_changed_at=now, hb_changed_wall=self.wall())
+        if (host := self.pool.host_of(name)) is not None:
+            self.records.put(keys.k_placed(name), host)
         fd = handle.exit_fd()
         if fd is not None:
             self._selector.register(fd, selectors.EVENT_READ, name)
@@ -813,6 +981,8 @@ class Coordinator:
         reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
         new = self.gen.replace(assignment, reason)
         declared_at = self.wall()
+        self.records.put(keys.k_recovery(new.gen), RecoveryOpened(
+            tuple((d.rank, d.proc, d.pid, d.cause, d.failure_at, d.declared_at) for d in deaths), declared_at))
         self.standbys.promote(list(assignment.values()), new.gen)
         self._publish(new, assign=list(assignment.values()))
         self.recoveries.open(new, deaths, declared_at)
@@ -842,7 +1012,11 @@ class Coordinator:
         return out
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
-        self.records.put(keys.k_gen(gen.gen), gen)
+        if self.lease is None:
+            self.records.put(keys.k_gen(gen.gen), gen)
+        else:  # two coordinators never publish one generation: the store's compare_set decides
+            self.lease.renew()
+            self.lease.claim(keys.k_gen(gen.gen), gen.to_json())
         for proc in assign or []:
             self.records.put(keys.k_assign(proc), Assignment(gen.gen))
         self.records.put(keys.k_current_gen(), CurrentGeneration(gen.gen))
@@ -873,6 +1047,31 @@ class Coordinator:
             if (digest := self.records.get_record(keys.k_digest(p), FinalDigest)) is not None:
                 out[p] = digest.digest
         return out
+
+
+class _Gone:
+    """A member of the generation a coordinator took over that no agent reported: dead, with nothing to signal."""
+
+    role = "worker"
+    pid = -1
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def poll(self) -> int | None:
+        return -9
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout_s: float) -> int | None:
+        return -9
+
+    def exit_fd(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 def _refusal_reporter(events: EventLog) -> Callable[[str, str, str], None]:

@@ -153,7 +153,15 @@ class HostPool:
     together (a rack, a switch) are seen within milliseconds, and their ranks then move in one generation."""
 
     def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
-                 env: dict[str, str], timing: HostTiming, rank_logs: RankLogs | None = None) -> None:
+                 env: dict[str, str], timing: HostTiming, rank_logs: RankLogs | None = None, *,
+                 store: str = "", epoch: int = 0, adopting: bool = False) -> None:
+        self.store = store
+        """The job's store as processes reach it, when it lives apart from the coordinator (`Welcome.store`)."""
+        self.epoch = epoch
+        """This coordinator's lease epoch (runtime.control.lease), told to every agent."""
+        self.adopting = adopting
+        """This coordinator took the job over: agents that re-attach with processes hand them to it."""
+        self._adopted: list[RemoteProcess] = []
         self._beat_at: dict[str, float] = {}
         """When (monotonic) each process last beat, as its agent saw it (`ProcBeats`)."""
         self.rank_logs = rank_logs
@@ -203,6 +211,17 @@ class HostPool:
     def take_events(self) -> list[Event]:
         with self._cond:
             out, self._events = self._events, []
+        return out
+
+    def attached(self) -> set[str]:
+        """The hosts (`Host.key`) whose agents are attached now."""
+        with self._cond:
+            return {h.key for h in self.hosts if h.lost is None}
+
+    def take_adopted(self) -> list[RemoteProcess]:
+        """Processes that agents re-attached with since the last call (see `adopting`)."""
+        with self._cond:
+            out, self._adopted = self._adopted, []
         return out
 
     def take_notices(self) -> list[tuple[str, str, str]]:
@@ -341,12 +360,14 @@ class HostPool:
             with self._cond:
                 self._lose(host, f"its link failed ({exc.strerror or exc})", time.time())
 
-    def close(self, exit_code: int = 0) -> None:
-        """The job is over: every agent is told to stop, and the link thread ends. A second call does nothing."""
+    def close(self, exit_code: int = 0, stop_agents: bool = True) -> None:
+        """The job is over: every agent is told to stop, and the link thread ends. A second call does nothing.
+        `stop_agents=False` (a coordinator deposed by another): the links are only closed, and the agents, whose
+        processes go on training, re-attach to the coordinator that holds the job now."""
         if self._halt:
             return
         self._closing = True  # agents leaving now are not lost hosts
-        for h in self.live_hosts():
+        for h in self.live_hosts() if stop_agents else ():
             self.order(h, Stop(exit_code))
         self._halt = True
         os.write(self._wake_w, b"x")
@@ -463,7 +484,8 @@ class HostPool:
             pending.hello = msg
             nonce = new_nonce()
             link.key = session_key(self.token, msg.nonce, nonce)
-            link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s, self.job_id), {"cn": nonce})
+            link.send(Welcome(self.timing.heartbeat_s, self.timing.lease_s, self.job_id, self.store, self.epoch),
+                      {"cn": nonce})
             return
         if link.sealed_in == 0:  # an unsealed second frame: the agent does not hold the secret
             self._refuse(sock, "its frames are not sealed with the job's secret")
@@ -480,6 +502,27 @@ class HostPool:
             if any(h.key == host.key for h in self.hosts):
                 self._refuse(sock, f"host {host.key} joined already")
                 return
+            if hello.children:
+                if not self.adopting:
+                    link.send(Fence("this coordinator did not take a job over: it adopts no running process"))
+                    self._refuse(sock, f"it re-attached with {len(hello.children)} process(es) to a coordinator "
+                                       "that did not take the job over")
+                    return
+                try:
+                    children = [_child(c, host.slots) for c in hello.children]
+                except ValueError as exc:
+                    self._refuse(sock, f"it re-attached with a malformed process ({exc})")
+                    return
+                for name, role, slot, pid, exit_code, exited_at in children:
+                    handle = self._new_handle(name, role, host, slot)
+                    handle.pid = pid
+                    handle.started.set()
+                    if exit_code is None:
+                        host.procs[slot] = handle
+                    else:  # it exited while no coordinator ran: handed over with how and when
+                        handle.code, handle.exited_at = exit_code, exited_at
+                    host.ran.add(name)
+                    self._adopted.append(handle)
             self.hosts.append(host)
             self._by_sock[sock] = host
             self._events.append(HostJoined(host=host.name, incarnation=host.incarnation, slots=host.slots,
@@ -583,6 +626,24 @@ class _Pending:
     link: Link
     since: float
     hello: Hello | None = None
+
+
+def _child(text: str, slots: int) -> tuple[str, str, int, int, int | None, float | None]:
+    """One "NAME ROLE SLOT PID [CODE AT]" of a re-attaching agent's `Hello.children`, checked: (name, role, slot,
+    pid, exit code, exit time), the last two None for a process that runs."""
+    parts = text.split()
+    if (len(parts) not in (4, 6) or parts[0][:1] not in ("w", "s") or not parts[0][1:].isdigit()
+            or parts[1] not in ("worker", "standby") or not parts[2].isdigit() or not parts[3].isdigit()):
+        raise ValueError(f"{text[:60]!r} is not NAME ROLE SLOT PID [CODE AT]")
+    slot, pid = int(parts[2]), int(parts[3])
+    if slot >= slots or pid < 1:
+        raise ValueError(f"{text[:60]!r}: slot or pid out of range")
+    if len(parts) == 4:
+        return parts[0], parts[1], slot, pid, None, None
+    try:
+        return parts[0], parts[1], slot, pid, int(parts[4]), float(parts[5])
+    except ValueError:
+        raise ValueError(f"{text[:60]!r}: exit code or time is not a number") from None
 
 
 def _peer_name(sock: socket.socket) -> str:

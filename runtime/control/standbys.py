@@ -38,6 +38,7 @@ class StandbyPool:
         clock: Callable[[], float],
         looks_alive: Callable[[Member, float], bool],
         free_slots: Callable[[], int | None],
+        next_name: Callable[[], int] | None = None,
     ) -> None:
         self.procs = procs
         self._spawn = spawn
@@ -53,6 +54,9 @@ class StandbyPool:
         self.free_slots = free_slots
         """A pool across hosts (runtime.control.hosts) says how many slots are free; None: the pool has no limit."""
         self.next_index = 0
+        self._next_name = next_name
+        """Hands out standby numbers (a counter in the job's store, so that a coordinator that takes over never
+        reuses a name); None: counted here."""
         self.spawned = 0
         self._spawn_times: deque[float] = deque()
         self._covered: bool | None = None
@@ -73,6 +77,8 @@ class StandbyPool:
         """Start a standby; None when no host has a free slot (a pool across hosts), tried again later."""
         if (free := self.free_slots()) is not None and free < 1:
             return None
+        if self._next_name is not None:
+            self.next_index = self._next_name()
         name = f"s{self.next_index}"
         self.next_index += 1
         self.spawned += 1

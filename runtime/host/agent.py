@@ -47,6 +47,7 @@ from runtime.config import (
     KNOBS,
     flag,
 )
+from runtime.host.survival import LeaseWatch, endpoint
 from runtime.host.zygote import ZygoteClient, wait_exit
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.netaddr import interface_of
@@ -85,6 +86,10 @@ ALLOWED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
 """What a spawn order may set besides the runtime's own TM_* launch variables."""
 HANDSHAKE_S = 10.0
 RETRY_S = 0.2
+EXITS_KEPT_S = 30.0
+"""How long a process's exit is kept for a coordinator that takes over (longer than any takeover takes)."""
+HELD_OUTPUT = 1 << 20
+"""Most output (characters) held for the next coordinator while none holds the job."""
 
 
 class AgentError(RuntimeError):
@@ -118,10 +123,10 @@ class AgentConfig:
     moves the host's ranks to standbys before the cloud acts."""
 
     def endpoint(self) -> tuple[str, int]:
-        host, sep, port = self.coordinator.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise AgentError(f"--coordinator must be HOST:PORT (the agent port), got {self.coordinator!r}")
-        return host.strip("[]"), int(port)
+        try:
+            return endpoint(self.coordinator)
+        except ValueError:
+            raise AgentError(f"--coordinator must be HOST:PORT (the agent port), got {self.coordinator!r}") from None
 
 
 @dataclass
@@ -136,12 +141,16 @@ class _Stream:
 class Child:
     """A process this agent started: a subprocess, or one the zygote forked and this process adopted."""
 
-    def __init__(self, proc: str, slot: int, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(self, proc: str, slot: int, pid: int, popen: subprocess.Popen[bytes] | None = None,
+                 role: str = "worker") -> None:
         self.proc = proc
+        self.role = role
         self.slot = slot
         self.pid = pid
         self.popen = popen
         self.code: int | None = None
+        self.exited_at: float | None = None
+        """When (wall clock) this agent saw it exit."""
         self.pidfd: int | None = None
         self._reaping = threading.Lock()
         """On one machine the launcher's coordinator polls the agent's children too (runtime.launcher)."""
@@ -151,13 +160,17 @@ class Child:
     def poll(self) -> int | None:
         """The exit code, or None while it runs (or while another thread is reaping it)."""
         if self.popen is not None:
-            return self.popen.poll()  # Popen guards its own reaping
-        if self.code is None and self._reaping.acquire(blocking=False):
-            try:
-                self._reap_once()
-            finally:
-                self._reaping.release()
-        return self.code
+            code = self.popen.poll()  # Popen guards its own reaping
+        else:
+            if self.code is None and self._reaping.acquire(blocking=False):
+                try:
+                    self._reap_once()
+                finally:
+                    self._reaping.release()
+            code = self.code
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.time()  # reaped here first: a watcher that saw the exit earlier set it already
+        return code
 
     def _reap_once(self) -> None:
         if self.code is None:
@@ -270,6 +283,18 @@ class Agent:
         self._streams: dict[int, _Stream] = {}
         """Read ends of the processes' output this agent forwards, by descriptor."""
         self.doors = Doors(cfg.secret)
+        self.watch: LeaseWatch | None = None
+        """The coordinator's lease in the job's store, when the store lives apart (runtime.host.survival): what lets
+        this agent keep its processes through the coordinator's loss."""
+        self.epoch = 0
+        """The lease epoch of the coordinator this agent serves."""
+        self._beat_s = KNOBS.agent_heartbeat_s
+        """The link's heartbeat, as the coordinator's welcome set it."""
+        self._address = ""
+        """The agent address of the coordinator that took the job over, once this agent re-attached to one (empty:
+        --coordinator's)."""
+        self._held: list[Output] = []
+        """Output the processes wrote while no coordinator was there, sent to the next one."""
         """This host's doors to the job's store (runtime.wire.tunnel): its processes reach a store that is not on
         loopback through one, never directly."""
         self.zygote: ZygoteClient | None = None
@@ -297,20 +322,32 @@ class Agent:
     def run(self) -> int:
         if self.cfg.notices is not None:
             self.cfg.notices.start()
+        sock = self._connect()
+        reattach = False
         while True:
-            sock = self._connect()
             if sock is None:
                 log.error("agent %s: no coordinator at %s within %.0f s; exiting", self.cfg.name, self.cfg.coordinator,
                           self.cfg.connect_timeout_s)
                 return 4
             try:
-                outcome = self._serve(sock)
+                outcome = self._serve(sock, reattach)
             except (ProtocolError, OSError) as exc:
                 log.error("agent %s: the link to the coordinator failed: %s", self.cfg.name, exc)
                 outcome = "closed"
+            except AgentError as exc:
+                if not reattach:
+                    raise
+                log.error("agent %s: %s", self.cfg.name, exc)  # a coordinator that would not adopt its processes
+                outcome = "fenced"
             finally:
                 with contextlib.suppress(OSError):
                     sock.close()
+            reattach = False
+            if outcome in ("lease", "closed") and self.watch is not None and self._to_report():
+                sock = self._survive()
+                if sock is not None:
+                    reattach = True
+                    continue  # re-attach to the coordinator that took the job over: the processes train on
             self._kill_all()
             if outcome == "stop":
                 return self.exit_code
@@ -320,9 +357,111 @@ class Agent:
             self.incarnation = uuid.uuid4().hex[:8]
             log.warning("agent %s: fenced (%s); every process it started is gone; coming back as incarnation %s",
                         self.cfg.name, outcome, self.incarnation)
+            sock = self._connect()
+
+    def _live(self) -> list[Child]:
+        return [c for c in self.children.values() if c.poll() is None]
+
+    def _exited_lately(self) -> list[tuple[Child, int]]:
+        """Processes that exited within the last `EXITS_KEPT_S`, oldest first, with their exit codes: a coordinator
+        that takes over may never have heard of them (the one that did died with the news)."""
+        since = time.time() - EXITS_KEPT_S
+        found = [(c, code) for c in self.children.values()
+                 if (code := c.poll()) is not None and (c.exited_at or 0.0) >= since]
+        return sorted(found, key=lambda e: e[0].exited_at or 0.0)[-64:]
+
+    def _to_report(self) -> bool:
+        """Whether a coordinator that takes over needs this host: it runs processes, or some exited lately."""
+        return bool(self._live() or self._exited_lately())
+
+    # -- a coordinator lost: gone, or cut off from (runtime.host.survival) ----------------------------------
+    def _survive(self) -> socket.socket | None:
+        """The link to the coordinator went silent or closed. A link to the coordinator that took the job over
+        (its processes kept training meanwhile), or None: fence (this host is cut off, or nobody took over)."""
+        assert self.watch is not None
+        # The coordinator gives this host's ranks away at its host timeout, a beat or two after this agent's lease ran
+        # out: each look is bounded by half a beat, and a store that does not answer the first fences at once.
+        look = self._beat_s / 2
+        first = self.watch.read(look)
+        second = None
+        if first is not None:
+            self._tend(look)  # the coordinator renews every 0.2 s: a live one moves the count within this
+            second = self.watch.read(look)
+        if first is None or second is None:
+            log.error("agent %s: the coordinator is silent and the job's store does not answer: fencing this host",
+                      self.cfg.name)
+            return None
+        if second.epoch == self.epoch and second.raw != first.raw:
+            log.error("agent %s: the coordinator still renews its lease: this host is cut off from it; fencing",
+                      self.cfg.name)
+            return None
+        log.warning("agent %s: the coordinator (epoch %d) is gone; %d process(es) train on while a coordinator takes "
+                    "the job over (up to %.0f s)", self.cfg.name, self.epoch, len(self._live()),
+                    self.cfg.connect_timeout_s)
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        seen = second
+        while time.monotonic() < deadline:
+            if seen.epoch > self.epoch:
+                sock = self._dial(seen.agents)
+                if sock is not None:
+                    self._address = seen.agents  # where this agent comes back after a fence, too
+                    log.warning("agent %s: re-attaching to coordinator %s (epoch %d) at %s", self.cfg.name,
+                                seen.holder, seen.epoch, seen.agents)
+                    return sock
+            self._tend(RETRY_S)
+            now = self.watch.read(look)
+            if now is None:
+                log.error("agent %s: the job's store stopped answering while no coordinator held the job; fencing",
+                          self.cfg.name)
+                return None
+            if now.epoch == self.epoch and now.raw != seen.raw:
+                log.error("agent %s: the coordinator this host lost renews its lease again; fencing this host (it gave "
+                          "this host's ranks away, or will)", self.cfg.name)
+                return None
+            seen = now
+        log.error("agent %s: no coordinator took the job over within %.0f s; fencing this host", self.cfg.name,
+                  self.cfg.connect_timeout_s)
+        return None
+
+    def _dial(self, address: str) -> socket.socket | None:
+        try:
+            return socket.create_connection(endpoint(address), timeout=2.0)
+        except (OSError, ValueError):
+            return None
+
+    def _tend(self, timeout_s: float) -> None:
+        """With no coordinator: reap the processes that exit, keep their beats and hold their output, for up to
+        `timeout_s`."""
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(self._beat_sock, selectors.EVENT_READ, self._beat_sock)
+            for child in self._live():
+                if child.pidfd is not None:
+                    sel.register(child.pidfd, selectors.EVENT_READ, child)
+            for stream in self._streams.values():
+                sel.register(stream.fd, selectors.EVENT_READ, stream)
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                for key, _ in sel.select(left):
+                    if key.data is self._beat_sock:
+                        self._take_beats()
+                    elif isinstance(key.data, _Stream):
+                        self._pump(key.data, None, sel)
+                    else:
+                        child = key.data
+                        sel.unregister(child.pidfd)
+                        os.close(child.pidfd)
+                        child.pidfd = None
+                        child.exited_at = time.time()
+                        code = child.wait(5.0)
+                        self._beats.pop(child.proc, None)
+                        log.warning("agent %s: %s (pid %d) exited (%s) while no coordinator held the job",
+                                    self.cfg.name, child.proc, child.pid, code)
+        finally:
+            sel.close()
 
     def _connect(self) -> socket.socket | None:
-        host, port = self.cfg.endpoint()
+        host, port = endpoint(self._address) if self._address else self.cfg.endpoint()
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         while True:
             try:
@@ -333,12 +472,18 @@ class Agent:
                 time.sleep(RETRY_S)  # a retry pace, not a synchronisation: the coordinator may not be up yet
 
     # -- one link ------------------------------------------------------------------------------------
-    def _serve(self, sock: socket.socket) -> Outcome:
+    def _serve(self, sock: socket.socket, reattach: bool = False) -> Outcome:
         link = Link(sock, "agent")
         nonce = new_nonce()
         address = self.cfg.address or sock.getsockname()[0]
+        children = []
+        if reattach:  # what runs here, and what exited lately (the coordinator that saw it may have died with it)
+            children = [f"{c.proc} {c.role} {c.slot} {c.pid}" for c in self._live()]
+            children += [f"{c.proc} {c.role} {c.slot} {c.pid} {code} {c.exited_at or time.time():.6f}"
+                         for c, code in self._exited_lately()]
         link.send(Hello(job_id=self.job_id, host=self.cfg.name, incarnation=self.incarnation,
-                        slots=self.cfg.slots, address=address, pid=os.getpid(), nonce=nonce, role=self.cfg.role))
+                        slots=self.cfg.slots, address=address, pid=os.getpid(), nonce=nonce, role=self.cfg.role,
+                        children=children))
         welcome, raw = link.recv(HANDSHAKE_S)
         if isinstance(welcome, Fence):
             raise AgentError(f"the coordinator refused this host: {welcome.reason}")
@@ -353,6 +498,17 @@ class Agent:
                              f"serves job {self.job_id} only: start a new agent for the new job")
         if not self.job_id and welcome.job_id:
             self.job_id = welcome.job_id  # sealed: the coordinator's proof covers it
+        if reattach and welcome.epoch <= self.epoch:
+            raise AgentError(f"the coordinator at {sock.getpeername()[0]} holds epoch {welcome.epoch}, not a newer "
+                             f"one than {self.epoch}: it did not take the job over")
+        self.epoch = welcome.epoch
+        self._beat_s = welcome.heartbeat_s
+        if welcome.store and self.watch is None:
+            try:
+                self.watch = LeaseWatch(welcome.store, self.cfg.secret, self.doors)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            self.watch.warm()
         link.send(Beat())  # sealed: this host's proof of the secret
         log.info("agent %s (incarnation %s): joined job %s at %s with %d slots, address %s, role %s",
                  self.cfg.name, self.incarnation, self.job_id or "?", self.cfg.coordinator, self.cfg.slots, address,
@@ -363,6 +519,14 @@ class Agent:
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ, None)
         sel.register(self._beat_sock, selectors.EVENT_READ, self._beat_sock)
+        for child in self._live():  # processes kept through a coordinator's loss
+            if child.pidfd is not None:
+                sel.register(child.pidfd, selectors.EVENT_READ, child)
+        for stream in self._streams.values():
+            sel.register(stream.fd, selectors.EVENT_READ, stream)
+        held, self._held = self._held, []
+        for out in held:
+            link.send(out)
         watch = self.cfg.notices
         if watch is not None:
             sel.register(watch.read_fd, selectors.EVENT_READ, watch)
@@ -404,9 +568,6 @@ class Agent:
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
             sel.close()
-            for stream in self._streams.values():
-                os.close(stream.fd)
-            self._streams.clear()
 
     def _take_beats(self) -> None:
         """Read the beats the processes sent since the last look ("NAME COUNT"; a count that did not go up, or a
@@ -424,15 +585,18 @@ class Agent:
             if last is None or int(count) > last[0]:
                 self._beats[name] = (int(count), time.monotonic())
 
-    def _pump(self, stream: _Stream, link: Link, sel: selectors.BaseSelector) -> None:
-        """Forward what a process wrote since the last read; at its end, stop watching its stream."""
+    def _pump(self, stream: _Stream, link: Link | None, sel: selectors.BaseSelector) -> None:
+        """Forward what a process wrote since the last read (None: no coordinator now, so hold it, up to
+        `HELD_OUTPUT` bytes); at its end, stop watching its stream."""
         try:
             data = os.read(stream.fd, OUTPUT_CHUNK)
         except BlockingIOError:
             return
         text = stream.decoder.decode(data, final=not data)
-        if text:
+        if text and link is not None:
             link.send(Output(stream.proc, text))
+        elif text and sum(len(o.text) for o in self._held) < HELD_OUTPUT:
+            self._held.append(Output(stream.proc, text))
         if not data:
             sel.unregister(stream.fd)
             os.close(stream.fd)
@@ -505,7 +669,7 @@ class Agent:
             if order.role == "standby" and self.zygote is not None and not nccl:
                 pid = self.zygote.spawn(env, list(order.argv), out_w)
             if pid is not None:
-                child = Child(order.proc, order.slot, pid)
+                child = Child(order.proc, order.slot, pid, role=order.role)
                 how = "forked"
             else:
                 try:
@@ -515,7 +679,7 @@ class Agent:
                     if out_r is not None:
                         os.close(out_r)
                     return Started(order.proc, -1, f"cannot start {order.argv[:1]}: {exc}")
-                child, how = Child(order.proc, order.slot, popen.pid, popen), "started"
+                child, how = Child(order.proc, order.slot, popen.pid, popen, order.role), "started"
         finally:
             if out_w is not None:
                 os.close(out_w)  # the process holds its own copy: its exit is the stream's end
@@ -532,7 +696,7 @@ class Agent:
         return Started(order.proc, child.pid)
 
     def _reap(self, child: Child, link: Link, sel: selectors.BaseSelector) -> None:
-        at = time.time()
+        at = child.exited_at = time.time()
         assert child.pidfd is not None
         sel.unregister(child.pidfd)
         os.close(child.pidfd)
@@ -543,6 +707,10 @@ class Agent:
 
     def _kill_all(self) -> None:
         """Fence: every process this agent started is dead when this returns."""
+        for stream in self._streams.values():
+            os.close(stream.fd)
+        self._streams.clear()
+        self._held.clear()
         for child in self.children.values():
             child.signal(signal.SIGKILL)
         for child in self.children.values():

@@ -91,8 +91,9 @@ class Heartbeat(threading.Thread):
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > COORDINATOR_LOST_S:
-                    # The coordinator is gone: nobody can recover this job any more; do not linger as an orphan.
-                    sys.stderr.write(f"[trainmover] {self.cfg.proc}: coordinator unreachable for "
+                    # The store is gone (and the coordinator with it, or no coordinator can reach the job): nobody can
+                    # recover this job any more; do not linger as an orphan.
+                    sys.stderr.write(f"[trainmover] {self.cfg.proc}: the job's store unreachable for "
                                      f"{COORDINATOR_LOST_S:.0f} s; exiting\n")
                     os._exit(3)
             self._halt.wait(self.cfg.heartbeat_s)

@@ -128,7 +128,7 @@ class JobControl:
         # and probes with a TLS handshake (a plain connection would count as a refused stranger there).
         self._door = None if is_loopback(host) else StoreDoor(host, port, secret)
         try:
-            _wait_for_listener(host, port, deadline, self._door)
+            wait_for_listener(host, port, deadline, self._door)
         except JobNotFound:
             if self._door is not None:
                 self._door.close()
@@ -243,7 +243,9 @@ class JobControl:
         self.close()
 
 
-def _wait_for_listener(host: str, port: int, deadline: float, door: StoreDoor | None = None) -> None:
+def wait_for_listener(host: str, port: int, deadline: float, door: StoreDoor | None = None) -> None:
+    """Until `deadline` (monotonic), wait for a store to answer at host:port (through `door` when it is behind its
+    gate); JobNotFound when none did, or the gate refused the secret."""
     while True:
         timeout = max(0.1, min(1.0, deadline - time.monotonic()))
         if door is not None:

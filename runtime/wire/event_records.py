@@ -310,6 +310,24 @@ class HostLost(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorTookOver(Event):
+    """A coordinator took the job over from one that was gone (runtime.control.lease): the generation it found, the
+    processes its agents re-attached with, and the members none reported (declared dead next)."""
+
+    KIND: ClassVar[str] = "coordinator_took_over"
+    epoch: int
+    previous: str
+    """The coordinator it replaced (its lease's holder)."""
+    generation: int
+    stale_s: float
+    """How long the previous coordinator's lease had not moved when this one took it."""
+    adopted: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    adopt_s: float = 0.0
+    """From taking the lease to the last member re-attached (or to giving up on the missing)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HostNoticed(Event):
     """A host's agent relayed its cloud's notice (the kind is `host_notice`)."""
 
@@ -347,7 +365,7 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     JobStarted, GenerationStarted, JobFinished, JobFailed, MemberFailed, Recovered, StandbySpawned, StandbyWarm,
     StandbyLost, StandbyReleased, Coverage, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue,
-    ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused,
+    ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused, CoordinatorTookOver,
 )}
 """Every kind the coordinator writes, by its name."""
 

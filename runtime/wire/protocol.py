@@ -67,6 +67,10 @@ class Hello:
     nonce: str
     role: str = "any"
     """What this host may run: "worker", "standby" or "any" (`trainmover agent --role`)."""
+    children: list[str] = field(default_factory=list)
+    """When it re-attaches to a coordinator that took the job over (`CoordinatorLease`): each process it still runs,
+    as "NAME ROLE SLOT PID", and each one that exited while no coordinator ran, as "NAME ROLE SLOT PID CODE AT" (its
+    exit status and wall-clock moment); empty on a first join."""
 
 
 HOST_ROLES = ("any", "worker", "standby")
@@ -82,6 +86,12 @@ class Welcome:
     """An agent that hears nothing from the coordinator for this long kills its processes (it is fenced)."""
     job_id: str = ""
     """The job this coordinator runs: an agent started without --job-id serves this one from then on."""
+    store: str = ""
+    """The job's store ("HOST:PORT", as processes reach it) when it lives apart from the coordinator (`trainmover
+    store`): the agent then keeps its processes through a coordinator's loss while the store says no coordinator
+    holds the job (runtime.control.lease). Empty: the store dies with the coordinator, and so does the job."""
+    epoch: int = 0
+    """The coordinator's lease epoch (runtime.control.lease): a later coordinator of the job has a larger one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,10 +449,11 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     if kind == "tuple[int, ...]":
         return isinstance(value, list | tuple) and all(_is(v, "int") for v in value)
-    if kind == "tuple[tuple[int, str, str], ...]":
+    if kind.startswith("tuple[tuple[") and kind.endswith("], ...]"):  # rows of fixed types
+        parts = _row_types(kind)
         return isinstance(value, list | tuple) and all(
-            isinstance(v, list | tuple) and len(v) == 3 and _is(v[0], "int") and _is(v[1], "str") and _is(v[2], "str")
-            for v in value)
+            isinstance(v, list | tuple) and len(v) == len(parts)
+            and all(_is(x, t) for x, t in zip(v, parts, strict=True)) for v in value)
     if kind == "list[Any]":
         return isinstance(value, list)
     if kind == "list[int]":
@@ -471,9 +482,15 @@ def _convert(value: Any, kind: str) -> Any:
         return [float(v) for v in value]
     if kind in ("tuple[str, ...]", "tuple[int, ...]"):
         return tuple(value)
-    if kind == "tuple[tuple[int, str, str], ...]":
-        return tuple((int(r), str(a), str(b)) for r, a, b in value)
+    if kind.startswith("tuple[tuple[") and kind.endswith("], ...]"):
+        parts = _row_types(kind)
+        return tuple(tuple(_convert(x, t) for x, t in zip(v, parts, strict=True)) for v in value)
     return value
+
+
+def _row_types(kind: str) -> list[str]:
+    """The column types of a "tuple[tuple[A, B, ...], ...]" annotation."""
+    return [t.strip() for t in kind[len("tuple[tuple["):-len("], ...]")].split(",")]
 
 
 def _plain(value: Any) -> Any:
@@ -599,6 +616,34 @@ class JobOver(StoreRecord):
     """Written as the coordinator ends the job, before its store closes: clients stop using the store."""
 
     exit_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorLease(StoreRecord):
+    """Who coordinates the job (runtime.control.lease): written and renewed with compare_set only, so that exactly one
+    coordinator holds each epoch and a coordinator that lost it finds out at its next renewal."""
+
+    epoch: int
+    """1 for the first coordinator, +1 at every takeover."""
+    holder: str
+    """The holding coordinator, as "HOSTNAME/PID/NONCE" (for messages only)."""
+    count: int
+    """+1 at every renewal: a count that stops moving for the agents' lease is a coordinator gone."""
+    agents: str
+    """Where its agents connect ("HOST:PORT"): an agent that lost its coordinator re-attaches there."""
+    renewed_at: float = 0.0
+    """When (wall clock, the holder's) it was last renewed: a coordinator that takes over need not watch a lease
+    that has been stale for longer than it has been watching (clocks agree to well under the staleness, by NTP)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryOpened(StoreRecord):
+    """The deaths a generation answers (written before the generation is published), so that a coordinator that
+    takes over mid-recovery still reports the recovery it did not start."""
+
+    deaths: tuple[tuple[int, str, int, str, float, float], ...]
+    """(rank, process, pid, cause, failure_at, declared_at) of each death."""
+    declared_at: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from runtime.wire.auth import Sealer
-from runtime.wire.protocol import RecordError, StoreRecord
+from runtime.wire.protocol import CoordinatorLease, RecordError, StoreRecord
 
 R = TypeVar("R", bound=StoreRecord)
 
@@ -135,6 +135,27 @@ def k_stop() -> str:
 def k_over() -> str:
     """Set (sealed) as the coordinator ends the job, before its store closes: clients stop using the store."""
     return "job/over"
+
+
+def k_lease() -> str:
+    """The coordinator's lease (`CoordinatorLease`), set and renewed with compare_set only (runtime.control.lease)."""
+    return "coordinator/lease"
+
+
+def k_recovery(g: int) -> str:
+    """The deaths generation g answers (`RecoveryOpened`), for a coordinator that takes over mid-recovery."""
+    return f"gen/{g}/recovery"
+
+
+def k_placed(proc: str) -> str:
+    """The host ("NAME#INCARNATION") process `proc` was placed on: a coordinator that takes over knows a member
+    is gone, not late, once that host re-attached without it."""
+    return f"proc/{proc}/placed"
+
+
+def k_standby_names() -> str:
+    """A counter that names standbys (s0, s1, ...): a coordinator that takes over never reuses a name."""
+    return "coordinator/standby_names"
 
 
 def k_fault(index: int) -> str:
@@ -303,3 +324,17 @@ def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
 def read_counter(store: dist.Store, key: str) -> int:
     """A counter kept with `add`, read in one round trip (adding 0 creates it at 0 if absent)."""
     return int(store.add(key, 0))
+
+
+def read_lease(store: dist.Store, sealer: Sealer) -> tuple[bytes, CoordinatorLease] | None:
+    """The lease's raw bytes and record; None when there is none or what is there is not a sealed lease."""
+    if not store.check([k_lease()]):
+        return None
+    raw = store.get(k_lease())
+    value = sealer.open(k_lease(), raw)
+    if value is None:
+        return None
+    try:
+        return raw, CoordinatorLease.from_json(value)
+    except RecordError:
+        return None

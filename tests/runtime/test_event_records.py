@@ -16,6 +16,7 @@ from runtime.wire.event_records import (
     ChaosInjected,
     ChaosUnresolved,
     ControlRejected,
+    CoordinatorTookOver,
     Coverage,
     Event,
     EventError,
@@ -73,6 +74,8 @@ ONE_OF_EACH: list[Event] = [
     HostLost(host="h", incarnation="i", cause="no heartbeat for 3.0 s", procs=["w1"], failure_at=4.0),
     HostNoticed(host="h", incarnation="i", notice="spot_interruption", deadline_at=10.0, detail="", procs=["w1"]),
     AgentRefused(peer="10.0.0.9:4242", reason="its frames are not sealed with the job's secret"),
+    CoordinatorTookOver(epoch=2, previous="vm/41/a1b2c3", generation=1, stale_s=2.04, adopted=["s0", "w0"],
+                        missing=["w1"], adopt_s=0.09),
 ]
 
 

@@ -52,9 +52,22 @@ class Job:
                "--hang-timeout", "6",
                *(["--faults", faults] if faults else []), *extra,
                str(script), "--steps", str(steps), "--step-ms", str(step_ms), *script_args]
+        self.cmd = cmd
+        self.env = {**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}, stdout=out,
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def takeover(self, agent_port: int | None = None) -> subprocess.Popen[bytes]:
+        """A second coordinator of the same job, with --takeover (the job must run with --store), its agents' port
+        `agent_port` (default: the first one's); it replaces `proc`, and its log follows the first one's."""
+        cmd = list(self.cmd)
+        if agent_port is not None:
+            cmd[cmd.index("--agent-port") + 1] = str(agent_port)
+        at = cmd.index("--agents")
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([*cmd[:at], "--takeover", *cmd[at:]], env=self.env, stdout=out,
                                          stderr=subprocess.STDOUT, cwd=ROOT)
+        return self.proc
 
     def agent(self, i: int, slots: int, *extra: str) -> subprocess.Popen[bytes]:
         return self.cluster.start_agent(i, self.port, self.secret, slots, *extra)
