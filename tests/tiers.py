@@ -6,10 +6,11 @@ list. Each observed process start gives markers:
 
 * `processes`: the test (or a fixture it uses) starts any process;
 * `jobs`: one of them is a Python process of this project (a training job, its zygote or agent, a runtime
-  command): timing-sensitive, so these run one at a time on one xdist worker (group `jobs`);
-* `netns`: it makes Linux network namespaces (`ip netns`, `unshare`); in group `jobs` too;
+  command): timing-sensitive, so these run one at a time on one xdist worker (group `jobs`), except the flows'
+  (tests/flows/), which run one at a time in group `prefect`;
+* `netns`: it makes Linux network namespaces (`ip netns`, `unshare`); in group `jobs` too (the flows': `prefect`);
 * `prefect`: it starts a Prefect server or worker; the session's server is shared, so these run on one xdist
-  worker (group `prefect`);
+  worker (group `prefect`), beside the `jobs` group's;
 * `servers`: it binds a socket (`socket.bind`): a fake cloud endpoint, a store, an agent link.
 
 A test with none of these runs in this process only, without a server: the developer tier (`pytest --tier dev`).
@@ -65,8 +66,12 @@ GROUPS = ("jobs", "prefect")
 """The xdist groups (`--dist loadgroup`): each runs its tests one after another on one worker."""
 
 
-def xdist_group(marks: set[str]) -> str | None:
-    if "prefect" in marks:
+def xdist_group(marks: set[str], nodeid: str = "") -> str | None:
+    """The test's group: `prefect` for the Prefect server's tests and for the flows' tests that run a real job (a
+    supervisor driving one, as the Prefect end-to-end tests do), `jobs` for every other test that starts this
+    project's processes or makes namespaces. The two groups run beside each other, one on each worker: the
+    `jobs` group alone is the suite's longest path (23 of its 23 minutes when the flows' jobs were in it too)."""
+    if "prefect" in marks or (nodeid.startswith("tests/flows/") and marks & {"jobs", "netns"}):
         return "prefect"
     if marks & {"jobs", "netns"}:
         return "jobs"

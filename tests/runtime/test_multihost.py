@@ -139,6 +139,11 @@ def _zygotes(pids: set[int]) -> set[int]:
 
 
 def _no_process_left(c: Cluster) -> None:
+    """Once every agent has exited (each stops its processes first, after the coordinator's stop order; bounded), no
+    process is left in any host's namespace."""
+    for agent in c.agents.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=20)
     left = {c.ns(i): c.pids(i) for i in range(len(c.hosts)) if c.pids(i)}
     assert not left, f"processes left in the hosts' namespaces: {left}"
 
