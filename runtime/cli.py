@@ -53,8 +53,9 @@ def add_agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         sub, "agent", "run this host's agent: start the processes a coordinator assigns to its slots",
         "One per host. Joins the coordinator at --coordinator with --slots slots, starts the workers and standbys "
         "it assigns, reports their exits at once, and kills them all when it loses the coordinator for longer "
-        "than its lease. The job's secret comes from --secret-file or $TRAINMOVER_JOB_SECRET (never the command "
-        "line).",
+        "than its lease (unless the job's store, served apart by `trainmover store`, shows the coordinator gone: "
+        "then they train on and it hands them to the coordinator that takes the job over). The job's secret comes "
+        "from --secret-file or $TRAINMOVER_JOB_SECRET (never the command line).",
         AgentConfig, ("",),
     )
     p.add_argument("--secret-file", metavar="FILE", help="the job's secret (mode 600)")

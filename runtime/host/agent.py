@@ -11,7 +11,10 @@ Started by whatever starts a command on every host (cloud-init, a Kubernetes pod
 - heartbeats for the host; the coordinator's beats renew its lease. **Fencing**: when it has heard nothing from
   the coordinator for longer than the lease (a partition, a dead coordinator), it kills every process it
   started, then comes back as a new host (a new incarnation, which the coordinator treats as a fresh standby
-  host at most, never as the old one) until `--connect-timeout` passes without a coordinator;
+  host at most, never as the old one) until `--connect-timeout` passes without a coordinator. The one exception:
+  when the job's store lives apart (`trainmover store`) and the coordinator's lease there stands still, the
+  coordinator is gone rather than cut off, so its processes train on and it re-attaches them to the coordinator
+  that takes the job over (runtime.host.survival);
 - is the parent its processes watch: each training process kills itself within one heartbeat when its agent
   dies (runtime.training.job), so an agent crash fences its processes and the coordinator sees a lost host. This is the
   documented choice over re-adopting orphans: a new agent could not prove that an orphan is what the old one
