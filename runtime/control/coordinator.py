@@ -479,6 +479,15 @@ class Coordinator:
         self.events.emit(replace(took, adopted=sorted(self.procs), missing=missing,
                                  adopt_s=round(self.wall() - took.time, 4), time=self.wall()))
         self.pool.announce(self.gen.gen, list(self.gen.members))  # placement and rank logs learn the members
+        if not self.started:  # generation 0 was never published: a missing worker holds nothing yet, start it anew
+            for handle in self._adopted_exited:
+                self.procs.pop(handle.name, None)
+            missing += [h.name for h in self._adopted_exited]
+            self._adopted_exited = []
+            for name in missing:
+                log.warning("worker %s of the generation not yet started is gone; starting it again", name)
+                self._spawn(name, "worker")
+            return False
         self._declare_adopted_exits()
         for name in missing:
             self.procs[name] = Member(_Gone(name), now, hello_ok=True)  # it joined: it was a member

@@ -257,3 +257,19 @@ def test_the_store_process_exits_when_no_coordinator_renews_a_lease_and_when_tol
     stop.set()
     server.join(timeout=10)
     assert result == [0]
+
+
+def test_a_takeover_before_training_started_starts_a_lost_worker_anew_and_then_the_job() -> None:
+    job = TwoCoordinators(start_when_standbys_ready=True)
+    job.exits["w1"] = 0.4  # before generation 0 (the standby is warm at 0.5): it held nothing
+    job.run_first(until=0.3)
+    assert not job.first.started
+    del job.exits["w1"]  # the w1 started again runs well
+    second = job.take_over()
+    assert not second.started
+    done = job.finish()
+    assert not done.events.of_type(MemberFailed), "no member was lost: training had not started"
+    gens = done.events.of_type(GenerationStarted)
+    assert [g.generation for g in gens] == [0] and [m["proc"] for m in gens[0].members] == ["w0", "w1"]
+    assert job.first_pool.procs["w1"] is not done.procs["w1"].handle, "w1 was started again"
+    assert done.events.of_type(JobFinished)[0].generation == 0
