@@ -17,7 +17,6 @@ that is cut off behaves exactly as before.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import threading
 from dataclasses import dataclass
@@ -89,7 +88,6 @@ class LeaseWatch:
         reader.start()
         reader.join(timeout_s)
         if reader.is_alive():  # stuck on a store that does not answer: left to its own timeout, never waited for
-            with contextlib.suppress(Exception):
-                self._client = None
+            self._client = None
             return None
         return out[0] if out else None
