@@ -284,8 +284,8 @@ def _wait_for_agents(cfg: LaunchConfig, pool: HostPool) -> None:
 def _adopt_s(cfg: LaunchConfig) -> float:
     """How long a coordinator that took over waits for the agents to re-attach with the members: an agent notices
     its coordinator gone at its lease (or at once, when the coordinator's process died and its link closed), reads
-    the store's lease twice a beat apart, then polls it for the new epoch; a host timeout and a margin of 3 beats
-    cover that."""
+    the store's lease twice half a beat apart, then polls it for the new epoch; a host timeout and a margin of 3
+    beats cover that."""
     return cfg.host_timeout_s + 3 * cfg.agent_heartbeat_s
 
 
