@@ -90,7 +90,10 @@ def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exac
 
     assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
     (recovered,) = events_of(result, Recovered)
-    assert recovered.handoff_bytes > 0 and recovered.sources == [0, 1]
+    # Sources are the survivors at the newest committed step. Rank 2 dies inside step 8's all-reduce, which one
+    # survivor may have finished and the other not (seen under load): then only that one serves, the other
+    # receives with the standby, and the corrupted chunk is fetched again from the same source.
+    assert recovered.handoff_bytes > 0 and recovered.sources in ([0, 1], [0], [1])
     assert recovered.refetched_chunks == 1, "the MAC and the refetch work over TLS too"
 
 
