@@ -24,6 +24,7 @@ from typing import Any
 
 from cloud.base import JOB_ID_RULE, CheckResult, CloudError, Instance, InvalidRequestError, Provider, validate_job_id
 from cloud.registry import PROVIDER_NAMES, make_provider
+from trainmover.cli import part_main
 
 _EXIT_FAILED_CHECK = 1
 _EXIT_USAGE = 2
@@ -251,10 +252,7 @@ def cloud_command(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m cloud.cli ...`), the same as `trainmover cloud ...`."""
-    parser = argparse.ArgumentParser(prog="trainmover")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_cloud_parser(sub)
-    return cloud_command(parser.parse_args(["cloud", *(sys.argv[1:] if argv is None else argv)]))
+    return part_main("cloud", add_cloud_parser, cloud_command, argv)
 
 
 if __name__ == "__main__":

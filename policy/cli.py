@@ -38,6 +38,7 @@ from policy.costs import (
 )
 from policy.features import DEFAULT_HORIZON_H
 from policy.traces import MAX_FLEET_NODES
+from trainmover.cli import part_main
 
 if TYPE_CHECKING:
     from policy.predictor import FailurePredictor, ModelScore
@@ -714,10 +715,7 @@ def policy_command(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m policy.cli ...`), the same as `trainmover policy ...`."""
-    parser = argparse.ArgumentParser(prog="trainmover")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_policy_parser(sub)
-    return policy_command(parser.parse_args(["policy", *(sys.argv[1:] if argv is None else argv)]))
+    return part_main("policy", add_policy_parser, policy_command, argv)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Dispatch `trainmover SUBCOMMAND` to the part that owns it, importing nothing else.
 
-`trainmover run` in a training image must load neither Prefect nor scikit-learn nor a cloud SDK.
+`trainmover run` in a training image must load neither Prefect nor scikit-learn nor a cloud SDK. `part_main` is a
+part's stand-alone entry (`python -m cloud.cli ...`), the same as its `trainmover` subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("cloud", help="cloud providers: check permissions, list or release a job's instances")
     parser.parse_args(argv or ["--help"])
     return 2
+
+
+def part_main(
+    command: str,
+    add_parser: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """A part's stand-alone entry (`python -m cloud.cli ...`): parse `trainmover COMMAND ...` with that part's parser
+    alone (`add_parser`) and `run` it."""
+    parser = argparse.ArgumentParser(prog="trainmover")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parser(sub)
+    return run(parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)]))
 
 
 def _flow_demo(
