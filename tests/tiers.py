@@ -41,9 +41,10 @@ MARKERS = {
     "prefect": "starts a Prefect server or worker; xdist group `prefect`",
     "servers": "binds a socket (a fake cloud endpoint, a store, an agent link)",
 }
-INCIDENTAL = frozenset({"lscpu", "uname", "file"})
+INCIDENTAL = frozenset({"lscpu", "uname", "file", "fc-list"})
 """Probes a library runs once per process whichever test first needs it (joblib's core count, `platform`'s
-processor and architecture): not the test's."""
+processor and architecture), or once per machine (matplotlib's font cache, built with `fc-list` the first time a
+plot is drawn on a fresh machine): not the test's."""
 PROJECT_DIRS = ("runtime", "flows", "cloud", "policy", "bench", "examples", "tests", "trainmover")
 
 
