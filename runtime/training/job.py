@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import faulthandler
 import os
 import select
@@ -33,11 +34,20 @@ from runtime.wire.protocol import FatalError, ProcessHello
 COORDINATOR_LOST_S = 15.0
 
 
+WATCH_WAIT_S = 3600.0
+"""How long one wait of the generation watch lasts before it starts another (on a new connection)."""
+
+
 class Heartbeat(threading.Thread):
     """Bumps this process's counter in the store every interval; watches the generation and stop flags.
 
     It has its own store connection: the main thread may be blocked in the store or a collective.
     A SIGSTOPped process stops beating, which is how the coordinator sees a hang.
+
+    A new generation is seen at once, not up to a beat later: a second thread (`_watch`) waits in the store for
+    the next generation's record (the store answers a wait when the key is written), and wakes the beat when that
+    generation is current. A member whose collective is not broken by the loss (one waiting on a peer that left
+    for the new generation) is drained that much sooner (docs/sharded.md).
     """
 
     def __init__(self, cfg: ProcessConfig, sealer: Sealer) -> None:
@@ -52,9 +62,11 @@ class Heartbeat(threading.Thread):
         self.on_new_generation: list[Callable[[int, keys.Records], None]] = []
         """Called from this thread with the newest generation and this thread's own store connection."""
         self._halt = threading.Event()
+        self._wake = threading.Event()
 
     def run(self) -> None:
         client = keys.connect(self.cfg.store_host, self.cfg.store_port)
+        threading.Thread(target=self._watch, name="trainmover-generation-watch", daemon=True).start()
         try:
             self._beat(keys.Records(client, self.sealer))
         finally:
@@ -96,10 +108,44 @@ class Heartbeat(threading.Thread):
                     sys.stderr.write(f"[trainmover] {self.cfg.proc}: the job's store unreachable for "
                                      f"{COORDINATOR_LOST_S:.0f} s; exiting\n")
                     os._exit(3)
-            self._halt.wait(self.cfg.heartbeat_s)
+            self._wake.wait(self.cfg.heartbeat_s)
+            self._wake.clear()
+
+    def _watch(self) -> None:
+        """Wake the beat when generation `latest_gen + 1` becomes current. The coordinator writes the record, then
+        the assignments, then the current generation: after the record appears this thread reads the current
+        generation every `keys.POLL_S` for at most a beat. A record that never becomes current (forged: only the
+        sealed current generation counts) leaves the beat's own pace in charge until the next generation.
+
+        The thread is a daemon blocked in the store at exit, which ends the process cleanly (its client is never
+        destroyed mid-call: the frame keeps it)."""
+        client: dist.TCPStore | None = None
+        seen = -1
+        while not self._halt.is_set():
+            nxt = max(self.latest_gen, seen) + 1
+            try:
+                if client is None:
+                    client = keys.connect(self.cfg.store_host, self.cfg.store_port)
+                client.wait([keys.k_gen(nxt)], datetime.timedelta(seconds=WATCH_WAIT_S))
+                records = keys.Records(client, self.sealer)
+                deadline = time.monotonic() + self.cfg.heartbeat_s
+                while (current := records.get_int(keys.k_current_gen())) < nxt and time.monotonic() < deadline \
+                        and not self._halt.is_set():
+                    time.sleep(keys.POLL_S)
+            except Exception:  # a timed-out wait leaves its answer on the connection; or the store is gone
+                client = None
+                self._halt.wait(self.cfg.heartbeat_s)
+                continue
+            if current >= nxt:
+                seen = current
+                self._wake.set()
+                continue
+            while self.latest_gen < nxt and not self._halt.wait(self.cfg.heartbeat_s):
+                pass  # a record that is not current (forged): the beat's pace until generation nxt is
 
     def halt(self) -> None:
         self._halt.set()
+        self._wake.set()
 
 
 def _agent_beat_socket() -> tuple[socket.socket | None, str]:
