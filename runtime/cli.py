@@ -8,6 +8,7 @@ the record is built from the parsed options (`from_namespace`). Only what is not
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -136,10 +137,14 @@ def store_command(ns: argparse.Namespace) -> int:
     from runtime.launcher import ConfigError, serve_store
 
     try:
-        return serve_store(ns.host, ns.port, _secret(ns.secret_file, "store"), ns.idle_exit)
+        code = serve_store(ns.host, ns.port, _secret(ns.secret_file, "store"), ns.idle_exit)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"trainmover store: {exc}", file=sys.stderr)
         return 2
+    # Exiting: a SIGTERM now (an orchestrator stopping a store that ends on its own) must not turn a clean exit
+    # into a death by signal. Python resets its own handlers to the default as it exits, not an ignored signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 def run_command(ns: argparse.Namespace) -> int:

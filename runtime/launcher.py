@@ -398,10 +398,10 @@ def serve_store(host: str, port: int, token: str, idle_exit_s: float = 600.0, po
     if gate is not None:
         gate.on_refused = sealer.refuse
     stop = stop or threading.Event()
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
     print(f"[trainmover] the job's store listens on {host}:{gate.port if gate else server.port}", file=sys.stderr,
           flush=True)
     last_lease, moved_at, over_at = b"", time.monotonic(), None
@@ -420,6 +420,8 @@ def serve_store(host: str, port: int, token: str, idle_exit_s: float = 600.0, po
                       file=sys.stderr, flush=True)
                 return 3
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if gate is not None:
             gate.close()
         if sealer.total_refused():

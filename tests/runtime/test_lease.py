@@ -244,7 +244,11 @@ def test_the_store_process_exits_when_no_coordinator_renews_a_lease_and_when_tol
 
     from runtime.launcher import serve_store
 
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     assert serve_store("127.0.0.1", _free_port(), TOKEN, idle_exit_s=0.3, poll_s=0.02) == 3
+    assert signal.getsignal(signal.SIGTERM) is before, "the store's handler outlived it"
     stop = threading.Event()
     result: list[int] = []
     port = _free_port()
