@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marks = recorded if recorded is not None else {"processes"}
         for name in sorted(marks):
             item.add_marker(getattr(pytest.mark, name))
-        group = xdist_group(marks, _test_id(item))
+        group = xdist_group(marks, _test_id(item), untimed=item.get_closest_marker("untimed") is not None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
         (drop if dev and (marks or not known) else keep).append(item)

@@ -67,12 +67,18 @@ GROUPS = ("jobs", "prefect")
 """The xdist groups (`--dist loadgroup`): each runs its tests one after another on one worker."""
 
 
-def xdist_group(marks: set[str], nodeid: str = "") -> str | None:
+def xdist_group(marks: set[str], nodeid: str = "", untimed: bool = False) -> str | None:
     """The test's group: `prefect` for the Prefect server's tests and for the flows' tests that run a real job (a
     supervisor driving one, as the Prefect end-to-end tests do), `jobs` for every other test that starts this
     project's processes or makes namespaces. The two groups run beside each other, one on each worker: the
-    `jobs` group alone is the suite's longest path (23 of its 23 minutes when the flows' jobs were in it too)."""
+    `jobs` group alone is the suite's longest path (23 of its 23 minutes when the flows' jobs were in it too).
+
+    `untimed` (the test's `untimed` marker): a job on one machine whose assertions hold however slowly it runs
+    (the final state bit-exact, a refusal, a message), no timeout of its own near its pace: it runs in the
+    `prefect` group, to even the two workers out."""
     if "prefect" in marks or (nodeid.startswith("tests/flows/") and marks & {"jobs", "netns"}):
+        return "prefect"
+    if untimed and "netns" not in marks:
         return "prefect"
     if marks & {"jobs", "netns"}:
         return "jobs"

@@ -43,6 +43,7 @@ def run_ranks(world: int, argv: Callable[[int], list[str]], result: Callable[[in
     return [json.loads(result(r).read_text()) for r in range(world)]
 
 
+@pytest.mark.untimed
 def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(tmp_path: Path) -> None:
     results = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000)
 
@@ -55,6 +56,7 @@ def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(tmp_path:
     assert 0 < src0["bytes"] < recv["bytes"], "each source sends only its share"
 
 
+@pytest.mark.untimed
 def test_a_receiver_without_the_job_secret_gets_nothing(tmp_path: Path) -> None:
     sender, receiver = run_group(tmp_path, world=2, receivers="1", token="a-guess", chunk_bytes=1 << 20)
 
@@ -63,6 +65,7 @@ def test_a_receiver_without_the_job_secret_gets_nothing(tmp_path: Path) -> None:
     assert receiver["after"] == receiver["before"], "no state may reach an unproven receiver"
 
 
+@pytest.mark.untimed
 def test_a_source_without_the_job_secret_gives_nothing(tmp_path: Path) -> None:
     sender, receiver = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1 << 20,
                                  source_token="an-outsider")
@@ -72,6 +75,7 @@ def test_a_source_without_the_job_secret_gives_nothing(tmp_path: Path) -> None:
     assert not sender["ok"]
 
 
+@pytest.mark.untimed
 def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path) -> None:
     src0, src1, recv = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
                                  corrupt=[0, 2])
@@ -81,6 +85,7 @@ def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path
     assert src1["bytes"] > 0 and src0["ok"] and src1["ok"]
 
 
+@pytest.mark.untimed
 def test_a_chunk_corrupted_by_the_only_source_is_sent_again(tmp_path: Path) -> None:
     src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 1])
 
@@ -126,6 +131,7 @@ def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_step_a
         assert chunk_mac(b"x" * 32, 5, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "keyed"
 
 
+@pytest.mark.untimed
 def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_member(tmp_path: Path) -> None:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)

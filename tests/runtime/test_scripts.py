@@ -19,11 +19,15 @@ EMA = SCRIPTS / "ema_job.py"
     ("script", "args", "faults"),
     [
         # BatchNorm statistics changed by the interrupted forward pass must be restored before the replay.
-        (BN_AUG, (), "kill:rank=1,step=5,phase=exchange;kill:rank=0,step=11,phase=optimizer"),
-        (BN_AUG, ("--amp", "bf16", "--accumulation-steps", "2"), "kill:rank=0,step=7,phase=after_exchange"),
+        pytest.param(BN_AUG, (), "kill:rank=1,step=5,phase=exchange;kill:rank=0,step=11,phase=optimizer",
+                     marks=pytest.mark.untimed),
+        pytest.param(BN_AUG, ("--amp", "bf16", "--accumulation-steps", "2"),
+                     "kill:rank=0,step=7,phase=after_exchange", marks=pytest.mark.untimed),
+        # A hang, found by its heartbeat's silence: timed, so it stays in the `jobs` group.
         (BN_AUG, ("--amp", "fp16"), "stop:rank=1,step=6,phase=before_exchange"),
         # EMA registered with register_state, two micro-batches, ReduceLROnPlateau on the global loss.
-        (EMA, (), "kill:rank=1,step=4,phase=exchange;kill:rank=0,step=13,phase=after_exchange"),
+        pytest.param(EMA, (), "kill:rank=1,step=4,phase=exchange;kill:rank=0,step=13,phase=after_exchange",
+                     marks=pytest.mark.untimed),
     ],
     ids=["bn-aug-two-kills", "bn-aug-bf16-accum", "bn-aug-fp16-hang", "ema-two-kills"],
 )
@@ -43,6 +47,7 @@ def test_a_clean_run_with_batchnorm_ends_with_equal_buffers_on_every_rank() -> N
     assert clean_digest(2, 20, BN_AUG)
 
 
+@pytest.mark.untimed
 def test_per_rank_buffers_make_recovery_refuse_with_a_clear_message() -> None:
     result = run_job(nproc=2, standby=1, steps=12, faults="kill:rank=1,step=4,phase=exchange", script=BN_AUG,
                      script_args=("--per-rank-buffers",))
@@ -51,6 +56,7 @@ def test_per_rank_buffers_make_recovery_refuse_with_a_clear_message() -> None:
     assert not events_of(result, Recovered)
 
 
+@pytest.mark.untimed
 def test_standbys_killed_while_warming_up_and_while_parked_are_replaced_and_the_job_completes() -> None:
     # One job, two standby losses: the first standby dies while warming up (before it is ready); its replacement
     # warms up, parks, and dies there (ready); a third one is started in its place.
@@ -63,6 +69,7 @@ def test_standbys_killed_while_warming_up_and_while_parked_are_replaced_and_the_
     assert len(events_of(result, StandbySpawned)) >= 2, "each lost standby is replaced"
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize("mode", ["exit0", "raise"])
 def test_a_script_that_leaves_before_joining_stops_the_job_with_one_message(mode: str) -> None:
     result = run_job(nproc=2, standby=1, steps=5, script_args=("--before-init", mode), wait_for_standbys=False)
@@ -74,6 +81,7 @@ def test_a_script_that_leaves_before_joining_stops_the_job_with_one_message(mode
     assert len(events_of(result, StandbySpawned)) <= 1
 
 
+@pytest.mark.untimed
 def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() -> None:
     result = run_job(nproc=2, standby=2, steps=12,
                      faults="kill:rank=0,step=5,phase=exchange;kill:rank=1,step=5,phase=exchange")
@@ -82,6 +90,7 @@ def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() 
     assert len(events_of(result, GenerationStarted)) <= 2  # generation 0, at most one attempt: no rebuild loop
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize("odd", ["w1", "s0"])
 def test_a_process_that_builds_another_model_is_a_script_error_naming_the_tensor(odd: str) -> None:
     result = run_job(nproc=2, standby=1, steps=12, script_args=("--odd-proc", odd))
@@ -90,6 +99,7 @@ def test_a_process_that_builds_another_model_is_a_script_error_naming_the_tensor
     assert not events_of(result, Recovered)
 
 
+@pytest.mark.untimed
 @pytest.mark.parametrize(
     ("example", "args"),
     [
