@@ -16,9 +16,8 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -93,54 +92,6 @@ def shut_sockets(inodes: set[int]) -> int:
     return shut
 
 
-CUT_BUILD_POLL_S = 0.02
-
-
-class BuildGuard:
-    """A group build in progress that a newer generation made pointless: its new TCP connections are shut until it
-    gives up, so a member does not stay in it after the job moved on.
-
-    Gloo checks its connect timeout only when the socket reports an event: a SYN to a host that was cut off gets
-    none until the kernel gives up (about two minutes, `tcp_syn_retries`), and Gloo then retries. A member building
-    a generation with such a peer would hold the next generation up that long (seen once: a host cut off just as
-    generation 0 formed). `shutdown()` of a connecting socket fails its connect at once (ECONNRESET); Gloo retries
-    up to 3 times, so the guard keeps shutting what the build opens, every `CUT_BUILD_POLL_S`, until it ends."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._gen: int | None = None
-        self._baseline: set[int] = set()
-        self._cutter: threading.Thread | None = None
-        self.sockets_shut = 0
-
-    @contextlib.contextmanager
-    def __call__(self, gen: int) -> Iterator[None]:
-        """The main thread builds generation `gen`'s groups inside this block."""
-        with self._lock:
-            self._gen, self._baseline, self._cutter = gen, tcp_socket_inodes(), None
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._gen = None
-
-    def cut_if_older(self, latest_gen: int) -> None:
-        """From the heartbeat thread: generation `latest_gen` formed; a build of an older one is cut."""
-        with self._lock:
-            if self._gen is None or self._gen >= latest_gen or self._cutter is not None:
-                return
-            self._cutter = threading.Thread(target=self._cut, args=(self._gen,), name="tm-cut-build", daemon=True)
-            self._cutter.start()
-
-    def _cut(self, gen: int) -> None:
-        while True:
-            with self._lock:  # listed and shut while generation `gen` is still being built, never after
-                if self._gen != gen:
-                    return
-                self.sockets_shut += shut_sockets(tcp_socket_inodes() - self._baseline)
-            time.sleep(CUT_BUILD_POLL_S)
-
-
 class Communicator:
     """Owns this process's membership in one generation's process group."""
 
@@ -163,8 +114,6 @@ class Communicator:
         self._sockets: set[int] = set()
         """The TCP sockets this generation's groups opened (`track_sockets`), shut when a newer one forms."""
         self.sockets_shut = 0
-        self.building = BuildGuard()
-        """A build in progress, cut when a newer generation forms."""
 
     def build(self, gen: int, rank: int, world_size: int,
               connect_timeout_s: float = KNOBS.connect_timeout_s) -> None:
@@ -188,15 +137,14 @@ class Communicator:
         failure: str | None = None
         self._baseline, self._sockets = tcp_socket_inodes(), set()
         try:
-            with self.building(gen):
-                dist.init_process_group(
-                    self.backend,
-                    store=dist.PrefixStore(f"g{gen}", self.store),
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=datetime.timedelta(seconds=connect_timeout_s),
-                    **kwargs,  # type: ignore[arg-type]
-                )
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"g{gen}", self.store),
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=connect_timeout_s),
+                **kwargs,  # type: ignore[arg-type]
+            )
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
             failure = error_text(exc)
         if failure is not None:
@@ -215,12 +163,8 @@ class Communicator:
     def cut_if_older(self, latest_gen: int) -> None:
         """From the heartbeat thread: a newer generation formed, so this generation's groups are over. Shut their
         sockets, so that a collective still waiting on a peer fails now instead of when TCP gives up on a cut-off
-        host (which can be many minutes) or at the collective timeout. Gloo only (NCCL is aborted instead). A build
-        of an older generation still in progress is cut too (`BuildGuard`)."""
-        if self.backend != "gloo":
-            return
-        self.building.cut_if_older(latest_gen)
-        if self.gen is None or self.gen >= latest_gen or not self._sockets:
+        host (which can be many minutes) or at the collective timeout. Gloo only (NCCL is aborted instead)."""
+        if self.backend != "gloo" or self.gen is None or self.gen >= latest_gen or not self._sockets:
             return
         sockets, self._sockets = self._sockets, set()
         self.sockets_shut += shut_sockets(sockets)

@@ -45,7 +45,7 @@ from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.training.comm import BuildGuard, CommFailure, error_text, shut_sockets, tcp_socket_inodes
+from runtime.training.comm import CommFailure, error_text, shut_sockets, tcp_socket_inodes
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -144,8 +144,6 @@ class GroupSet:
         self._lock = threading.RLock()
         self._drain_timer: threading.Thread | None = None
         self._abandoned: list[dist.ProcessGroup] = []
-        self.building = BuildGuard()
-        """A build in progress (`enter`), cut when a newer generation forms (Gloo)."""
 
     # -- what a member publishes when it joins ---------------------------------------------------------
     def held(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -174,15 +172,22 @@ class GroupSet:
         t1 = time.perf_counter()
         timeout = datetime.timedelta(seconds=connect_timeout_s)
         failure: str | None = None
-        shut_before = self.building.sockets_shut
         try:
-            with self.building(g):
-                self._build(g, rank, world, mine, plan, timeout)
+            for key in sorted(k for k in mine if k in plan):
+                before = tcp_socket_inodes()
+                # Named after the group alone: torch's DTensor caches shardings that name a mesh's groups, and
+                # must find the new incarnation under the old name. Its rendezvous keys are the generation's.
+                pg = self._new_group(g, key, mine[key], rank, self.backend, timeout)
+                with self._lock:
+                    self.mesh[key] = _Group(pg, mine[key], g, tcp_socket_inodes() - before)
+            self._baseline = tcp_socket_inodes() - self._mesh_sockets()
+            everyone = tuple(range(world))
+            # Lazily connected: its pairs connect on first use, under the collective timeout.
+            self.world = self._new_group(g, f"world{g}", everyone, rank, self.backend, self.timeout, lazy=True)
+            self.host_world = self.world if self.backend == "gloo" else \
+                self._new_group(g, f"host{g}", everyone, rank, "gloo", self.timeout, lazy=True)
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
             failure = error_text(exc)
-        if self.building.sockets_shut > shut_before:
-            with self._lock:  # the groups this build made may have had sockets shut: never kept
-                self._cut.update(k for k, group in self.mesh.items() if group.built == g)
         if failure is not None:
             self.leave()
             raise CommFailure(f"could not build the groups of generation {g}: {failure}")
@@ -193,23 +198,6 @@ class GroupSet:
         self.rebuilt = plan
         self.last_build_s = time.perf_counter() - t1
         return plan
-
-    def _build(self, g: int, rank: int, world: int, mine: Mapping[str, tuple[int, ...]], plan: frozenset[str],
-               timeout: datetime.timedelta) -> None:
-        """The mesh groups of `plan` this rank is in, then the generation's world group(s)."""
-        for key in sorted(k for k in mine if k in plan):
-            before = tcp_socket_inodes()
-            # Named after the group alone: torch's DTensor caches shardings that name a mesh's groups, and must
-            # find the new incarnation under the old name. Its rendezvous keys are the generation's.
-            pg = self._new_group(g, key, mine[key], rank, self.backend, timeout)
-            with self._lock:
-                self.mesh[key] = _Group(pg, mine[key], g, tcp_socket_inodes() - before)
-        self._baseline = tcp_socket_inodes() - self._mesh_sockets()
-        everyone = tuple(range(world))
-        # Lazily connected: its pairs connect on first use, under the collective timeout.
-        self.world = self._new_group(g, f"world{g}", everyone, rank, self.backend, self.timeout, lazy=True)
-        self.host_world = self.world if self.backend == "gloo" else \
-            self._new_group(g, f"host{g}", everyone, rank, "gloo", self.timeout, lazy=True)
 
     def leave(self, abandoned: bool = False) -> None:
         """Leave the current generation: its world groups go; the mesh groups stay until the next plan.
@@ -271,8 +259,6 @@ class GroupSet:
         collectives than this member is cut (this member waits, or will, in one the peer never enters). A member
         still in the old generation `DRAIN_S` later has every group cut."""
         lost = set(lost)
-        if self.backend == "gloo":
-            self.building.cut_if_older(newer)  # a build of an older generation in progress (NCCL's is bounded)
         with self._lock:
             if self.gen is None or self.gen >= newer or self._drain_timer is not None:
                 return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import socket
 from collections.abc import Callable
@@ -154,80 +153,3 @@ def test_wait_keeps_waiting_on_a_slow_step_fails_on_a_lost_peer_and_abandons_onl
     message = comm.wait([_Work(slow=0), stuck])
     assert message is not None and "generation 3" in message and "generation 4" in message
     assert comm.abandoned == 1 and comm._stuck and stuck.waits <= 2
-
-
-def _black_hole() -> tuple[socket.socket, list[socket.socket]]:
-    """A listener whose accept queue is full: the kernel drops further SYNs, as from a host that was cut off."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    queued = [_connecting(listener.getsockname()) for _ in range(3)]
-    return listener, queued
-
-
-def _connecting(addr: tuple[str, int]) -> socket.socket:
-    s = socket.socket()
-    s.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        s.connect(addr)
-    return s
-
-
-def _settles(s: socket.socket, within_s: float) -> bool:
-    import select
-
-    _, writable, errored = select.select([], [s], [s], within_s)
-    return bool(writable or errored)
-
-
-def test_a_build_of_a_generation_made_obsolete_has_its_connects_to_a_cut_off_host_failed_at_once() -> None:
-    """Gloo's connect to a host that was cut off waits for the kernel to give up on the SYN (about two minutes)
-    and retries: the guard fails every connect the obsolete build opens, and nothing else."""
-    import errno
-
-    from runtime.training.comm import BuildGuard
-
-    listener, queued = _black_hole()
-    addr = listener.getsockname()
-    established_before = socket.create_connection(_echo_server())
-    guard = BuildGuard()
-    opened: list[socket.socket] = []
-    try:
-        with guard(3):
-            first = _connecting(addr)
-            opened.append(first)
-            assert not _settles(first, 0.3), "the black hole answered: the test proves nothing"
-            guard.cut_if_older(3)  # not newer: nothing is cut
-            assert not _settles(first, 0.3)
-            guard.cut_if_older(4)
-            assert _settles(first, 10.0), "the connect of an obsolete build was not failed"
-            assert first.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET
-            retry = _connecting(addr)  # Gloo retries with a new socket: that one is failed too
-            opened.append(retry)
-            assert _settles(retry, 10.0)
-        after = _connecting(addr)  # the build is over: the guard touches nothing any more
-        opened.append(after)
-        assert not _settles(after, 0.3)
-        established_before.sendall(b"x")
-        assert established_before.recv(1) == b"x", "a connection older than the build was shut"
-        assert guard.sockets_shut >= 2
-    finally:
-        for s in [listener, *queued, established_before, *opened]:
-            s.close()
-
-
-def _echo_server() -> tuple[str, int]:
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-
-    def serve() -> None:
-        conn, _ = server.accept()
-        with conn, server:
-            while data := conn.recv(64):
-                conn.sendall(data)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return server.getsockname()
