@@ -240,11 +240,10 @@ def test_a_takeover_of_another_job_or_of_an_ended_one_is_refused_before_the_leas
 
 
 def test_the_store_process_exits_when_no_coordinator_renews_a_lease_and_when_told_to() -> None:
+    import signal
     import threading
 
     from runtime.launcher import serve_store
-
-    import signal
 
     before = signal.getsignal(signal.SIGTERM)
     assert serve_store("127.0.0.1", _free_port(), TOKEN, idle_exit_s=0.3, poll_s=0.02) == 3

@@ -200,7 +200,10 @@ def test_fsdp_a_rank_lost_with_its_keeper_stops_the_job_naming_the_shard() -> No
 
 @pytest.mark.slow
 def test_hsdp_a_shard_lost_with_its_replica_stops_the_job_naming_the_shard() -> None:
-    result = _run("hsdp", "kill:rank=0,step=4,phase=exchange;kill:rank=2,step=4,phase=exchange", steps=10)
+    # Both before the step's generation check: a rank killed at `exchange` lets its replica see the new generation
+    # first, leave the step alive and serve the shard (seen once, once generations were seen as published).
+    result = _run("hsdp", "kill:rank=0,step=4,phase=before_exchange;kill:rank=2,step=4,phase=before_exchange",
+                  steps=10)
     assert result.exit_code != 0
     assert "shard 0 of 2 (held by rank(s) 0, 2) was lost with every copy" in result.message, result.message
 
