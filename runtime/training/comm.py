@@ -31,6 +31,20 @@ STALE_GRACE_S = 1.0
 WAIT_SLICE = datetime.timedelta(seconds=0.25)
 
 
+GLOO_LISTENER_WAIT_FACTOR = 5
+"""While a Gloo group is built, the side of each new connection that waits for its peer to connect (the peer with the
+lower address) waits five times the group's timeout (`Pair::waitUntil` in gloo/transport/tcp/pair.h), the side that
+connects and the rendezvous reads one timeout. A member lost after publishing its address, before connecting, would
+hold the others five times the connect timeout (150 s for 30 s; seen in tests): see `connect_timeout`."""
+
+
+def connect_timeout(backend: str, connect_timeout_s: float) -> datetime.timedelta:
+    """The timeout to build a group with, so that no member waits longer than `connect_timeout_s` to connect:
+    a fifth of it for Gloo (`GLOO_LISTENER_WAIT_FACTOR`), all of it for NCCL."""
+    factor = GLOO_LISTENER_WAIT_FACTOR if backend == "gloo" else 1
+    return datetime.timedelta(seconds=connect_timeout_s / factor)
+
+
 class CommFailure(RuntimeError):
     """A collective or point-to-point operation failed: a peer is gone or the group was broken."""
 
@@ -142,7 +156,7 @@ class Communicator:
                 store=dist.PrefixStore(f"g{gen}", self.store),
                 rank=rank,
                 world_size=world_size,
-                timeout=datetime.timedelta(seconds=connect_timeout_s),
+                timeout=connect_timeout(self.backend, connect_timeout_s),
                 **kwargs,  # type: ignore[arg-type]
             )
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)

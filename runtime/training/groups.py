@@ -45,7 +45,7 @@ from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.training.comm import CommFailure, error_text, shut_sockets, tcp_socket_inodes
+from runtime.training.comm import CommFailure, connect_timeout, error_text, shut_sockets, tcp_socket_inodes
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -170,7 +170,7 @@ class GroupSet:
             self._cut.clear()
         self.last_teardown_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        timeout = datetime.timedelta(seconds=connect_timeout_s)
+        timeout = connect_timeout(self.backend, connect_timeout_s)
         failure: str | None = None
         try:
             for key in sorted(k for k in mine if k in plan):

@@ -112,6 +112,63 @@ def test_a_collective_stuck_in_a_replaced_group_is_abandoned_and_the_next_group_
     assert total == 5.0 and results[1] == "left"
 
 
+def _published_then_killed(port: int) -> None:
+    """Rank 1 of generation 0 as Gloo builds it: it publishes its address, then waits for rank 0's (and is killed
+    there by the test). Its address is the highest on loopback, so rank 0 is the side that waits to be connected."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.255.255.254")]
+    options._timeout = datetime.timedelta(seconds=60)
+    # The prefixes init_process_group puts before Gloo's keys in the generation's store.
+    dist.ProcessGroupGloo(dist.PrefixStore("cpu/", dist.PrefixStore("0/", dist.PrefixStore("g0", store))), 1, 2,
+                          options)
+
+
+def test_a_member_lost_after_publishing_its_address_holds_the_build_for_the_connect_timeout_at_most(
+    monkeypatch: Any,
+) -> None:
+    """The side of a Gloo connection that waits to be connected waits five times the group's timeout: a member killed
+    between publishing its address and connecting held its peers 150 s with a 30 s connect timeout. The build is
+    bounded by the connect timeout itself."""
+    import datetime
+    import os
+    import signal
+    import time
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from runtime.training.comm import CommFailure, Communicator
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # this rank listens on 127.0.0.1, below its peer's address
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    peer = mp.get_context("spawn").Process(target=_published_then_killed, args=(port,))
+    peer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not store.check(["g0/0//cpu//0/1"]):  # its address, published
+            assert peer.is_alive() and time.monotonic() < deadline, "the peer never published its address"
+            time.sleep(0.02)
+        os.kill(peer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        peer.join(timeout=30)
+        comm = Communicator("gloo", store, timeout_s=600.0, device=torch.device("cpu"))
+        t0 = time.monotonic()
+        with pytest.raises(CommFailure, match="Connect timeout"):
+            comm.build(0, rank=0, world_size=2, connect_timeout_s=5.0)
+        waited = time.monotonic() - t0
+    finally:
+        if peer.is_alive():
+            peer.kill()
+    # Five times the connect timeout (25 s) before; the connect timeout (5 s) now.
+    assert waited < 15, f"the build waited {waited:.1f} s"
+
+
 class _Work:
     """A Work whose wait(timeout) times out `slow` times, then completes (or fails)."""
 

@@ -73,7 +73,10 @@ class Job:
         return self.cluster.start_agent(i, self.port, self.secret, slots, *extra)
 
     def wait(self, what: str, found: Any, timeout_s: float = 90.0) -> Any:
-        return self.events.wait_for(what, found, timeout_s, alive=self.proc)
+        try:
+            return self.events.wait_for(what, found, timeout_s, alive=self.proc)
+        except AssertionError as exc:  # say what the job waits on
+            raise AssertionError(f"{exc}\n{self.log.read_text()[-4000:]}\n{self.dump_stacks()}") from None
 
     def finish(self, timeout_s: float = 120.0) -> int:
         try:
@@ -117,11 +120,10 @@ def hosts(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def _wait_for_training(job: Job, c: Cluster, steps: int = 2, timeout_s: float = 60.0) -> None:
-    """Until the job has committed `steps` steps (read through the store's gate, as an orchestrator would).
-
-    A host cut while generation 0 still forms its group (its worker's rendezvous address never written) has left the
-    other worker inside torch's Gloo group construction for over 120 s, past its 30 s connect timeout (seen twice in
-    CI under load; not explained yet): tests that mean a host cut during training wait for training first."""
+    """Until the job has committed `steps` steps (read through the store's gate, as an orchestrator would): for
+    tests that mean a host cut during training. (A host lost while generation 0 still connects costs up to the
+    connect timeout: `runtime.training.comm.connect_timeout`; `test_two_hosts_at_once_then_no_standby_host_left`
+    can hit that case.)"""
     from runtime.wire.control import JobControl
 
     started = job.events.of("job_started")[0]
