@@ -61,6 +61,9 @@ class Knobs:
     """Hold the workers at generation 0 until every standby is warm, so that the first failure is covered."""
     recovery_timeout_s: float = 120.0
     """Longest a member waits for a new generation or for its peers to join one."""
+    startup_timeout_s: float = 180.0
+    """A process that has not said hello (a standby: not warm) this long after it was started is fenced; the workers
+    wait for generation 0 this long plus the recovery timeout (it may wait for the standbys to be warm)."""
     collective_timeout_s: float = 600.0
     """Gloo/NCCL timeout of a collective. Long on purpose: hangs are caught by heartbeats and fenced,
     so a short timeout would only add false alarms when ranks drift apart (evaluation, checkpoint writes)."""

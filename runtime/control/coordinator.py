@@ -228,7 +228,7 @@ class CoordinatorSettings:
     nproc: int
     standby: int
     hang_timeout_s: float = KNOBS.hang_timeout_s
-    startup_timeout_s: float = 180.0
+    startup_timeout_s: float = KNOBS.startup_timeout_s
     """Longest a process may take from start to its first heartbeat."""
     standby_wait_s: float = KNOBS.standby_wait_s
     replenish: bool = KNOBS.replenish
@@ -823,6 +823,8 @@ class Coordinator:
     # -- membership ----------------------------------------------------------------------------------
     def _progress(self, now: float) -> JobResult | None:
         if not self.started:
+            if self.s.replenish:  # a standby lost while no slot was free (its host was lost): one has come back since
+                self.standbys.top_up("replace a lost standby")
             if len(self.standbys.ready()) >= self.standbys.target:
                 self.started = True
                 self._publish(self.gen)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.config import KNOBS
 from runtime.training.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
 from runtime.training.handoff import (
@@ -307,7 +308,10 @@ class Trainer:
                     raise SystemExit(0)
                 g = promoted
             else:
-                self.job.records.wait_records([keys.k_gen(0)], Generation, self.job.cfg.recovery_timeout_s,
+                # The coordinator may hold generation 0 until the standbys are warm (or replaced, up to its startup
+                # timeout): a worker waits longer than that, so that the coordinator's message is the one given.
+                self.job.records.wait_records([keys.k_gen(0)], Generation,
+                                              KNOBS.startup_timeout_s + self.job.cfg.recovery_timeout_s,
                                               what="generation 0")
                 g = 0
         else:

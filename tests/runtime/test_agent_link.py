@@ -132,6 +132,49 @@ def test_a_real_agent_starts_kills_and_reports_and_its_death_loses_the_host(pool
     assert not thread.is_alive() and agent.fenced >= 1
 
 
+def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_nothing(tmp_path: Path) -> None:
+    """The agent's loop is held longer than its lease: its fork server (stopped here) answers a standby's fork 1.5 s
+    late, as a fork of a big process on a loaded machine can. The coordinator beat all along and its beats waited in
+    the socket: the agent reads them before it judges the silence, and neither fences itself nor loses its host."""
+    import signal
+
+    from runtime.control.hosts import HostTiming
+
+    token = new_token()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    script = tmp_path / "idle.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    p = HostPool(listener, token, "job1", [str(script)], {"TM_X": "1"},
+                 HostTiming(heartbeat_s=0.05, lease_s=0.5, host_timeout_s=30.0))
+    agent, thread = _agent(p.port, token, rejoin=False, fork_server=True)
+    resume: threading.Timer | None = None
+    try:
+        p.wait_for_hosts(1, 10)
+        zygote = agent.zygote
+        assert zygote is not None and zygote.pid is not None
+        deadline = time.monotonic() + 60
+        while not zygote.ready():  # the agent leaves the zygote alone until a standby is to be forked
+            assert time.monotonic() < deadline, "the zygote did not finish its imports within 60 s"
+            time.sleep(0.05)
+        os.kill(zygote.pid, signal.SIGSTOP)
+        resume = threading.Timer(1.5, os.kill, (zygote.pid, signal.SIGCONT))  # the fault: 3 leases late
+        resume.start()
+        standby = p.spawn("s0", "standby")
+        resume.join()
+        assert standby.pid > 0 and standby.exit_cause() is None
+        worker = p.spawn("w0", "worker")  # the link is still up
+        assert worker.pid > 0
+        assert agent.fenced == 0 and of_type(p.take_events(), HostLost) == []
+        assert [h.name for h in p.live_hosts()] == ["hx"]
+    finally:
+        if resume is not None:
+            resume.cancel()
+        p.close()
+        thread.join(timeout=15)
+
+
 def test_a_silent_host_is_lost_after_the_timeout_and_an_outsider_is_refused(pool: tuple[HostPool, str]) -> None:
     p, token = pool
     # A raw agent that completes the handshake and then never beats again (a partition).

@@ -34,6 +34,7 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "replenish": [(LaunchConfig, "replenish"), (CoordinatorSettings, "replenish")],
     "wait_for_standbys": [(LaunchConfig, "wait_for_standbys"), (CoordinatorSettings, "start_when_standbys_ready")],
     "recovery_timeout_s": [(LaunchConfig, "recovery_timeout_s"), (ProcessConfig, "recovery_timeout_s")],
+    "startup_timeout_s": [(CoordinatorSettings, "startup_timeout_s")],
     "collective_timeout_s": [(ProcessConfig, "collective_timeout_s"), (GlooLinks.__init__, "timeout_s")],
     "connect_timeout_s": [(ProcessConfig, "connect_timeout_s"), (Communicator.build, "connect_timeout_s")],
     "chunk_bytes": [(LaunchConfig, "chunk_bytes"), (ProcessConfig, "chunk_bytes"), (HandoffSession, "chunk_bytes")],

@@ -151,13 +151,14 @@ class SimPool(SimplePool):
 class Scene:
     """A coordinator, its simulated processes and an orchestrator, on one fake clock."""
 
-    def __init__(self, scripts: Callable[[str, str], Script], **settings: Any) -> None:
+    def __init__(self, scripts: Callable[[str, str], Script], pool: type[SimPool] | None = None,
+                 **settings: Any) -> None:
         self.clock = FakeClock()
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=5),
                                    wait_for_workers=False)
         self.member = keys.Records(self.store, Sealer(TOKEN, "member"))
         self.orchestrator = keys.Records(self.store, Sealer(TOKEN, "control"))
-        self.pool = SimPool(self.clock, self.member, scripts)
+        self.pool = (pool or SimPool)(self.clock, self.member, scripts)
         s = CoordinatorSettings(job_id="j", job_token=TOKEN, **{"nproc": 2, "standby": 1, **settings})
         self.c = Coordinator(s, self.store, self.pool, EventLog(None), clock=self.clock.monotonic,
                              wall=self.clock.wall, sleep=self.clock.sleep)
@@ -244,6 +245,37 @@ def test_a_standby_that_never_starts_is_fenced_at_the_startup_timeout_and_replac
     assert [(e.proc, e.reason) for e in scene.events(StandbySpawned)] == [("s1", "replace a lost standby")]
     assert scene.c.standbys.failures_in_row == 1
     assert not scene.events(MemberFailed), "the workers beat: only the standby is lost"
+
+
+class _SlottedPool(SimPool):
+    """A SimPool with `free` slots for standbys, as hosts come and go."""
+
+    free = 0
+
+    def free_slots(self) -> int | None:
+        return self.free
+
+
+@pytest.mark.timeout(20)
+def test_a_standby_lost_before_generation_0_with_no_slot_free_is_replaced_once_a_slot_comes_back() -> None:
+    """Its host is lost (a false alarm on a loaded machine, here) while the job waits for its standbys: no slot is
+    free then; the host comes back a moment later as a new incarnation, and the replacement goes there, so that
+    generation 0 starts instead of the workers waiting for it until they give up."""
+    scene = Scene(lambda name, role: Script(exit_at=1.0) if name == "s0" else
+                  Script(ready_at=scene.now + 0.5) if role == "standby" else Script(), pool=_SlottedPool,
+                  start_when_standbys_ready=True)
+    pool = scene.pool
+    assert isinstance(pool, _SlottedPool)
+    pool.free = 1
+    scene.c.start()
+    pool.free = 0  # s0 took the last slot
+    scene.until(lambda: bool(scene.events(StandbyLost)), 3.0)
+    scene.run_for(1.0)
+    assert [e.proc for e in scene.events(StandbySpawned)] == [], "no slot: nothing to spawn yet"
+    pool.free = 1  # the host is back
+    started = scene.until(lambda: bool(scene.events(GenerationStarted)), 3.0)
+    assert [(e.proc, e.reason) for e in scene.events(StandbySpawned)] == [("s1", "replace a lost standby")]
+    assert scene.events(GenerationStarted)[0].generation == 0 and started < 5.0
 
 
 @pytest.mark.timeout(20)
