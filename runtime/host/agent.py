@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -568,13 +569,31 @@ class Agent:
                               self.cfg.name, silent, welcome.lease_s)
                     return "lease"
                 if time.monotonic() >= beat_due:
-                    if self._beats:
-                        at = time.monotonic()
-                        link.send(ProcBeats({p: round(at - t, 4) for p, (_, t) in self._beats.items()}))
-                    link.send(Beat())
+                    self._send_beats(link)
                     beat_due = time.monotonic() + welcome.heartbeat_s
         finally:
             sel.close()
+
+    def _send_beats(self, link: Link) -> None:
+        """This host's beat, with the ages of its processes' latest beats."""
+        if self._beats:
+            at = time.monotonic()
+            link.send(ProcBeats({p: round(at - t, 4) for p, (_, t) in self._beats.items()}))
+        link.send(Beat())
+
+    def _keepalive(self, link: Link) -> Callable[[], None]:
+        """For a wait inside the loop (the fork server's answer): beat as the loop would, so that neither this host
+        nor its processes look silent to the coordinator meanwhile."""
+        due = time.monotonic() + self._beat_s
+
+        def beat() -> None:
+            nonlocal due
+            if time.monotonic() >= due:
+                self._take_beats()
+                self._send_beats(link)
+                due = time.monotonic() + self._beat_s
+
+        return beat
 
     def _take_beats(self) -> None:
         """Read the beats the processes sent since the last look ("NAME COUNT"; a count that did not go up, or a
@@ -622,7 +641,7 @@ class Agent:
 
     def _handle(self, msg: object, link: Link, sel: selectors.BaseSelector, address: str) -> Outcome | None:
         if isinstance(msg, Spawn):
-            link.send(self._spawn(msg, address, sel))
+            link.send(self._spawn(msg, address, sel, self._keepalive(link)))
         elif isinstance(msg, Signal):
             child = self.children.get(msg.proc)
             if child is not None:
@@ -639,7 +658,8 @@ class Agent:
             raise ProtocolError(f"unexpected {type(msg).__name__} from the coordinator")
         return None
 
-    def _spawn(self, order: Spawn, address: str, sel: selectors.BaseSelector) -> Started:
+    def _spawn(self, order: Spawn, address: str, sel: selectors.BaseSelector,
+               keepalive: Callable[[], None] | None = None) -> Started:
         if not 0 <= order.slot < self.cfg.slots:
             return Started(order.proc, -1, f"slot {order.slot} does not exist (this host has {self.cfg.slots})")
         if order.proc in self.children and self.children[order.proc].poll() is None:
@@ -674,7 +694,7 @@ class Agent:
         out_r, out_w = os.pipe() if order.output else (None, None)
         try:
             if order.role == "standby" and self.zygote is not None and not nccl:
-                pid = self.zygote.spawn(env, list(order.argv), out_w)
+                pid = self.zygote.spawn(env, list(order.argv), out_w, keepalive)
             if pid is not None:
                 child = Child(order.proc, order.slot, pid, role=order.role)
                 how = "forked"

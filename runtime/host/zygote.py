@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36
 REQUEST_TIMEOUT_S = 5.0
+KEEPALIVE_S = 0.1
+"""How often a caller waiting for the zygote's answer is given the hand (`ZygoteClient.spawn`'s `while_waiting`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +177,16 @@ class ZygoteClient:
                 self.stop()
         return self._ready
 
-    def spawn(self, env: dict[str, str], argv: list[str], output_fd: int | None = None) -> int | None:
+    def spawn(self, env: dict[str, str], argv: list[str], output_fd: int | None = None,
+              while_waiting: Callable[[], None] | None = None) -> int | None:
         """The pid of a new process running `argv` with `env`, or None (the caller starts it another way).
 
         None is only ever returned with no process left from the request: a zygote that answers late (a fork of a
         big process on a loaded machine) may already have forked it, and a second process under the same name,
         started by the caller, would take the same role in the job. So a zygote given up on is stopped with every
         process it forked that this process was not told about (`stop`). `output_fd` (passed over the socket)
-        becomes the process's stdout and stderr."""
+        becomes the process's stdout and stderr. `while_waiting` is called every `KEEPALIVE_S` until the answer comes
+        (an agent keeps its link beating meanwhile)."""
         if not self.ready() or self.sock is None:
             return None
         try:
@@ -191,20 +195,24 @@ class ZygoteClient:
                 self.sock.sendall(line)
             else:
                 socket.send_fds(self.sock, [line], [output_fd])
-            pid = int(self._read_line(REQUEST_TIMEOUT_S))
+            pid = int(self._read_line(REQUEST_TIMEOUT_S, while_waiting))
         except (OSError, ValueError, TimeoutError):
             self.stop()  # dead, hung or confused: never ask it again (and no stray fork of it is left)
             return None
         self.forked.add(pid)
         return pid
 
-    def _read_line(self, timeout_s: float) -> str:
+    def _read_line(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> str:
         assert self.sock is not None
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
             left = max(0.0, deadline - time.monotonic())
-            if not select.select([self.sock], [], [], left)[0]:
-                raise TimeoutError("the zygote did not answer")
+            if not select.select([self.sock], [], [], min(left, KEEPALIVE_S) if while_waiting else left)[0]:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("the zygote did not answer")
+                if while_waiting is not None:
+                    while_waiting()
+                continue
             chunk = self.sock.recv(4096)
             if not chunk:
                 raise OSError("the zygote closed its socket")

@@ -133,9 +133,10 @@ def test_a_real_agent_starts_kills_and_reports_and_its_death_loses_the_host(pool
 
 
 def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_nothing(tmp_path: Path) -> None:
-    """The agent's loop is held longer than its lease: its fork server (stopped here) answers a standby's fork 1.5 s
-    late, as a fork of a big process on a loaded machine can. The coordinator beat all along and its beats waited in
-    the socket: the agent reads them before it judges the silence, and neither fences itself nor loses its host."""
+    """The agent's loop is held past its lease and past the coordinator's host timeout: its fork server (stopped here)
+    answers a standby's fork 2 s late, as a fork of a big process on a loaded machine can. The agent beats while it
+    waits, and the coordinator's beats, which waited in the socket, count before it judges the silence: it neither
+    fences itself nor is its host lost."""
     import signal
 
     from runtime.control.hosts import HostTiming
@@ -147,7 +148,7 @@ def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_no
     script = tmp_path / "idle.py"
     script.write_text("import time\ntime.sleep(60)\n")
     p = HostPool(listener, token, "job1", [str(script)], {"TM_X": "1"},
-                 HostTiming(heartbeat_s=0.05, lease_s=0.5, host_timeout_s=30.0))
+                 HostTiming(heartbeat_s=0.05, lease_s=0.5, host_timeout_s=1.0))
     agent, thread = _agent(p.port, token, rejoin=False, fork_server=True)
     resume: threading.Timer | None = None
     try:
@@ -159,7 +160,7 @@ def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_no
             assert time.monotonic() < deadline, "the zygote did not finish its imports within 60 s"
             time.sleep(0.05)
         os.kill(zygote.pid, signal.SIGSTOP)
-        resume = threading.Timer(1.5, os.kill, (zygote.pid, signal.SIGCONT))  # the fault: 3 leases late
+        resume = threading.Timer(2.0, os.kill, (zygote.pid, signal.SIGCONT))  # the fault: 2 host timeouts late
         resume.start()
         standby = p.spawn("s0", "standby")
         resume.join()
