@@ -76,9 +76,9 @@ class Knobs:
     host: str = "127.0.0.1"
     """Address the job's store and Gloo listen on (that address only)."""
     fork_server: bool = True
-    """Fork standbys from a zygote that imported torch once (runtime.host.zygote), on one machine and on every agent's
-    host alike: a replacement standby starts in milliseconds instead of seconds. Gloo only; without it (or when the
-    zygote fails) processes start as usual."""
+    """Fork training processes from a zygote that imported torch once (runtime.host.zygote), on one machine and on every
+    agent's host alike: a replacement standby starts in milliseconds instead of seconds, and a host imports torch once
+    for all its processes. Gloo only; without it (or when the zygote fails) processes start as usual."""
     agent_heartbeat_s: float = 0.5
     """Beats each way on every agent link."""
     host_timeout_s: float = 3.0
@@ -120,9 +120,9 @@ def flag(name: str, help: str, **kw: Any) -> dict[str, Flag]:
     return {"flag": Flag(name, help, **kw)}
 
 
-FORK_SERVER = Flag("--fork-server", "fork standbys from a zygote that imported torch once (Gloo; a replacement "
-                                    "standby starts in milliseconds instead of seconds); --no-fork-server starts "
-                                    "them as new interpreters")
+FORK_SERVER = Flag("--fork-server", "fork training processes from a zygote that imported torch once (Gloo; a "
+                                    "replacement standby starts in milliseconds instead of seconds); "
+                                    "--no-fork-server starts them as new interpreters")
 """One flag, one polarity, in every command that has it (`trainmover run` and `trainmover agent`)."""
 
 _Record = TypeVar("_Record")

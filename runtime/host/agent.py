@@ -53,7 +53,7 @@ from runtime.config import (
     flag,
 )
 from runtime.host.survival import LeaseWatch, endpoint
-from runtime.host.zygote import ZygoteClient, wait_exit
+from runtime.host.zygote import READY_WAIT_S, ZygoteClient, wait_exit
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.netaddr import interface_of
 from runtime.wire.protocol import (
@@ -693,7 +693,7 @@ class Agent:
         pid = None
         out_r, out_w = os.pipe() if order.output else (None, None)
         try:
-            if order.role == "standby" and self.zygote is not None and not nccl:
+            if self.zygote is not None and not nccl and self.zygote.wait_ready(READY_WAIT_S, keepalive):
                 pid = self.zygote.spawn(env, list(order.argv), out_w, keepalive)
             if pid is not None:
                 child = Child(order.proc, order.slot, pid, role=order.role)

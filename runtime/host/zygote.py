@@ -1,8 +1,12 @@
-"""A fork server for local standbys: a process that imported torch once, and forks a new training process in
-milliseconds instead of starting Python and importing torch again (1.5 s of CPU here, 3-4 s on a busy machine).
+"""A fork server for a host's training processes: a process that imported torch once, and forks a new training process
+in milliseconds instead of starting Python and importing torch again (2.3 s of CPU here with the runtime, 3-4 s on a
+busy machine).
 
 That start-up is what a job waits for when its warm standbys are used up: replacing a promoted or lost standby
-quickly keeps the next failure covered. The launcher starts one zygote per job (`ZygoteClient`); each request, a
+quickly keeps the next failure covered. A job's first processes, workers and standbys, are forked too once the
+zygote is ready (they wait up to `READY_WAIT_S` for its imports): one import per host instead of one per process.
+
+The launcher starts one zygote per job (`ZygoteClient`); each request, a
 `ForkRequest` sent as one JSON line, carries the new process's environment and argv, and the zygote answers with
 the new process's pid on a line of its own. The zygote forks twice, so that the training process is orphaned
 at once and adopted by the launcher, which marks itself a child subreaper: the launcher then owns it exactly like a
@@ -34,6 +38,9 @@ from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36
 REQUEST_TIMEOUT_S = 5.0
+READY_WAIT_S = 5.0
+"""How long a process to start waits for a zygote still importing (`ZygoteClient.wait_ready`) before it is started the
+ordinary way: well within the coordinator's wait for the answer (`runtime.control.hosts.SPAWN_ANSWER_S`)."""
 KEEPALIVE_S = 0.1
 """How often a caller waiting for the zygote's answer is given the hand (`ZygoteClient.spawn`'s `while_waiting`)."""
 
@@ -176,6 +183,19 @@ class ZygoteClient:
             if not self._ready:
                 self.stop()
         return self._ready
+
+    def wait_ready(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> bool:
+        """Whether the zygote is ready, waiting up to `timeout_s` for it to finish its imports (a job's first
+        processes are asked for while it still imports); `while_waiting` as in `spawn`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            left = deadline - time.monotonic()
+            if self.sock is None or left <= 0:
+                return False
+            select.select([self.sock], [], [], min(left, KEEPALIVE_S))
+            if while_waiting is not None:
+                while_waiting()
+        return True
 
     def spawn(self, env: dict[str, str], argv: list[str], output_fd: int | None = None,
               while_waiting: Callable[[], None] | None = None) -> int | None:
