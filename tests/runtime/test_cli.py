@@ -58,6 +58,7 @@ def launched(events: Path, *script_args: str) -> Iterator[subprocess.Popen[str]]
 
 
 @pytest.mark.slow
+@pytest.mark.untimed
 def test_a_worker_killed_from_outside_at_a_random_moment_is_replaced_bit_exactly(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
@@ -161,6 +162,7 @@ def test_the_training_image_path_loads_no_orchestration_or_cloud_library() -> No
 
 
 @pytest.mark.slow
+@pytest.mark.untimed
 def test_the_demo_recovers_a_killed_worker_bit_exactly_and_says_what_it_cost(tmp_path: Path) -> None:
     events = tmp_path / "demo.jsonl"
     result = trainmover("demo", "--runtime", "--steps", "24", "--events", str(events), timeout=240)

@@ -27,6 +27,7 @@ PHASE_KILLS = [(1, "before_exchange"), (1, "exchange"), (0, "exchange"), (1, "af
 PHASE_KILL_STEPS = [3, 6, 9, 12, 15]
 
 
+@pytest.mark.untimed
 def test_a_worker_killed_at_each_point_of_a_step_is_replaced_bit_exactly(reference_digest: Reference) -> None:
     faults = ";".join(f"kill:rank={rank},step={step},phase={phase}"
                       for (rank, phase), step in zip(PHASE_KILLS, PHASE_KILL_STEPS, strict=True))
@@ -53,6 +54,7 @@ def test_a_worker_killed_at_each_point_of_a_step_is_replaced_bit_exactly(referen
     assert set(result.digests) == set(holder.values()), "the standbys that took the ranks hold them at the end"
 
 
+@pytest.mark.untimed
 def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Reference) -> None:
     result = run_job(nproc=3, standby=2, steps=20,
                      faults="kill:rank=1,step=8,phase=exchange;kill:role=sender,phase=handoff_send,chunk=2")
@@ -72,6 +74,7 @@ def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Refe
     assert sorted(r["rank"] for r in recovered.ranks) == lost
 
 
+@pytest.mark.untimed
 def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_other_source(
     reference_digest: Reference,
 ) -> None:
@@ -84,6 +87,7 @@ def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_othe
     assert len(events_of(result, GenerationStarted)) == 2, "repaired within the handoff, no new generation"
 
 
+@pytest.mark.untimed
 def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exact(reference_digest: Reference) -> None:
     result = run_job(nproc=3, standby=1, steps=20, handoff_transport="tls", chunk_bytes=4096,
                      faults="kill:rank=2,step=8,phase=exchange;corrupt:role=sender,phase=handoff_send,chunk=3")
@@ -97,6 +101,7 @@ def test_the_state_travels_over_mutual_tls_when_asked_and_the_run_stays_bit_exac
     assert recovered.refetched_chunks == 1, "the MAC and the refetch work over TLS too"
 
 
+@pytest.mark.untimed
 def test_standby_killed_while_taking_over_the_next_standby_serves(reference_digest: Reference) -> None:
     result = run_job(nproc=2, standby=2, steps=20,
                      faults="kill:rank=1,step=8,phase=exchange;kill:role=receiver,phase=handoff_recv")
@@ -107,6 +112,7 @@ def test_standby_killed_while_taking_over_the_next_standby_serves(reference_dige
     assert set(result.digests) == {"w0", ({"s0", "s1"} - {second}).pop()}
 
 
+@pytest.mark.untimed
 def test_two_workers_killed_at_once_two_standbys_take_both_ranks(reference_digest: Reference) -> None:
     result = run_job(nproc=3, standby=2, steps=20,
                      faults="kill:rank=1,step=8,phase=exchange;kill:rank=2,step=8,phase=exchange")
