@@ -67,6 +67,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         client = keys.connect(self.cfg.store_host, self.cfg.store_port)
         threading.Thread(target=self._watch, name="trainmover-generation-watch", daemon=True).start()
+        threading.Thread(target=self._beat_agent, name="trainmover-agent-beat", daemon=True).start()
         try:
             self._beat(keys.Records(client, self.sealer))
         finally:
@@ -75,17 +76,7 @@ class Heartbeat(threading.Thread):
     def _beat(self, records: keys.Records) -> None:
         last_ok = time.monotonic()
         beats = 0
-        agent = _agent_pidfd()
-        to_agent, agent_beats = _agent_beat_socket()
         while not self._halt.is_set():
-            if to_agent is not None:  # the agent sees this process beat without the store (runtime.host.agent)
-                with contextlib.suppress(OSError):
-                    to_agent.sendto(f"{self.cfg.proc} {beats}".encode(), agent_beats)
-            if agent is not None and select.select([agent], [], [], 0)[0]:
-                # The host's agent is gone (runtime.host.agent): nobody on this host can fence or report this process
-                # any more, so it fences itself; the coordinator has lost the host and moves its ranks.
-                sys.stderr.write(f"[trainmover] {self.cfg.proc}: the host's agent exited; this process stops\n")
-                os.kill(os.getpid(), signal.SIGKILL)
             try:
                 records.put(keys.k_heartbeat(self.cfg.proc), beats)
                 beats += 1
@@ -110,6 +101,27 @@ class Heartbeat(threading.Thread):
                     os._exit(3)
             self._wake.wait(self.cfg.heartbeat_s)
             self._wake.clear()
+
+    def _beat_agent(self) -> None:
+        """Beat to the host's agent (runtime.host.agent), which sees this process alive without the store; and fence
+        this process when the agent is gone. A thread of its own, so that a slow store (flooded by an outsider, or
+        far away) delays only the store's beat, never this one."""
+        agent = _agent_pidfd()
+        to_agent, agent_beats = _agent_beat_socket()
+        beats = 0
+        while not self._halt.is_set():
+            if to_agent is not None:
+                with contextlib.suppress(OSError):
+                    to_agent.sendto(f"{self.cfg.proc} {beats}".encode(), agent_beats)
+                beats += 1
+            if agent is not None and select.select([agent], [], [], 0)[0]:
+                # The host's agent is gone: nobody on this host can fence or report this process any more, so it
+                # fences itself; the coordinator has lost the host and moves its ranks.
+                sys.stderr.write(f"[trainmover] {self.cfg.proc}: the host's agent exited; this process stops\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if to_agent is None and agent is None:
+                return
+            self._halt.wait(self.cfg.heartbeat_s)
 
     def _watch(self) -> None:
         """Wake the beat when generation `latest_gen + 1` becomes current. The coordinator writes the record, then
