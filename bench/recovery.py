@@ -307,6 +307,13 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         print(format_reconfiguration(report["reconfiguration"]))
         mismatch = mismatch or not all(row["same_final_state"]
                                        for row in report["reconfiguration"]["by_shape"].values())
+    if "backups" in sections:
+        from bench.backups import format_report as format_backups
+        from bench.backups import run_backups_benchmark
+
+        report["backups"] = run_backups_benchmark(quick, kills)
+        print(format_backups(report["backups"]))
+        mismatch = mismatch or not report["backups"]["restore"]["bitwise_identical"]
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))

@@ -87,6 +87,10 @@ class Knobs:
     """How long the coordinator waits for its agents to join."""
     agent_connect_timeout_s: float = 60.0
     """How long an agent keeps trying to reach its coordinator, at start and after being fenced."""
+    backup_every: int = 100
+    """With a backup directory: committed steps between persistent backups (runtime.training.backup)."""
+    backup_keep: int = 3
+    """With a backup directory: how many of the newest backups are kept."""
 
     @property
     def agent_lease_s(self) -> float:
@@ -206,6 +210,10 @@ ENV_TLS_CERT = "TM_TLS_CERT"
 ENV_TLS_KEY = "TM_TLS_KEY"  # a path; the key file is mode 600
 ENV_TLS_CA = "TM_TLS_CA"
 ENV_BIND_HOST = "TM_BIND_HOST"
+ENV_BACKUP_DIR = "TM_BACKUP_DIR"
+ENV_BACKUP_EVERY = "TM_BACKUP_EVERY"
+ENV_BACKUP_KEEP = "TM_BACKUP_KEEP"
+ENV_RESUME_FROM = "TM_RESUME_FROM"
 
 
 class LaunchError(RuntimeError):
@@ -248,6 +256,12 @@ class ProcessConfig:
     """The certificate(s) a peer's certificate must chain to; default: the job's certificate itself."""
     bind_host: str = KNOBS.host
     """The address this process listens on (a TLS source's handoff socket)."""
+    backup_dir: str = ""
+    """Where rank 0 writes persistent backups (runtime.training.backup); empty: none."""
+    backup_every: int = KNOBS.backup_every
+    backup_keep: int = KNOBS.backup_keep
+    resume_from: str = ""
+    """A backup (a `step-*` folder, or the newest in a backup directory) the job starts from; empty: step 0."""
 
     def __repr__(self) -> str:  # the token must never reach a log through a repr
         return (f"ProcessConfig(job_id={self.job_id!r}, proc={self.proc!r}, role={self.role!r}, "
@@ -274,6 +288,10 @@ class ProcessConfig:
             ENV_TLS_KEY: self.tls_key,
             ENV_TLS_CA: self.tls_ca,
             ENV_BIND_HOST: self.bind_host,
+            ENV_BACKUP_DIR: self.backup_dir,
+            ENV_BACKUP_EVERY: str(self.backup_every),
+            ENV_BACKUP_KEEP: str(self.backup_keep),
+            ENV_RESUME_FROM: self.resume_from,
         }
 
     @classmethod
@@ -315,6 +333,10 @@ class ProcessConfig:
                 tls_key=env.get(ENV_TLS_KEY, ""),
                 tls_ca=env.get(ENV_TLS_CA, ""),
                 bind_host=env.get(ENV_BIND_HOST, env[ENV_STORE_HOST]),
+                backup_dir=env.get(ENV_BACKUP_DIR, ""),
+                backup_every=int(env.get(ENV_BACKUP_EVERY, KNOBS.backup_every)),
+                backup_keep=int(env.get(ENV_BACKUP_KEEP, KNOBS.backup_keep)),
+                resume_from=env.get(ENV_RESUME_FROM, ""),
             )
         except ValueError as exc:
             raise LaunchError(f"malformed TrainMover launch variable: {exc}") from None
@@ -393,6 +415,18 @@ class LaunchConfig:
     tls_ca: str | None = field(default=None, metadata=flag(
         "--tls-ca", "with tls: what peers' certificates must chain to (default: the job's certificate)",
         metavar="PEM"))
+    backup_dir: str | None = field(default=None, metadata=flag(
+        "--backup-dir", "write persistent backups here (rank 0, every --backup-every steps, beside training): "
+                        "used only when every copy of the state is lost, and by --resume-from. Across hosts, a "
+                        "directory every host mounts at this path", metavar="DIR"))
+    backup_every: int = field(default=KNOBS.backup_every, metadata=flag(
+        "--backup-every", "with --backup-dir: committed steps between backups (default %(default)s)", metavar="N"))
+    backup_keep: int = field(default=KNOBS.backup_keep, metadata=flag(
+        "--backup-keep", "with --backup-dir: how many of the newest backups to keep (default %(default)s)",
+        metavar="N"))
+    resume_from: str | None = field(default=None, metadata=flag(
+        "--resume-from", "start from a backup: a step-* folder, or the newest in a --backup-dir directory",
+        metavar="PATH"))
     agents: int = field(default=0, metadata=flag(
         "--agents", "hosts to wait for before starting", group="hosts", metavar="N", required=True))
     """0: every process runs on this machine. N > 0: the coordinator alone; it waits for N agents
@@ -478,6 +512,12 @@ class LaunchConfig:
                 raise ConfigError(f"{opt} {path!r} is not a file")
         if self.handoff_transport == "gloo" and (self.tls_cert or self.tls_ca):
             raise ConfigError("--tls-cert/--tls-ca apply to --handoff-transport tls only")
+        if self.backup_every < 1 or self.backup_keep < 1:
+            raise ConfigError(f"--backup-every and --backup-keep must be 1 or more, got {self.backup_every} and "
+                              f"{self.backup_keep}")
+        if self.resume_from is not None and not self.agents and not Path(self.resume_from).exists():
+            raise ConfigError(f"--resume-from {self.resume_from!r} does not exist: name a --backup-dir directory or "
+                              "one of its step-* folders")
         from runtime.control.chaos import parse_chaos
         from runtime.faults import parse_plan
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -139,6 +140,11 @@ class LocalHostPool(HostPool):
         self.agent.close()
 
 
+def _absolute(path: str | None) -> str:
+    """A path the processes read whatever their working directory (empty: not given)."""
+    return str(Path(path).absolute()) if path else ""
+
+
 def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] | None,
                  store_host: str | None = None) -> dict[str, str]:
     """The launch variables every process of the job gets from its agent (the per-process ones and the secret
@@ -150,6 +156,8 @@ def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] |
         recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
         handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
         tls_ca=tls[2] if tls else "",
+        backup_dir=_absolute(cfg.backup_dir), backup_every=cfg.backup_every, backup_keep=cfg.backup_keep,
+        resume_from=_absolute(cfg.resume_from),
     )
     env = {k: v for k, v in pc.to_env().items() if k not in ("TM_JOB_TOKEN", "TM_PROC", "TM_ROLE", "TM_BIND_HOST")}
     env.update({"OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"})

@@ -46,6 +46,7 @@ from runtime.wire import store as keys
 from runtime.wire.auth import Sealer
 from runtime.wire.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
 from runtime.wire.event_records import (
+    BackupWritten,
     ChaosInjected,
     ChaosUnresolved,
     ControlRejected,
@@ -56,6 +57,7 @@ from runtime.wire.event_records import (
     JobStarted,
     MemberFailed,
     MoveAccepted,
+    RestoringFromBackup,
     StandbyLost,
     StandbyTargetChanged,
     StandbyWarm,
@@ -67,6 +69,7 @@ from runtime.wire.event_records import (
 from runtime.wire.events import EventLog
 from runtime.wire.protocol import (
     Assignment,
+    BackupRecord,
     ChaosDone,
     ControlCommand,
     CoordinatorLease,
@@ -323,6 +326,8 @@ class Coordinator:
         self._chaos_hit: dict[str, float] = {}
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
+        self._last_backup: BackupRecord | None = None
+        self._restore_announced = -1
         self._health_due = True
         self._next_health = 0.0
         self._t0 = 0.0
@@ -543,6 +548,7 @@ class Coordinator:
             return JobResult(result.exit_code, result.message, list(self.events.events), {})
         self.records.put(keys.k_over(), JobOver(result.exit_code))
         self.recoveries.flush(self.gen.gen, final=True)
+        self._check_backups()
         for name, at in self._chaos_hit.items():
             if not self.procs[name].dead:  # a hang injected too close to the end to be detected before it
                 self.events.emit(ChaosUnresolved(proc=name, pid=self.procs[name].handle.pid, time=at,
@@ -714,11 +720,38 @@ class Coordinator:
         where = f" at step {step}" if step is not None else ""
         log.warning("worker %s (rank %d, pid %d) %s%s", name, rank, m.handle.pid, cause, where)
         self._update_holders()  # a promoted standby may have finished its handoff since the last tick
-        if self.started and not (self.holders & set(self.gen.members)):
+        if self.started and not (self.holders & set(self.gen.members)) and not self._restoring_from_backup():
             lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in self.pending_deaths.values())
             raise JobFailed(
                 f"every copy of the training state was lost: {lost}; no surviving process holds it, so no standby "
-                "can be given it. The job was stopped; restart it from its last backup checkpoint.")
+                "can be given it, and no backup was written (--backup-dir). The job was stopped; restart it from "
+                "its last backup, if one exists elsewhere (trainmover run --resume-from DIR).")
+
+    def _restoring_from_backup(self) -> bool:
+        """Every copy of the state is lost: whether the next generation can start from a backup (rank 0 wrote
+        one, `--backup-dir`) instead of the job stopping. Said once per lost generation."""
+        backup = self._check_backups()
+        if backup is None:
+            return False
+        if self._restore_announced != self.gen.gen:
+            self._restore_announced = self.gen.gen
+            committed = self._last_step()
+            log.warning("every copy of the training state was lost: the next generation starts from the backup of "
+                        "step %d (%s); steps %d-%d are trained again", backup.step, backup.path, backup.step + 1,
+                        max(committed, backup.step))
+            self.events.emit(RestoringFromBackup(generation=self.gen.gen, backup_step=backup.step, path=backup.path,
+                                                 committed_step=committed,
+                                                 steps_redone=max(0, committed - backup.step)))
+        return True
+
+    def _check_backups(self) -> BackupRecord | None:
+        """The newest backup rank 0 reported (a `backup_written` event for each new one)."""
+        backup = self.records.get_record(keys.k_backup(), BackupRecord)
+        if backup is not None and backup != self._last_backup:
+            self._last_backup = backup
+            self.events.emit(BackupWritten(step=backup.step, path=backup.path, bytes=backup.bytes,
+                                           stage_s=backup.stage_s, write_s=backup.write_s))
+        return backup
 
     def _fault_for(self, name: str) -> FaultFired | None:
         for i in range(self.fault_count):
@@ -851,6 +884,7 @@ class Coordinator:
             # which the busy loop (every 5 ms while a death is pending) must not pay.
             self.recoveries.flush(self.gen.gen)
             self.standbys.watch_coverage()
+            self._check_backups()
         return None
 
     def _update_holders(self) -> None:

@@ -82,7 +82,8 @@ def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[Re
             "groups_rebuilt": max(r.groups_rebuilt for r in reports),
             "groups": max(r.groups_total for r in reports),
         },
-        "handoff_bytes": sum(r.handoff_bytes for r in reports if r.role == "receiver"),
+        # What reached the new members: handed over by a peer, or read from a backup (role "backup").
+        "handoff_bytes": sum(r.handoff_bytes for r in reports if r.role in ("receiver", "backup")),
         "sources": sorted(r.rank for r in reports if r.role == "source"),
         "refetched_chunks": sum(r.refetched_chunks for r in reports if r.role == "receiver"),
     }

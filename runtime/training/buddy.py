@@ -133,7 +133,7 @@ def plan_restore(statuses: list[BuddyStatus], offset: int, target: int, max_repl
     raise StateLost(
         f"{what} (rank {lost}) was lost together with its buddy copy on rank {keeper_of(lost, world, offset)}: no "
         f"process holds it within {max_replay} steps of step {target}; restart the job from its last backup "
-        "checkpoint")
+        "(trainmover run --resume-from DIR)")
 
 
 class BuddyCopies:

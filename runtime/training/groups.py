@@ -121,8 +121,10 @@ class GroupSet:
     """This process's groups of a sharded job (see the module docstring). The main thread enters and leaves
     generations; the heartbeat thread drains (`drain`). Thread-safe."""
 
-    def __init__(self, backend: str, store: dist.Store, timeout_s: float, *, full: bool = False) -> None:
-        """`full`: rebuild every group every generation (the full rebuild, for comparison)."""
+    def __init__(self, backend: str, store: dist.Store, timeout_s: float, *, full: bool = False,
+                 backups: bool = False) -> None:
+        """`full`: rebuild every group every generation (the full rebuild, for comparison); `backups`: build each
+        generation a world group of its own for persistent backups (`backup`)."""
         _register_identity()
         self.backend = backend
         self.store = dist.PrefixStore("tm-groups", store)
@@ -132,6 +134,10 @@ class GroupSet:
         self.world: dist.ProcessGroup | None = None
         self.host_world: dist.ProcessGroup | None = None
         """The world group in host memory (Gloo) for buddy copies: the world group itself unless it is NCCL."""
+        self.backups = backups
+        self.backup: dist.ProcessGroup | None = None
+        """The generation's group for torch's collective checkpoint save (Gloo, lazily connected), used from the
+        checkpoint's own thread only; never destroyed (a save may still be inside it when its generation ends)."""
         self.gen: int | None = None
         self.rebuilt: frozenset[str] = frozenset()
         """The mesh groups the last generation rebuilt (in the whole job), of `total`."""
@@ -186,6 +192,8 @@ class GroupSet:
             self.world = self._new_group(g, f"world{g}", everyone, rank, self.backend, self.timeout, lazy=True)
             self.host_world = self.world if self.backend == "gloo" else \
                 self._new_group(g, f"host{g}", everyone, rank, "gloo", self.timeout, lazy=True)
+            if self.backups:
+                self.backup = self._new_group(g, f"backup{g}", everyone, rank, "gloo", self.timeout, lazy=True)
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
             failure = error_text(exc)
         if failure is not None:
@@ -213,7 +221,9 @@ class GroupSet:
             self.gen = None
             self._drain_timer = None  # its thread sees `gen` change and ends
             worlds = {id(pg): pg for pg in (self.world, self.host_world) if pg is not None}
-            self.world = self.host_world = None
+            if self.backup is not None:
+                self._abandoned.append(self.backup)  # its sockets are shut below with the world group's
+            self.world = self.host_world = self.backup = None
             sockets = tcp_socket_inodes() - self._baseline - self._mesh_sockets()
         if self.backend == "gloo":
             shut_sockets(sockets)

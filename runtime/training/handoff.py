@@ -104,7 +104,7 @@ def plan_handoff(statuses: list[MemberStatus]) -> HandoffPlan:
     if not holders:
         raise StateLost(
             "every copy of the training state was lost at once (no surviving replica holds it); "
-            "restart the job from its last backup checkpoint"
+            "restart the job from its last backup (trainmover run --resume-from DIR)"
         )
     target = max(s.step for s in holders)
     sources = tuple(sorted(s.rank for s in holders if s.step == target))

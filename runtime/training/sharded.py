@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from runtime.training.backup import BackupSettings, BackupWriter, Shards, newest_backup
 from runtime.training.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
 from runtime.training.comm import CommFailure, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
@@ -153,7 +154,7 @@ def plan_sharded_handoff(mesh: MeshSpec,
     holders = [s for s in statuses if s.has_state]
     if not holders:
         raise StateLost("every copy of the training state was lost at once (no surviving rank holds any); restart "
-                        "the job from its last backup checkpoint")
+                        "the job from its last backup (trainmover run --resume-from DIR)")
     target = max(s.step for s in holders)
 
     def at_target(s: MemberStatus) -> bool:
@@ -168,8 +169,9 @@ def plan_sharded_handoff(mesh: MeshSpec,
             lost = ", ".join(str(s.rank) for s in members)
             raise StateLost(
                 f"{mesh.describe(members[0].rank)} (held by rank(s) {lost}) was lost with every copy of it: no "
-                f"surviving rank holds it at step {target}; restart the job from its last backup checkpoint, or run "
-                "with replica groups (MeshSpec.replicate > 1) so that every shard has a second home")
+                f"surviving rank holds it at step {target}; restart the job from its last backup (--resume-from), or "
+                "run with --backup-dir, or with replica groups (MeshSpec.replicate > 1) so that every shard has a "
+                "second home")
         plans[cls] = HandoffPlan(target, sources, receivers)
     return target, plans
 
@@ -317,7 +319,10 @@ class ShardedTrainer(Trainer):
         self._spec_checked = False
         self._device_type = "cuda" if self.job.cfg.backend == "nccl" else "cpu"
         cfg = self.job.cfg
-        self.groups = GroupSet(cfg.backend, self.job.store, cfg.collective_timeout_s, full=reconfigure == "full")
+        self.groups = GroupSet(cfg.backend, self.job.store, cfg.collective_timeout_s, full=reconfigure == "full",
+                               backups=bool(cfg.backup_dir or cfg.resume_from))
+        self._backup_proven: int | None = None
+        """The generation whose backup group's peers proved they belong to the job."""
         self._record: Generation | None = None
         self._init_membership(torch.device(self._device_type, torch.cuda.current_device())
                               if self._device_type == "cuda" else torch.device("cpu"))
@@ -476,9 +481,18 @@ class ShardedTrainer(Trainer):
         try:
             target, plans = plan_sharded_handoff(self.mesh_spec, statuses)
         except StateLost:
-            if buddies is None or g == 0:
+            if g == 0:
                 raise
-            self._enter_from_copies(g, joining, failure_seen)
+            if buddies is not None:
+                try:
+                    self._enter_from_copies(g, joining, failure_seen)
+                    return
+                except StateLost:
+                    if not self._has_backup():
+                        raise
+            elif not self._has_backup():
+                raise
+            self._enter_from_backup(g, joining, failure_seen)
             return
         mine = statuses[rank]
         old = self.state
@@ -495,11 +509,14 @@ class ShardedTrainer(Trainer):
         self._adopt(new)
         self._check_spec()
         if g == 0:
-            self._broadcast_initial_model()
-            records.put(keys.k_holds(g, rank), HoldsState(0))
+            if cfg.resume_from:
+                self.committed, _ = self._restore_from_backup(cfg.resume_from, rank)
+            else:
+                self._broadcast_initial_model()
+            records.put(keys.k_holds(g, rank), HoldsState(self.committed))
             if rank == 0:
                 records.put(keys.k_state_homes(), StateHomes(self._state_homes()))
-            self._refresh_copies(0)
+            self._refresh_copies(self.committed)
             return
         plan = plans[self.mesh_spec.state_class(rank)]
         if rank in plan.receivers:
@@ -519,6 +536,63 @@ class ShardedTrainer(Trainer):
         if any(p.receivers for p in plans.values()):
             self._start_report(joining, stats, target, failure_seen)
         self._refresh_copies(self.committed)
+
+    # -- persistent backups (runtime.training.backup) ------------------------------------------------------
+    def _has_backup(self) -> bool:
+        return bool(self.job.cfg.backup_dir) and newest_backup(self.job.cfg.backup_dir) is not None
+
+    def _enter_from_backup(self, g: int, joining: Joining, failure_seen: float | None) -> None:
+        """Some shard has no live copy left (no replica, no buddy copy): every rank goes back to the newest backup
+        (the same one everywhere) and the steps since are trained again."""
+        rank = joining.rank
+        self._pending = None
+        new = self._build()
+        self._adopt(new)
+        self._check_spec()
+        self.has_state = False
+        step, stats = self._restore_from_backup(self.job.cfg.backup_dir, rank)
+        self.committed = step
+        self.has_state = True
+        self.job.records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+        if rank == 0:
+            sys.stderr.write(f"[trainmover] a shard was lost with every copy of it: restored step {step} from the "
+                             "newest backup\n")
+        self._start_report(joining, stats, step, failure_seen)
+        self._refresh_copies(self.committed)
+
+    def _world(self) -> dist.ProcessGroup | None:
+        return self.groups.world
+
+    def _backup_shards(self) -> Shards:
+        assert self.rank is not None and self.gen is not None and self._record is not None
+        group = self.groups.backup
+        assert group is not None
+        if self._backup_proven != self.gen:  # the group is new: its peers prove they belong before any byte
+            cfg = self.job.cfg
+            check_group(self.comm, cfg.job_token, cfg.job_id, self._record, self.rank, group=group)
+            self._backup_proven = self.gen
+        return Shards(self.rank, group, f"g{self.gen}",
+                      {"shape": list(self.mesh_spec.shape), "names": list(self.mesh_spec.names)})
+
+    def _backup(self, step: int) -> None:
+        """Every rank, every `--backup-every` steps: its shards of step `step` to the backup, through torch's
+        collective save (all ranks start it at the same step, so each first waits for its previous one)."""
+        cfg = self.job.cfg
+        if not cfg.backup_dir:
+            return
+        assert self.state is not None and self.gen is not None
+        if self.backups is None:
+            self.backups = BackupWriter(BackupSettings(cfg.backup_dir, cfg.backup_every, cfg.backup_keep),
+                                        cfg.job_id, self.state.spec())
+        self._report_backups()
+        if not self.backups.due(step):
+            return
+        while self.backups.busy:
+            if self.job.heartbeat.latest_gen > self.gen:
+                raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed while a backup was "
+                                        "still being written")
+            self.backups.wait(0.25)
+        self.backups.after_commit(step, self.state, self._backup_shards())
 
     def _state_homes(self) -> list[list[int]]:
         offset = None

@@ -40,6 +40,16 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.config import KNOBS
+from runtime.training.backup import (
+    BackupError,
+    BackupSettings,
+    BackupWriter,
+    Shards,
+    find_backup,
+    load_backup,
+    newest_backup,
+    step_dir,
+)
 from runtime.training.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
 from runtime.training.handoff import (
@@ -246,6 +256,8 @@ class Trainer:
         self._post_steps: list[float] = []
         self._warming_up = False
         self._group_build_s = 0.0
+        self.backups: BackupWriter | None = None
+        """Rank 0's persistent backups (`--backup-dir`), made when this process first commits as rank 0."""
         self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
@@ -323,6 +335,8 @@ class Trainer:
                 failure_seen = None
                 while self.committed < steps:
                     yield self._step(self.committed + 1)
+                    # The script's loop body ran (an EMA updated after the commit is part of the step's state).
+                    self._backup(self.committed)
                 self._finish()
                 return
             except keys.Interrupted as stop:
@@ -381,6 +395,63 @@ class Trainer:
         step_s = time.perf_counter() - t0
         self._after_commit(step_s)
         return StepResult(step, float(loss), self.rank, self.world_size, self.gen, step_s, global_loss)
+
+    # -- persistent backups (runtime.training.backup) ------------------------------------------------------
+    def _backup(self, step: int) -> None:
+        """Rank 0, every `--backup-every` steps: start a backup of step `step`'s state (written beside training),
+        once the script's loop body has run after the commit; report the ones finished since (the coordinator's
+        `backup_written` events)."""
+        cfg = self.job.cfg
+        if not cfg.backup_dir or self.rank != 0:
+            return
+        if self.backups is None:
+            self.backups = BackupWriter(BackupSettings(cfg.backup_dir, cfg.backup_every, cfg.backup_keep),
+                                        cfg.job_id, self.state.spec())
+        self._report_backups()
+        self.backups.after_commit(step, self.state)
+
+    def _report_backups(self) -> None:
+        """Tell the coordinator of the backups finished since the last look (rank 0 finishes them)."""
+        assert self.backups is not None
+        for done in self.backups.finished():
+            self.job.records.put(keys.k_backup(), done)
+
+    def _finish_backups(self) -> None:
+        """The last backup in flight completes (bounded) before the process leaves, and is reported."""
+        if self.backups is None:
+            return
+        self.backups.wait(self.job.cfg.recovery_timeout_s)
+        self._report_backups()
+
+    def _backup_shards(self) -> Shards | None:
+        """A sharded job's part of a backup (None: the replica is the whole state, and rank 0 writes it alone)."""
+        return None
+
+    def _restore_from_backup(self, where: str, rank: int) -> tuple[int, HandoffStats]:
+        """Load the backup at `where` (a step-* folder, or the newest in a directory) into this replica; every
+        member loads the same one (rank 0's choice, gathered over the generation's group)."""
+        t0 = time.perf_counter()
+        try:
+            chosen = find_backup(where)
+        except BackupError as exc:
+            raise StateLost(str(exc)) from None
+        steps = self.comm.all_gather_bytes(chosen.step.to_bytes(8, "big"), self.world_size, group=self._world())
+        step = int.from_bytes(steps[0], "big")
+        if step != chosen.step:  # rank 0 saw another newest (one finished between the two looks)
+            chosen = find_backup(chosen.path.parent / step_dir(step))
+        assert self.state is not None
+        try:
+            load_backup(chosen, self.state, self._backup_shards())
+        except BackupError as exc:
+            raise StateLost(f"rank {rank} could not load {chosen.path}: {exc}") from None
+        log.warning("rank %d: state restored from the backup of step %d (%s)", rank, step, chosen.path)
+        nbytes = sum(int(f["bytes"]) for f in chosen.manifest["files"].values())
+        self.job.heartbeat.committed_step = step
+        return step, HandoffStats("backup", nbytes, time.perf_counter() - t0)
+
+    def _world(self) -> dist.ProcessGroup | None:
+        """The generation's world group (None: the default group, a data-parallel job's)."""
+        return None
 
     def _seed(self, step: int, micro: int, rank: int) -> None:
         """Every generator a step or its data may draw from, seeded from where the step is, not from history."""
@@ -512,8 +583,22 @@ class Trainer:
         joining = self._join(g)
         record, rank, interrupt, statuses = joining.record, joining.rank, joining.interrupt, joining.statuses
         if g == 0:
-            self._broadcast_initial_model()
-            records.put(keys.k_holds(g, rank), HoldsState(0))
+            if cfg.resume_from:
+                self.committed, _ = self._restore_from_backup(cfg.resume_from, rank)
+            else:
+                self._broadcast_initial_model()
+            records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+            return
+        if cfg.backup_dir and not any(s.has_state for s in statuses):
+            if newest_backup(cfg.backup_dir) is None:
+                raise StateLost(f"every copy of the training state was lost at once, and {cfg.backup_dir} holds no "
+                                "complete backup yet")
+            self.has_state = False  # until the backup is loaded
+            step, stats = self._restore_from_backup(cfg.backup_dir, rank)
+            self.committed = step
+            self.has_state = True
+            records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+            self._start_report(joining, stats, step, failure_seen)
             return
         plan = plan_handoff(statuses)
         if plan.receivers and not self.broadcast_buffers and self._buffers:
@@ -602,6 +687,7 @@ class Trainer:
         """Stay available as a source until every member has committed the last step."""
         assert self.gen is not None and self.rank is not None
         records = self.job.records
+        self._finish_backups()
         records.put(keys.k_done(self.gen, self.rank), Finished(self.committed))
         records.wait_records([keys.k_done(self.gen, r) for r in range(self.world_size)], Finished,
                              self.job.cfg.recovery_timeout_s, self._interrupt(self.gen), what="every member to finish")

@@ -156,6 +156,34 @@ class Recovered(Event):
     refetched_chunks: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackupWritten(Event):
+    """Rank 0 finished a persistent backup (runtime.training.backup; `--backup-dir`)."""
+
+    KIND: ClassVar[str] = "backup_written"
+    step: int
+    path: str
+    bytes: int
+    stage_s: float
+    """What the step waited: the staging of the copy in host memory."""
+    write_s: float
+    """The write itself, beside training: files, digests, manifest, rename."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoringFromBackup(Event):
+    """Every copy of the state was lost: the next generation starts from the newest backup instead of stopping."""
+
+    KIND: ClassVar[str] = "restored_from_backup"
+    generation: int
+    """The generation that was lost (the restore happens in the next one)."""
+    backup_step: int
+    path: str
+    committed_step: int
+    """The job's last committed step before the loss: the steps after `backup_step` are trained again."""
+    steps_redone: int
+
+
 # -- standbys -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StandbySpawned(Event):
@@ -366,6 +394,7 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     JobStarted, GenerationStarted, JobFinished, JobFailed, MemberFailed, Recovered, StandbySpawned, StandbyWarm,
     StandbyLost, StandbyReleased, Coverage, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue,
     ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused, CoordinatorTookOver,
+    BackupWritten, RestoringFromBackup,
 )}
 """Every kind the coordinator writes, by its name."""
 

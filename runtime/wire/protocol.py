@@ -790,6 +790,19 @@ class HoldsState(StoreRecord):
 
 
 @dataclass(frozen=True, slots=True)
+class BackupRecord(StoreRecord):
+    """A persistent backup rank 0 finished writing (runtime.training.backup): complete on disk, as of `step`."""
+
+    step: int
+    path: str
+    bytes: int
+    stage_s: float
+    """What the training thread spent staging the copy."""
+    write_s: float
+    """From the staging to the backup's folder renamed complete, in the writer's thread."""
+
+
+@dataclass(frozen=True, slots=True)
 class FailureReport(StoreRecord):
     """A member saw a collective (or a handoff) of generation g fail."""
 

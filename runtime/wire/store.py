@@ -158,6 +158,11 @@ def k_standby_names() -> str:
     return "coordinator/standby_names"
 
 
+def k_backup() -> str:
+    """The newest persistent backup rank 0 finished writing (`BackupRecord`, runtime.training.backup)."""
+    return "backup/newest"
+
+
 def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
 

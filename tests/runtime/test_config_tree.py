@@ -46,6 +46,8 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "host_timeout_s": [(LaunchConfig, "host_timeout_s"), (HostTiming, "host_timeout_s")],
     "agents_wait_s": [(LaunchConfig, "agents_wait_s")],
     "agent_connect_timeout_s": [(AgentConfig, "connect_timeout_s")],
+    "backup_every": [(LaunchConfig, "backup_every"), (ProcessConfig, "backup_every")],
+    "backup_keep": [(LaunchConfig, "backup_keep"), (ProcessConfig, "backup_keep")],
 }
 """Where each shared knob lives: every one of these defaults is KNOBS's."""
 
@@ -55,6 +57,8 @@ SAME_NAME_OTHER_MEANING = {
     "num_threads": "LaunchConfig's None is resolved (cores / nproc) before a process is told its count",
     "job_id": "AgentConfig's empty job_id joins whichever job; the launcher's is a fresh id",
     "tls_cert": "None: not given (LaunchConfig); '': an unset launch variable (ProcessConfig)",
+    "backup_dir": "None: not given (LaunchConfig); '': an unset launch variable (ProcessConfig)",
+    "resume_from": "None: not given (LaunchConfig); '': an unset launch variable (ProcessConfig)",
     "tls_key": "as tls_cert",
     "tls_ca": "as tls_cert",
     "faults": "JobSpec's None (the supervisor's no plan) and the launcher's '' both mean no fault plan",

@@ -17,9 +17,16 @@ from runtime.control.chaos import Candidate, ChaosMonkey, ChaosSpecError, parse_
 from runtime.control.coordinator import Coordinator, CoordinatorSettings, SimplePool
 from runtime.wire import store as keys
 from runtime.wire.auth import Sealer
-from runtime.wire.event_records import Event, GenerationStarted, MemberFailed, StandbyLost
+from runtime.wire.event_records import (
+    BackupWritten,
+    Event,
+    GenerationStarted,
+    MemberFailed,
+    RestoringFromBackup,
+    StandbyLost,
+)
 from runtime.wire.events import EventLog, of_type
-from runtime.wire.protocol import Finished
+from runtime.wire.protocol import BackupRecord, Finished
 from runtime.wire.store import Records
 
 _pids = itertools.count(900_000)
@@ -76,9 +83,12 @@ class FakePool(SimplePool):
         return p
 
 
-def run(pool: FakePool, done: bool = False, **settings: object) -> tuple[int, str, list[Event]]:
+def run(pool: FakePool, done: bool = False, backup: BackupRecord | None = None,
+        **settings: object) -> tuple[int, str, list[Event]]:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
+    if backup is not None:  # rank 0 reported a finished backup
+        Records(store, Sealer(TOKEN, "w0")).put(keys.k_backup(), backup)
     if done:  # every worker already finished the last step of generation 0
         for rank in range(2):
             Records(store, Sealer(TOKEN)).put(keys.k_done(0, rank), Finished(20))
@@ -113,6 +123,20 @@ def test_losing_every_holder_of_the_state_stops_the_job_at_once() -> None:
     assert code == 1
     assert "every copy of the training state was lost" in message
     assert not [e for e in of_type(events, GenerationStarted) if e.generation > 0]
+
+
+@pytest.mark.timeout(30)
+def test_losing_every_holder_with_a_backup_goes_on_to_a_generation_that_restores_it() -> None:
+    """With no standby to form it the job still stops, but for that reason, and after saying what it would restore."""
+    pool = FakePool(lambda name, role: (-9, 2) if role == "worker" else (None, 0))
+    backup = BackupRecord(step=8, path="/b/step-000000008", bytes=100, stage_s=0.001, write_s=0.01)
+    code, message, events = run(pool, backup=backup, standby=0, standby_wait_s=0.0)
+    assert code == 1
+    assert "every copy" not in message and "standby" in message
+    (restore,) = of_type(events, RestoringFromBackup)
+    assert restore.backup_step == 8 and restore.path == backup.path
+    (written,) = of_type(events, BackupWritten)
+    assert written.step == 8 and written.bytes == 100
 
 
 @pytest.mark.timeout(30)

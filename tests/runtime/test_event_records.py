@@ -13,6 +13,7 @@ from runtime.wire.event_records import (
     EVENT_TYPES,
     EVENT_VERSION,
     AgentRefused,
+    BackupWritten,
     ChaosInjected,
     ChaosUnresolved,
     ControlRejected,
@@ -31,6 +32,7 @@ from runtime.wire.event_records import (
     MoveAccepted,
     Placed,
     Recovered,
+    RestoringFromBackup,
     StandbyLost,
     StandbyReleased,
     StandbySpawned,
@@ -76,6 +78,9 @@ ONE_OF_EACH: list[Event] = [
     AgentRefused(peer="10.0.0.9:4242", reason="its frames are not sealed with the job's secret"),
     CoordinatorTookOver(epoch=2, previous="vm/41/a1b2c3", generation=1, stale_s=2.04, adopted=["s0", "w0"],
                         missing=["w1"], adopt_s=0.09),
+    BackupWritten(step=8, path="/backups/step-000000008", bytes=1 << 20, stage_s=0.004, write_s=0.05),
+    RestoringFromBackup(generation=1, backup_step=8, path="/backups/step-000000008", committed_step=9,
+                        steps_redone=1),
 ]
 
 

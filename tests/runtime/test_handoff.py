@@ -102,7 +102,7 @@ def test_plan_takes_the_newest_committed_state_and_brings_everyone_to_it() -> No
 
 
 def test_plan_with_no_copy_of_the_state_left_says_to_use_the_backup() -> None:
-    with pytest.raises(HandoffError, match="backup checkpoint"):
+    with pytest.raises(HandoffError, match=r"last backup \(trainmover run --resume-from DIR\)"):
         plan_handoff([MemberStatus(0, 0, False), MemberStatus(1, 0, False)])
 
 

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from runtime.wire.event_records import GenerationStarted, MemberFailed, Recovered, StandbyLost, StandbySpawned
+from runtime.wire.event_records import (
+    BackupWritten,
+    GenerationStarted,
+    MemberFailed,
+    Recovered,
+    RestoringFromBackup,
+    StandbyLost,
+    StandbySpawned,
+)
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 BN_AUG = SCRIPTS / "bn_aug_job.py"
@@ -156,3 +164,37 @@ def test_a_worker_killed_from_outside_is_timed_from_its_exit_not_from_when_it_wa
     assert death.failure_at - killed[0] < 0.5
     recovered = events_of(result, Recovered)[0]
     assert recovered.recovery_s >= recovered.detect_s > 0
+
+
+@pytest.mark.untimed
+def test_losing_every_copy_with_backups_restarts_from_the_newest_and_ends_bit_exact(tmp_path: Path) -> None:
+    """Both workers killed at step 10 before the gradient exchange, where a worker that outlived the other a moment
+    cannot have seen the new generation first and handed its state on (EMA, accumulation, two parameter groups,
+    ReduceLROnPlateau):
+    the standbys load rank 0's backup of step 8 and train steps 9-20 again, bit for bit. Steps take 0.1 s more
+    (numbers unchanged) so that the backup of step 8 is complete before the kill: one still being written is not a
+    backup (the newest complete one, of step 4, would be loaded)."""
+    steps, backups = 20, tmp_path / "backups"
+    result = run_job(nproc=2, standby=2, steps=steps, script=EMA, backup_dir=str(backups), backup_every=4,
+                     script_args=("--step-ms", "100", "--step-ms-until-gen", "1"),
+                     faults="kill:rank=0,step=10,phase=before_exchange;kill:rank=1,step=10,phase=before_exchange")
+
+    assert result.exit_code == 0, result.message
+    (restore,) = events_of(result, RestoringFromBackup)
+    # The job's progress as the heartbeats last published it: a beat behind at most.
+    assert restore.backup_step == 8 and 8 <= restore.committed_step <= 9
+    assert restore.steps_redone == restore.committed_step - 8
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.step == 9 and recovered.handoff_bytes > 0
+    written = events_of(result, BackupWritten)
+    assert [w.step for w in written][:2] == [4, 8] and written[-1].step == 20  # the last one waited for
+    assert all(w.bytes > 0 and w.stage_s >= 0 and w.write_s > 0 for w in written)
+    assert sorted(p.name for p in backups.iterdir()) == ["step-000000012", "step-000000016", "step-000000020"]
+    reference = clean_digest(2, steps, EMA)  # --step-ms changes no number
+    assert set(result.digests.values()) == {reference}
+
+    # A new job started from one of them ends where an uninterrupted run does.
+    resumed = run_job(nproc=2, standby=0, steps=steps, script=EMA, resume_from=str(backups / "step-000000016"))
+    assert resumed.exit_code == 0, resumed.message
+    assert set(resumed.digests.values()) == {reference}
+    assert not events_of(resumed, Recovered)

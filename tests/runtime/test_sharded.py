@@ -2,9 +2,12 @@
 the uninterrupted run of the same mesh ends; a shard lost with every copy of it stops the job with its name.
 
 The decisions (which step every rank ends at, who sends which shard, which buddy copy restores a lost rank) are
-pure functions, table-tested first without processes."""
+pure functions, table-tested first without processes. With persistent backups, a shard lost with every copy of it
+comes back from the newest backup instead."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from runtime.training.buddy import BuddyStatus, plan_restore
 from runtime.training.handoff import HandoffPlan, MemberStatus, StateLost
 from runtime.training.sharded import MeshSpec, plan_sharded_handoff, state_homes
-from runtime.wire.event_records import MemberFailed, Recovered
+from runtime.wire.event_records import BackupWritten, MemberFailed, Recovered
 from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
 
 SHARDED_JOB = SCRIPTS / "sharded_job.py"
@@ -206,6 +209,28 @@ def test_hsdp_a_shard_lost_with_its_replica_stops_the_job_naming_the_shard() -> 
                   steps=10)
     assert result.exit_code != 0
     assert "shard 0 of 2 (held by rank(s) 0, 2) was lost with every copy" in result.message, result.message
+
+
+@pytest.mark.slow
+def test_hsdp_a_shard_lost_with_its_replica_comes_back_from_the_newest_backup_bit_exactly(tmp_path: Path) -> None:
+    """The kills above, with a backup every 2 steps (torch's collective save, every rank its shards): every rank
+    goes back to the newest backup and trains the steps since again. Steps take 0.15 s more until then (numbers
+    unchanged), so that the backup of step 6 is complete before the kill at step 8. Then a new job resumes from
+    a backup of the first one and ends where an uninterrupted run ends."""
+    backups = tmp_path / "backups"
+    result = _run("hsdp", "kill:rank=0,step=8,phase=before_exchange;kill:rank=2,step=8,phase=before_exchange",
+                  "--step-ms", "150", "--step-ms-until-gen", "1", steps=10, backup_dir=str(backups),
+                  backup_every=2)
+    _assert_exact(result, "hsdp", 10)
+    (rec,) = events_of(result, Recovered)
+    assert rec.step == 7 and rec.sources == [] and rec.handoff_bytes > 0, "every rank read step 6's backup"
+    written = events_of(result, BackupWritten)
+    assert [w.step for w in written][:3] == [2, 4, 6] and written[-1].step == 10
+    assert sorted(p.name for p in backups.iterdir()) == ["step-000000006", "step-000000008", "step-000000010"]
+
+    resumed = _run("hsdp", "", steps=10, standby=0, resume_from=str(backups / "step-000000008"))
+    _assert_exact(resumed, "hsdp", 10)
+    assert not events_of(resumed, Recovered)
 
 
 @pytest.mark.slow

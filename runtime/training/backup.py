@@ -1,0 +1,434 @@
+"""Persistent backups: the last resort when no process holds the training state any more.
+
+Recovery never reads a backup while some member holds the state (a replica hands it over from memory). A backup is
+for the extreme case, every copy lost at once, and for starting a new job where an old one stopped
+(`trainmover run --resume-from`).
+
+**Writing** (`BackupWriter`, in rank 0 of a data-parallel job, whose replica is the whole state): every
+`every` committed steps, the state (`TrainingState.tensors()` and its JSON metadata, exactly what a handoff
+moves) is staged to host memory and written by torch's distributed checkpoint (`dcp.async_save`, one process,
+a thread): training goes on while the files are written. The copy is taken at the commit, so the backup is the
+state as of that step. When the write is complete, the thread hashes every file, writes `manifest.json` (the
+step, the model's spec, the metadata, each file's size and SHA-256) and renames the folder from
+`.tmp-step-…` to `step-000000123` in one `rename`: a folder named `step-*` is always complete. Only the newest
+`keep` are kept. A backup still being written when the next one is due makes the next one skipped (counted),
+never waited for.
+
+**Reading** (`newest_backup`, `load_backup`): the newest folder whose manifest parses; its spec must equal the
+model's (else `BackupError` naming the difference); every file's digest is checked before a byte is parsed; the
+checkpoint's index (`.metadata`, a pickle written by torch) is read by an unpickler that admits only the classes
+torch's checkpoint metadata is made of, and every entry must be a tensor (a byte entry would be `torch.load`-ed
+without `weights_only`: refused). Tensors are read in place with `weights_only=True`, then the metadata is applied
+as after a handoff (`TrainingState.apply_meta`). Data and random numbers are addressed by step, so training
+resumed at the backup's step replays exactly what the lost run did after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from runtime.training.state import StateMeta, StateMismatchError, TrainingState, local_shard, spec_difference
+from runtime.wire.protocol import BackupRecord
+
+log = logging.getLogger("trainmover.runtime")
+# One process writes and reads each backup (`no_dist`), on purpose: torch's checkpoint warns that it assumes so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+
+
+class BackupError(RuntimeError):
+    """A backup that cannot be used (missing, corrupt, or of another model); the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackupSettings:
+    """Where and how often rank 0 writes backups."""
+
+    directory: str
+    every: int
+    """Committed steps between backups."""
+    keep: int = 3
+    """How many of the newest backups are kept."""
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise ValueError("the backup directory must be named")
+        if self.every < 1:
+            raise ValueError(f"backups are written every N steps with N at least 1, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"at least one backup must be kept, got keep={self.keep}")
+
+
+@dataclass(frozen=True, slots=True)
+class Backup:
+    """A complete backup on disk (its manifest parsed, its files not yet checked)."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """A sharded job's backup: this rank, the group torch's collective save runs on, the folder's name for this
+    generation (the same in every rank), and the mesh it was written on (a restore needs the same one)."""
+
+    rank: int
+    group: Any
+    tag: str
+    layout: dict[str, Any]
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def step_dir(step: int) -> str:
+    return f"{PREFIX}{step:09d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BackupWriter:
+    """Rank 0's periodic, asynchronous backups (see the module docstring). Main thread: `after_commit`; the
+    write, the digests, the manifest and the rename run in torch's checkpoint thread."""
+
+    def __init__(self, settings: BackupSettings, job_id: str, spec: list[Any]) -> None:
+        self.settings = settings
+        self.root = Path(settings.directory)
+        self.job_id = job_id
+        self.spec = spec
+        self.skipped = 0
+        """Backups not started because the previous one was still being written."""
+        self.failed = 0
+        self._busy = threading.Event()
+        self._finished: list[BackupRecord] = []
+        self._lock = threading.Lock()
+        self._pending: Any = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BackupError(
+                f"cannot create the backup directory {self.root}: {exc}; pass a writable --backup-dir") from None
+
+    def due(self, step: int) -> bool:
+        return step % self.settings.every == 0
+
+    def after_commit(self, step: int, state: TrainingState, shards: Shards | None = None) -> bool:
+        """Start the backup of `step` if one is due and none is being written; returns whether one started.
+
+        `shards`: a sharded job's backup, which every rank of the job starts at the same step (its callers wait
+        for the previous one to end instead of skipping, so that all ranks enter torch's collective save
+        together): each rank writes its shards and its own metadata, rank 0 the index and the manifest."""
+        if not self.due(step):
+            return False
+        if self._busy.is_set():
+            self.skipped += 1
+            log.warning("backup of step %d skipped: the previous one is still being written", step)
+            return False
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self._busy.set()
+        t0 = time.perf_counter()
+        meta = state.meta(step).to_json()
+        if shards is None:
+            tensors = {key: t.detach() for key, t in state.tensors()}
+            tmp = self.root / f"{TMP_PREFIX}{step:09d}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # whole DTensors: torch's checkpoint writes each rank's shards, and a replicated one once
+            tensors = {key: t.detach() for key, t in state.tensors(local=False)}
+            tmp = self.root / f"{TMP_PREFIX}{step:09d}-{shards.tag}"
+        try:
+            if shards is not None:
+                tmp.mkdir(parents=True, exist_ok=True)
+                _write_json(tmp / f"meta-{shards.rank}.json", meta)  # before the save: complete when rank 0's is
+            # A thread writes (torch's default): the call returns a Future once the copy is staged.
+            future = cast(Future, dcp.async_save(
+                tensors, storage_writer=FileSystemWriter(tmp, sync_files=True),
+                process_group=None if shards is None else shards.group, no_dist=shards is None))
+        except Exception as exc:
+            self._busy.clear()
+            self.failed += 1
+            log.warning("backup of step %d not started: %s", step, exc)
+            return False
+        stage_s = time.perf_counter() - t0
+        state_bytes = sum(local_shard(t).numel() * t.element_size() for t in tensors.values())
+        del tensors  # the staged copy is the checkpoint's now
+        self._pending = future
+        if shards is not None and shards.rank != 0:
+            future.add_done_callback(lambda f: self._shard_written(f, step))
+        else:
+            manifest_meta = meta if shards is None else None
+            layout = None if shards is None else shards.layout
+            future.add_done_callback(
+                lambda f: self._complete(f, step, tmp, manifest_meta, layout, state_bytes, stage_s, t0))
+        return True
+
+    def _shard_written(self, future: Any, step: int) -> None:
+        try:
+            future.result()
+        except Exception as exc:
+            self.failed += 1
+            log.warning("backup of step %d failed: %s", step, exc)
+        finally:
+            self._busy.clear()
+
+    def _complete(self, future: Any, step: int, tmp: Path, meta: dict[str, Any] | None,
+                  layout: dict[str, Any] | None, state_bytes: int, stage_s: float, t0: float) -> None:
+        try:
+            future.result()  # in a sharded job: every rank's shards are written (torch's save ends collectively)
+            files: dict[str, dict[str, Any]] = {}
+            for path in sorted(tmp.iterdir()):
+                files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            manifest = {"format": FORMAT, "job_id": self.job_id, "step": step, "created": time.time(),
+                        "torch": torch.__version__, "state_bytes": state_bytes,
+                        "spec": self.spec, "meta": meta, "layout": layout, "files": files}
+            _write_json(tmp / MANIFEST, manifest)
+            _fsync_dir(tmp)
+            final = self.root / step_dir(step)
+            if final.exists():  # the same step written again (a job resumed from it): the new one replaces it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+            done = BackupRecord(step, str(final), sum(int(v["bytes"]) for v in files.values()), stage_s,
+                           time.perf_counter() - t0 - stage_s)
+            with self._lock:
+                self._finished.append(done)
+        except Exception as exc:  # a full disk, a removed folder, a peer lost: the job trains on, without it
+            self.failed += 1
+            log.warning("backup of step %d failed: %s", step, exc)
+            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            self._busy.clear()
+
+    @property
+    def busy(self) -> bool:
+        """A backup is being written."""
+        return self._busy.is_set()
+
+    def _prune(self) -> None:
+        backups = sorted(p for p in self.root.iterdir() if p.name.startswith(PREFIX) and p.is_dir())
+        for old in backups[:-self.settings.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def finished(self) -> list[BackupRecord]:
+        """The backups completed since the last call."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the backup being written; whether none is left."""
+        future = self._pending
+        if future is None:
+            return True
+        try:
+            future.result(timeout=timeout_s)
+        except Exception as exc:
+            log.debug("waiting for the last backup: %s", exc)
+        deadline = time.monotonic() + timeout_s
+        while self._busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._busy.is_set()
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+def _manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("step"), int) \
+            or not isinstance(raw.get("files"), dict) or not isinstance(raw.get("spec"), list):
+        return None
+    return raw
+
+
+def find_backup(where: str | Path) -> Backup:
+    """The backup at `where`: a `step-*` folder, or the newest complete one in a backup directory."""
+    path = Path(where)
+    if (path / MANIFEST).exists():
+        manifest = _manifest(path)
+        if manifest is None:
+            raise BackupError(f"{path / MANIFEST} is not a TrainMover backup manifest (format {FORMAT}); "
+                              "name a folder written by --backup-dir")
+        return Backup(path, manifest["step"], manifest)
+    newest = newest_backup(path)
+    if newest is None:
+        raise BackupError(f"no complete backup in {path}: name a directory given to --backup-dir, or one of its "
+                          "step-* folders")
+    return newest
+
+
+def newest_backup(directory: str | Path) -> Backup | None:
+    """The newest backup in `directory` whose manifest parses (its files are checked when it is loaded)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    for path in sorted((p for p in root.iterdir() if p.name.startswith(PREFIX)), reverse=True):
+        manifest = _manifest(path)
+        if manifest is not None:
+            return Backup(path, manifest["step"], manifest)
+    return None
+
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what torch's checkpoint index is made of (and torch's dtypes): no other callable can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise BackupError(f"the backup's checkpoint index names {module}.{name}, which a checkpoint index never "
+                          "holds: the backup was tampered with; resume from another one")
+
+
+def _read_index(path: Path) -> Any:
+    """The checkpoint's index (`.metadata`, a pickle written by torch), read with `_MetadataUnpickler`; every
+    entry must be a tensor."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except BackupError:
+        raise
+    except Exception as exc:
+        raise BackupError(f"the backup's checkpoint index in {path} cannot be read ({exc}); resume from another "
+                          "one") from None
+    if not isinstance(metadata, Metadata):
+        raise BackupError("the backup's checkpoint index is not torch's checkpoint metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise BackupError(f"the backup's entry {key!r} is not a tensor; TrainMover writes tensors only")
+    return metadata
+
+
+def _safe_reader(path: Path, metadata: Any) -> Any:
+    """torch's file reader, handed the index `_read_index` already read (it never unpickles anything itself)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def verify_backup(backup: Backup) -> None:
+    """Every file the manifest lists has its size and digest; nothing else is read."""
+    files = backup.manifest["files"]
+    if ".metadata" not in files:
+        raise BackupError(f"{backup.path}: the manifest lists no checkpoint index; the backup is incomplete")
+    for name, entry in files.items():
+        path = backup.path / name
+        if "/" in name or name.startswith(".."):
+            raise BackupError(f"{backup.path}: the manifest names {name!r}, outside the backup's folder")
+        if not path.is_file() or path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+            raise BackupError(f"{path} does not match its digest in the manifest: the backup is damaged. Resume "
+                              "from an older one (name its step-* folder), or delete this one")
+
+
+def load_backup(backup: Backup, state: TrainingState, shards: Shards | None = None) -> int:
+    """Load `backup` into `state` in place; returns its step. Refuses another model's backup, or a damaged one.
+
+    `shards`: a sharded job's restore (every rank at once, over `shards.group`, on the mesh it was written on)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    difference = spec_difference(state.spec(), backup.manifest["spec"], "this script", "the backup")
+    if difference is not None:
+        raise BackupError(f"the backup at {backup.path} was written by another model or optimizer: {difference}")
+    layout = backup.manifest.get("layout")
+    if shards is not None and layout != shards.layout:
+        raise BackupError(f"the backup at {backup.path} was written on {_layout(layout)}, this job runs on "
+                          f"{_layout(shards.layout)}: resume a sharded backup on the mesh it was written on")
+    if shards is None and layout is not None:
+        raise BackupError(f"the backup at {backup.path} is a sharded job's ({_layout(layout)}); resume it with the "
+                          "same mesh, from a sharded job")
+    verify_backup(backup)
+    index = _read_index(backup.path)
+    try:
+        if shards is None:
+            meta = StateMeta.from_json(backup.manifest["meta"])
+            targets = dict(state.prepare_receive(meta))
+        else:
+            name = f"meta-{shards.rank}.json"
+            if name not in backup.manifest["files"]:
+                raise BackupError(f"{backup.path} holds no metadata for rank {shards.rank}; the backup is incomplete")
+            meta = StateMeta.from_json(json.loads((backup.path / name).read_text()))
+            receiving = dict(state.prepare_receive(meta))  # shapes the optimizer's state like the backup's
+            targets = {k: t for k, t in state.tensors(local=False) if not k.startswith("extra.")}
+            targets.update({k: t for k, t in receiving.items() if k.startswith("extra.")})
+    except (StateMismatchError, ValueError) as exc:
+        raise BackupError(f"the backup at {backup.path} does not fit this script's state: {exc}") from None
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise BackupError("the backup holds a non-tensor entry; TrainMover writes tensors only")
+
+    dcp.load(targets, storage_reader=_safe_reader(backup.path, index), planner=TensorsOnly(),
+             process_group=None if shards is None else shards.group, no_dist=shards is None)
+    state.apply_meta(meta)
+    return backup.step
+
+
+def _layout(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "a data-parallel job"
+    return " x ".join(f"{n} {k}" for n, k in zip(layout.get("shape", []), layout.get("names", []), strict=False))
+
+
+__all__ = ["Backup", "BackupError", "BackupSettings", "BackupWriter", "Shards", "find_backup", "load_backup",
+           "newest_backup", "step_dir", "verify_backup"]
