@@ -141,8 +141,10 @@ class LocalHostPool(HostPool):
 
 
 def _absolute(path: str | None) -> str:
-    """A path the processes read whatever their working directory (empty: not given)."""
-    return str(Path(path).absolute()) if path else ""
+    """A path the processes read whatever their working directory (empty: not given; a URL as it is)."""
+    if not path or "://" in path:
+        return path or ""
+    return str(Path(path).absolute())
 
 
 def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] | None,

@@ -81,6 +81,7 @@ def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[Re
             "group_build_s": max(r.group_build_s for r in reports),
             "groups_rebuilt": max(r.groups_rebuilt for r in reports),
             "groups": max(r.groups_total for r in reports),
+            "groups_for_new_members": max(r.groups_for_new_members for r in reports),
         },
         # What reached the new members: handed over by a peer, or read from a backup (role "backup").
         "handoff_bytes": sum(r.handoff_bytes for r in reports if r.role in ("receiver", "backup")),

@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -131,7 +132,9 @@ class BackupWriter:
 
     def __init__(self, settings: BackupSettings, job_id: str, spec: list[Any]) -> None:
         self.settings = settings
-        self.root = Path(settings.directory)
+        self.remote = S3Mirror(settings.directory) if is_remote(settings.directory) else None
+        """Where finished backups go when `directory` is an s3:// prefix (written locally first)."""
+        self.root = _staging(settings.directory) if self.remote is not None else Path(settings.directory)
         self.job_id = job_id
         self.spec = spec
         self.skipped = 0
@@ -141,6 +144,8 @@ class BackupWriter:
         self._finished: list[BackupRecord] = []
         self._lock = threading.Lock()
         self._pending: Any = None
+        self.last_started: int | None = None
+        """The step of the last backup started."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -166,6 +171,7 @@ class BackupWriter:
         from torch.distributed.checkpoint import FileSystemWriter
 
         self._busy.set()
+        self.last_started = step
         t0 = time.perf_counter()
         meta = state.meta(step).to_json()
         if shards is None:
@@ -227,8 +233,13 @@ class BackupWriter:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
-            done = BackupRecord(step, str(final), sum(int(v["bytes"]) for v in files.values()), stage_s,
+            where = str(final)
+            if self.remote is not None:
+                self.remote.upload(final, step)
+                self.remote.prune(self.settings.keep)
+                where = f"{self.remote.url}/{step_dir(step)}"
+            self._prune(1 if self.remote is not None else self.settings.keep)  # staged: only the newest kept
+            done = BackupRecord(step, where, sum(int(v["bytes"]) for v in files.values()), stage_s,
                            time.perf_counter() - t0 - stage_s)
             with self._lock:
                 self._finished.append(done)
@@ -244,9 +255,9 @@ class BackupWriter:
         """A backup is being written."""
         return self._busy.is_set()
 
-    def _prune(self) -> None:
+    def _prune(self, keep: int) -> None:
         backups = sorted(p for p in self.root.iterdir() if p.name.startswith(PREFIX) and p.is_dir())
-        for old in backups[:-self.settings.keep]:
+        for old in backups[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def finished(self) -> list[BackupRecord]:
@@ -271,31 +282,53 @@ class BackupWriter:
 
 
 # -- reading -------------------------------------------------------------------------------------------------
-def _manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        raw = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
+def _parse_manifest(raw: Any) -> dict[str, Any] | None:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("step"), int) \
             or not isinstance(raw.get("files"), dict) or not isinstance(raw.get("spec"), list):
         return None
     return raw
 
 
-def find_backup(where: str | Path) -> Backup:
-    """The backup at `where`: a `step-*` folder, or the newest complete one in a backup directory."""
+def _manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return _parse_manifest(json.loads((path / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def find_backup(where: str | Path, step: int | None = None) -> Backup:
+    """The backup at `where`: a `step-*` folder, or the newest complete one (or the one of `step`) in a backup
+    directory or under an `s3://` prefix (downloaded first into a folder of this process's)."""
+    if is_remote(where):
+        mirror = S3Mirror(str(where))
+        steps = mirror.steps()
+        if step is None and not steps:
+            raise BackupError(f"no complete backup under {where}: name the prefix given to --backup-dir")
+        chosen = steps[-1] if step is None else step
+        return mirror.download(chosen, _restore_cache() / step_dir(chosen))
     path = Path(where)
     if (path / MANIFEST).exists():
         manifest = _manifest(path)
         if manifest is None:
             raise BackupError(f"{path / MANIFEST} is not a TrainMover backup manifest (format {FORMAT}); "
                               "name a folder written by --backup-dir")
+        if step is not None and manifest["step"] != step:
+            raise BackupError(f"{path} holds step {manifest['step']}, not step {step}")
         return Backup(path, manifest["step"], manifest)
+    if step is not None:
+        return find_backup(path / step_dir(step))
     newest = newest_backup(path)
     if newest is None:
         raise BackupError(f"no complete backup in {path}: name a directory given to --backup-dir, or one of its "
                           "step-* folders")
     return newest
+
+
+def has_backup(directory: str) -> bool:
+    """Whether `directory` (or an `s3://` prefix) holds a complete backup."""
+    if is_remote(directory):
+        return bool(S3Mirror(directory).steps())
+    return newest_backup(directory) is not None
 
 
 def newest_backup(directory: str | Path) -> Backup | None:
@@ -308,6 +341,110 @@ def newest_backup(directory: str | Path) -> Backup | None:
         if manifest is not None:
             return Backup(path, manifest["step"], manifest)
     return None
+
+
+# -- object storage ------------------------------------------------------------------------------------------
+S3_SCHEME = "s3://"
+
+
+def is_remote(directory: str | Path) -> bool:
+    return str(directory).startswith(S3_SCHEME)
+
+
+def _staging(url: str) -> Path:
+    """Where backups for `url` are written before they are uploaded (one per URL on this host)."""
+    return Path(tempfile.gettempdir()) / "trainmover-backups" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _restore_cache() -> Path:
+    """Where this process downloads the backup it restores (replaced at its next download)."""
+    path = Path(tempfile.gettempdir()) / "trainmover-backups" / f"restore-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+class S3Mirror:
+    """Backups in S3 (or any endpoint of its API: `AWS_ENDPOINT_URL_S3`), through boto3 with the default
+    credential chain. A backup is complete once its `manifest.json` is there: it is uploaded last."""
+
+    def __init__(self, url: str) -> None:
+        bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
+        if not bucket:
+            raise BackupError(f"{url!r}: an S3 backup location is s3://BUCKET or s3://BUCKET/PREFIX")
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise BackupError("backups to s3:// need boto3: pip install 'trainmover[aws]'") from None
+        self.url = url.rstrip("/")
+        self.bucket = bucket
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.client = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": 5}))
+
+    def _key(self, step: int, name: str = "") -> str:
+        return f"{self.prefix}{step_dir(step)}/{name}"
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "error")
+            raise BackupError(f"{what} {self.url}: S3 answered {code}; check the bucket and this host's credentials "
+                              "(the default AWS chain)") from None
+        except BotoCoreError as exc:
+            raise BackupError(f"{what} {self.url}: {type(exc).__name__}; check the endpoint and this host's "
+                              "credentials (the default AWS chain)") from None
+
+    def upload(self, folder: Path, step: int) -> None:
+        names = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+        for name in [*names, MANIFEST]:  # the manifest last: its presence says the backup is complete
+            self._call("uploading a backup to", self.client.upload_file, str(folder / name), self.bucket,
+                       self._key(step, name))
+
+    def steps(self) -> list[int]:
+        """Steps of the complete backups (those with a manifest), oldest first."""
+        found = set()
+        pages = self._call("listing the backups in", lambda: list(
+            self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + PREFIX)))
+        for page in pages:
+            for obj in page.get("Contents", []):
+                folder, _, name = obj["Key"][len(self.prefix):].partition("/")
+                number = folder[len(PREFIX):]
+                if name == MANIFEST and number.isdigit():
+                    found.add(int(number))
+        return sorted(found)
+
+    def download(self, step: int, into: Path) -> Backup:
+        body = self._call("reading a backup's manifest in", self.client.get_object, Bucket=self.bucket,
+                          Key=self._key(step, MANIFEST))
+        try:
+            manifest = _parse_manifest(json.loads(body["Body"].read()))
+        except ValueError:
+            manifest = None
+        if manifest is None or manifest["step"] != step:
+            raise BackupError(f"{self.url}/{step_dir(step)}/{MANIFEST} is not a TrainMover backup manifest")
+        into.mkdir(parents=True, exist_ok=True)
+        for name in manifest["files"]:
+            if "/" in name or name.startswith(".."):
+                raise BackupError(f"{self.url}/{step_dir(step)}: the manifest names {name!r}, outside the backup")
+            self._call("downloading a backup from", self.client.download_file, self.bucket, self._key(step, name),
+                       str(into / name))
+        _write_json(into / MANIFEST, manifest)
+        return Backup(into, step, manifest)
+
+    def prune(self, keep: int) -> None:
+        for old in self.steps()[:-keep]:
+            listed = self._call("pruning the backups in", self.client.list_objects_v2, Bucket=self.bucket,
+                                Prefix=self._key(old))
+            objects = [{"Key": o["Key"]} for o in listed.get("Contents", [])]
+            manifest = [o for o in objects if o["Key"].endswith("/" + MANIFEST)]
+            # The manifest first: a backup half deleted is no longer complete.
+            for batch in (manifest, [o for o in objects if o not in manifest]):
+                if batch:
+                    self._call("pruning the backups in", self.client.delete_objects, Bucket=self.bucket,
+                               Delete={"Objects": batch})
 
 
 _ALLOWED = {
@@ -430,5 +567,18 @@ def _layout(layout: dict[str, Any] | None) -> str:
     return " x ".join(f"{n} {k}" for n, k in zip(layout.get("shape", []), layout.get("names", []), strict=False))
 
 
-__all__ = ["Backup", "BackupError", "BackupSettings", "BackupWriter", "Shards", "find_backup", "load_backup",
-           "newest_backup", "step_dir", "verify_backup"]
+__all__ = [
+    "Backup",
+    "BackupError",
+    "BackupSettings",
+    "BackupWriter",
+    "S3Mirror",
+    "Shards",
+    "find_backup",
+    "has_backup",
+    "is_remote",
+    "load_backup",
+    "newest_backup",
+    "step_dir",
+    "verify_backup",
+]

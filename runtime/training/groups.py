@@ -141,6 +141,8 @@ class GroupSet:
         self.gen: int | None = None
         self.rebuilt: frozenset[str] = frozenset()
         """The mesh groups the last generation rebuilt (in the whole job), of `total`."""
+        self.for_new_members = 0
+        """Of those, the groups some member did not hold (a standby that took a lost rank): what the loss forces."""
         self.total = 0
         self.last_teardown_s = 0.0
         self.last_build_s = 0.0
@@ -169,6 +171,7 @@ class GroupSet:
         groups = mesh_groups(shape, names)
         plan = plan_rebuild(groups, held, full=self.full)
         self.total = len(groups)
+        self.for_new_members = sum(1 for k in plan if any(held.get(r, {}).get(k) is None for r in groups[k]))
         mine = {k: r for k, r in groups.items() if rank in r}
         with self._lock:
             for key in [k for k in self.mesh if k in plan or k not in mine]:

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from runtime.training.backup import BackupSettings, BackupWriter, Shards, newest_backup
+from runtime.training.backup import BackupSettings, BackupWriter, Shards, has_backup, is_remote
 from runtime.training.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
 from runtime.training.comm import CommFailure, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
@@ -278,6 +278,9 @@ class ShardedTrainer(Trainer):
         if reconfigure not in ("delta", "full"):
             raise ValueError(f"reconfigure must be 'delta' or 'full', got {reconfigure!r}")
         self.job = job or init()
+        if is_remote(self.job.cfg.backup_dir) or is_remote(self.job.cfg.resume_from):
+            raise ValueError("a sharded job's backups go to a directory every host mounts (--backup-dir DIR); "
+                             "s3:// backups cover data-parallel jobs in this version")
         workers = self.job.num_workers()
         if mesh.world_size != workers:
             raise ValueError(f"the mesh {mesh} has {mesh.world_size} ranks but the job has {workers} workers: make "
@@ -412,8 +415,8 @@ class ShardedTrainer(Trainer):
         self._leave_groups()
         self.groups.close()
 
-    def _reconfigure_figures(self) -> tuple[float, int, int]:
-        return self.groups.last_teardown_s, len(self.groups.rebuilt), self.groups.total
+    def _reconfigure_figures(self) -> tuple[float, int, int, int]:
+        return self.groups.last_teardown_s, len(self.groups.rebuilt), self.groups.total, self.groups.for_new_members
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
         """Drain: fail the collectives that wait on a lost rank, keep the groups that no loss touched."""
@@ -539,7 +542,7 @@ class ShardedTrainer(Trainer):
 
     # -- persistent backups (runtime.training.backup) ------------------------------------------------------
     def _has_backup(self) -> bool:
-        return bool(self.job.cfg.backup_dir) and newest_backup(self.job.cfg.backup_dir) is not None
+        return bool(self.job.cfg.backup_dir) and has_backup(self.job.cfg.backup_dir)
 
     def _enter_from_backup(self, g: int, joining: Joining, failure_seen: float | None) -> None:
         """Some shard has no live copy left (no replica, no buddy copy): every rank goes back to the newest backup
@@ -593,6 +596,12 @@ class ShardedTrainer(Trainer):
                                         "still being written")
             self.backups.wait(0.25)
         self.backups.after_commit(step, self.state, self._backup_shards())
+
+    def _finish_backups(self) -> None:
+        """Every rank's part of the last backup completes (bounded); a sharded backup is never skipped."""
+        if self.backups is not None:
+            self.backups.wait(self.job.cfg.recovery_timeout_s)
+            self._report_backups()
 
     def _state_homes(self) -> list[list[int]]:
         offset = None

@@ -46,9 +46,8 @@ from runtime.training.backup import (
     BackupWriter,
     Shards,
     find_backup,
+    has_backup,
     load_backup,
-    newest_backup,
-    step_dir,
 )
 from runtime.training.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
@@ -287,9 +286,10 @@ class Trainer:
         """Leave every group for good: the job is over, or stopped, for this process."""
         self.comm.teardown()
 
-    def _reconfigure_figures(self) -> tuple[float, int, int]:
-        """(seconds spent leaving the old groups, groups rebuilt, groups in the job) of the last generation."""
-        return self.comm.last_teardown_s, 1, 1
+    def _reconfigure_figures(self) -> tuple[float, int, int, int]:
+        """(seconds spent leaving the old groups, groups rebuilt, groups in the job, groups rebuilt because a member
+        did not hold them) of the last generation."""
+        return self.comm.last_teardown_s, 1, 1, 1
 
     # -- public --------------------------------------------------------------------------------------
     def register_state(self, name: str, obj: Stateful) -> None:
@@ -417,10 +417,15 @@ class Trainer:
             self.job.records.put(keys.k_backup(), done)
 
     def _finish_backups(self) -> None:
-        """The last backup in flight completes (bounded) before the process leaves, and is reported."""
+        """The last backup in flight completes (bounded) before the process leaves, and is reported; a backup due
+        at the last step that was skipped (the one before was still being written) is written now."""
         if self.backups is None:
             return
-        self.backups.wait(self.job.cfg.recovery_timeout_s)
+        timeout = self.job.cfg.recovery_timeout_s
+        self.backups.wait(timeout)
+        if self.backups.due(self.committed) and self.backups.last_started != self.committed:
+            self.backups.after_commit(self.committed, self.state)
+            self.backups.wait(timeout)
         self._report_backups()
 
     def _backup_shards(self) -> Shards | None:
@@ -438,7 +443,11 @@ class Trainer:
         steps = self.comm.all_gather_bytes(chosen.step.to_bytes(8, "big"), self.world_size, group=self._world())
         step = int.from_bytes(steps[0], "big")
         if step != chosen.step:  # rank 0 saw another newest (one finished between the two looks)
-            chosen = find_backup(chosen.path.parent / step_dir(step))
+            try:
+                chosen = find_backup(where, step)
+            except BackupError as exc:
+                raise StateLost(f"rank {rank} could not find rank 0's choice, the backup of step {step}: {exc}") \
+                    from None
         assert self.state is not None
         try:
             load_backup(chosen, self.state, self._backup_shards())
@@ -590,7 +599,7 @@ class Trainer:
             records.put(keys.k_holds(g, rank), HoldsState(self.committed))
             return
         if cfg.backup_dir and not any(s.has_state for s in statuses):
-            if newest_backup(cfg.backup_dir) is None:
+            if not has_backup(cfg.backup_dir):
                 raise StateLost(f"every copy of the training state was lost at once, and {cfg.backup_dir} holds no "
                                 "complete backup yet")
             self.has_state = False  # until the backup is loaded
@@ -622,7 +631,7 @@ class Trainer:
     def _start_report(self, joining: Joining, stats: HandoffStats, target_step: int,
                       failure_seen: float | None) -> None:
         """This member's part of the recovery's timing, completed once its replay commits (`_after_commit`)."""
-        teardown_s, rebuilt, total = self._reconfigure_figures()
+        teardown_s, rebuilt, total, for_new = self._reconfigure_figures()
         self._report = RecoveryReport(
             rank=joining.rank, proc=self.job.cfg.proc, role=stats.role, failure_seen_at=failure_seen,
             gen_seen_at=joining.gen_seen, group_ready_at=joining.group_ready, handoff_s=stats.seconds,
@@ -633,6 +642,7 @@ class Trainer:
             join_wait_s=joining.t_all_joined - joining.t_joined,
             group_init_s=joining.group_ready - joining.t_all_joined,
             group_build_s=self._group_build_s, groups_rebuilt=rebuilt, groups_total=total,
+            groups_for_new_members=for_new,
         )
         self._post_steps = []
 

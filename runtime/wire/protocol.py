@@ -843,6 +843,9 @@ class RecoveryReport(StoreRecord):
     groups_rebuilt: int = 0
     """Process groups this recovery rebuilt in the whole job (a sharded job keeps the ones no loss touched)."""
     groups_total: int = 0
+    groups_for_new_members: int = 0
+    """Of `groups_rebuilt`, those a member did not hold (a standby's): what the loss itself forces; the rest were cut
+    while draining, or their members had issued different numbers of collectives (which depends on the moment)."""
     replay_done_at: float | None = None
     replay_step_s: float | None = None
     post_steps_s: list[float] = field(default_factory=list)

@@ -147,15 +147,20 @@ def test_hsdp_ranks_killed_at_each_point_of_a_step_are_replaced_bit_exactly() ->
 @pytest.mark.slow
 def test_a_lost_rank_rebuilds_only_its_two_groups_and_the_full_rebuild_all_four_both_bit_exact() -> None:
     """HSDP 2 x 2 has four mesh groups: replicate {0, 2} and {1, 3}, shard {0, 1} and {2, 3}. Rank 1 killed in
-    the gradient exchange: the delta rebuilds {1, 3} and {0, 1}, ranks 0, 2 and 3 keep the other two
-    communicators; `--reconfigure full` rebuilds all four. Both end where the uninterrupted run ends."""
+    the gradient exchange: the delta rebuilds {1, 3} and {0, 1}, the groups the standby in rank 1 does not hold;
+    ranks 0, 2 and 3 keep the other two communicators unless the moment of the kill left the survivors at different
+    collectives on one of them (the exchange is several collectives per layer over both kinds of group; on a loaded
+    machine that happens: it was seen once in CI, 3 of 4), and `groups_for_new_members` says which part the loss
+    itself forced. `--reconfigure full` rebuilds all four. Both end where the uninterrupted run ends."""
     faults = "kill:rank=1,step=5,phase=exchange"
     delta = _run("hsdp", faults, steps=10)
     full = _run("hsdp", faults, "--reconfigure", "full", steps=10)
-    for result, rebuilt in ((delta, 2), (full, 4)):
+    for result in (delta, full):
         _assert_exact(result, "hsdp", 10)
-        (rec,) = events_of(result, Recovered)
-        assert (rec.reconfigure_split["groups_rebuilt"], rec.reconfigure_split["groups"]) == (rebuilt, 4)
+    (d,), (f,) = events_of(delta, Recovered), events_of(full, Recovered)
+    assert (d.reconfigure_split["groups_for_new_members"], d.reconfigure_split["groups"]) == (2, 4)
+    assert d.reconfigure_split["groups_rebuilt"] >= 2
+    assert (f.reconfigure_split["groups_rebuilt"], f.reconfigure_split["groups_for_new_members"]) == (4, 2)
 
 
 @pytest.mark.slow

@@ -1,0 +1,95 @@
+"""Backups in S3 (`--backup-dir s3://BUCKET/PREFIX`), against moto's server over HTTP: uploaded with the manifest
+last, pruned manifest first, downloaded and read back bit for bit; and a job whose workers all die comes back from
+the bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from runtime.training.backup import (
+    MANIFEST,
+    BackupError,
+    BackupSettings,
+    BackupWriter,
+    S3Mirror,
+    find_backup,
+    has_backup,
+    load_backup,
+    step_dir,
+)
+from runtime.wire.event_records import BackupWritten, Recovered, RestoringFromBackup
+from tests.cloud.aws_servers import moto_server
+from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
+from tests.runtime.test_backup import make, train
+
+BUCKET = "tm-backups"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """moto's S3 on loopback with one bucket; boto3 (here and in every process a job starts) points at it."""
+    with moto_server() as url:
+        for name, value in (("AWS_ENDPOINT_URL_S3", url), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield url
+
+
+def _keys(prefix: str) -> list[str]:
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def test_backups_go_to_the_bucket_the_newest_kept_and_come_back_bit_for_bit(s3: str) -> None:
+    url = f"s3://{BUCKET}/jobs/a"
+    state, ema = make(0)
+    writer = BackupWriter(BackupSettings(url, 3, keep=2), "job-a", state.spec())
+    for step in range(1, 10):
+        train(state, ema, step, step)
+        if writer.after_commit(step, state):
+            assert writer.wait(60.0)
+    assert [b.path for b in writer.finished()] == [f"{url}/{step_dir(s)}" for s in (3, 6, 9)]
+    assert S3Mirror(url).steps() == [6, 9]
+    keys = _keys("jobs/a/")
+    assert f"jobs/a/{step_dir(9)}/{MANIFEST}" in keys and f"jobs/a/{step_dir(9)}/.metadata" in keys
+    assert not any(step_dir(3) in k for k in keys)
+
+    fresh, _ = make(4)
+    assert load_backup(find_backup(url), fresh) == 9
+    assert fresh.digest() == state.digest()
+
+
+def test_a_backup_without_its_manifest_is_not_there_and_a_missing_bucket_says_so(s3: str) -> None:
+    url = f"s3://{BUCKET}/jobs/b"
+    state, ema = make(0)
+    writer = BackupWriter(BackupSettings(url, 2), "job-b", state.spec())
+    train(state, ema, 1, 2)
+    assert writer.after_commit(2, state) and writer.wait(60.0)
+    boto3.client("s3").delete_object(Bucket=BUCKET, Key=f"jobs/b/{step_dir(2)}/{MANIFEST}")  # an upload cut short
+    assert not has_backup(url)
+    with pytest.raises(BackupError, match="no complete backup under"):
+        find_backup(url)
+    with pytest.raises(BackupError, match="S3 answered NoSuchBucket; check the bucket"):
+        has_backup("s3://no-such-bucket/x")
+
+
+@pytest.mark.untimed
+def test_every_copy_lost_the_job_comes_back_from_the_bucket_bit_exact(s3: str, tmp_path: Path) -> None:
+    url = f"s3://{BUCKET}/jobs/ema"
+    steps, ema_job = 20, SCRIPTS / "ema_job.py"
+    result = run_job(nproc=2, standby=2, steps=steps, script=ema_job, backup_dir=url, backup_every=4,
+                     script_args=("--step-ms", "150", "--step-ms-until-gen", "1"),
+                     faults="kill:rank=0,step=10,phase=before_exchange;kill:rank=1,step=10,phase=before_exchange")
+
+    assert result.exit_code == 0, result.message
+    (restore,) = events_of(result, RestoringFromBackup)
+    assert restore.backup_step == 8 and restore.path == f"{url}/{step_dir(8)}"
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.step == 9 and recovered.handoff_bytes > 0
+    assert events_of(result, BackupWritten)[-1].path == f"{url}/{step_dir(20)}"
+    assert set(result.digests.values()) == {clean_digest(2, steps, ema_job)}
