@@ -465,6 +465,8 @@ class Coordinator:
                 m.ready = self.records.get_record(keys.k_ready(handle.name), StandbyReady) is not None
                 m.assigned_gen = self.gen.gen if member else None
             self.procs[handle.name] = m
+            if self._adopt_until is None:  # after the takeover's event: its host re-attached later than the members'
+                log.info("adopted %s %s, whose host re-attached after the takeover", handle.role, handle.name)
             if handle.poll() is not None:  # it exited: its agent says how and when
                 m.hello_ok = True
                 if member:

@@ -102,7 +102,12 @@ def test_two_coordinators_killed_a_worker_lost_while_none_ran_and_a_host_cut_off
         took = job.wait("the takeover", _took(1), 60)[-1]
         assert took["time"] > killed_at, "the second coordinator acted while the first held the job"
         assert took["epoch"] == 2 and took["generation"] == 0 and took["missing"] == []
-        assert took["adopted"] == ["s0", "s1", "w0", "w1", "w2", "w3"], took
+        # The event comes once every member is in; the standbys' host may re-attach a moment later (seen once in CI:
+        # 3 ms after the event), and its standbys are adopted then.
+        assert {"w0", "w1", "w2", "w3"} <= set(took["adopted"]), took
+        late = [s for s in ("s0", "s1") if s not in took["adopted"]]
+        job.wait("the standbys adopted", lambda _: all(f"adopted standby {s}," in job.log.read_text() for s in late),
+                 30)
         assert not job.events.of("member_failed") and not job.events.of("host_lost"), "nobody was lost"
         for name, log in hosts.logs.items():
             assert "fencing" not in log.read_text(), f"{name} fenced itself:\n{log.read_text()}"
