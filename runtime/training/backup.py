@@ -326,9 +326,18 @@ def find_backup(where: str | Path, step: int | None = None) -> Backup:
 
 def has_backup(directory: str) -> bool:
     """Whether `directory` (or an `s3://` prefix) holds a complete backup."""
+    return bool(backup_steps(directory))
+
+
+def backup_steps(directory: str) -> list[int]:
+    """The steps of the complete backups in `directory` (or under an `s3://` prefix), oldest first."""
     if is_remote(directory):
-        return bool(S3Mirror(directory).steps())
-    return newest_backup(directory) is not None
+        return S3Mirror(directory).steps()
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[len(PREFIX):]) for p in root.iterdir()
+                  if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and _manifest(p) is not None)
 
 
 def newest_backup(directory: str | Path) -> Backup | None:

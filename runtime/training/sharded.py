@@ -512,11 +512,7 @@ class ShardedTrainer(Trainer):
         self._adopt(new)
         self._check_spec()
         if g == 0:
-            if cfg.resume_from:
-                self.committed, _ = self._restore_from_backup(cfg.resume_from, rank)
-            else:
-                self._broadcast_initial_model()
-            records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+            self._enter_generation_0(rank)
             if rank == 0:
                 records.put(keys.k_state_homes(), StateHomes(self._state_homes()))
             self._refresh_copies(self.committed)

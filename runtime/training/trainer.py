@@ -592,11 +592,7 @@ class Trainer:
         joining = self._join(g)
         record, rank, interrupt, statuses = joining.record, joining.rank, joining.interrupt, joining.statuses
         if g == 0:
-            if cfg.resume_from:
-                self.committed, _ = self._restore_from_backup(cfg.resume_from, rank)
-            else:
-                self._broadcast_initial_model()
-            records.put(keys.k_holds(g, rank), HoldsState(self.committed))
+            self._enter_generation_0(rank)
             return
         if cfg.backup_dir and not any(s.has_state for s in statuses):
             if not has_backup(cfg.backup_dir):
@@ -627,6 +623,14 @@ class Trainer:
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
         self._start_report(joining, stats, plan.target_step, failure_seen)
+
+    def _enter_generation_0(self, rank: int) -> None:
+        """Every member starts from the backup `--resume-from` names, else from rank 0's model (as DDP does)."""
+        if self.job.cfg.resume_from:
+            self.committed, _ = self._restore_from_backup(self.job.cfg.resume_from, rank)
+        else:
+            self._broadcast_initial_model()
+        self.job.records.put(keys.k_holds(0, rank), HoldsState(self.committed))
 
     def _start_report(self, joining: Joining, stats: HandoffStats, target_step: int,
                       failure_seen: float | None) -> None:

@@ -83,7 +83,7 @@ def test_every_copy_lost_the_job_comes_back_from_the_bucket_bit_exact(s3: str, t
     url = f"s3://{BUCKET}/jobs/ema"
     steps, ema_job = 20, SCRIPTS / "ema_job.py"
     result = run_job(nproc=2, standby=2, steps=steps, script=ema_job, backup_dir=url, backup_every=4,
-                     script_args=("--step-ms", "150", "--step-ms-until-gen", "1"),
+                     script_args=("--await-backup", "4,8"),
                      faults="kill:rank=0,step=10,phase=before_exchange;kill:rank=1,step=10,phase=before_exchange")
 
     assert result.exit_code == 0, result.message

@@ -217,14 +217,16 @@ def test_hsdp_a_shard_lost_with_its_replica_stops_the_job_naming_the_shard() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.untimed
 def test_hsdp_a_shard_lost_with_its_replica_comes_back_from_the_newest_backup_bit_exactly(tmp_path: Path) -> None:
     """The kills above, with a backup every 2 steps (torch's collective save, every rank its shards): every rank
-    goes back to the newest backup and trains the steps since again. Steps take 0.15 s more until then (numbers
-    unchanged), so that the backup of step 6 is complete before the kill at step 8. Then a new job resumes from
-    a backup of the first one and ends where an uninterrupted run ends."""
+    goes back to the newest backup and trains the steps since again. At steps 3, 5 and 7 every rank waits until
+    the backups of steps 2, 4 and 6 are complete (`--await-backup`), so that the kill at step 8 finds the one of
+    step 6 however slowly the machine runs. Then a new job resumes from a backup of the first one and ends where
+    an uninterrupted run ends."""
     backups = tmp_path / "backups"
     result = _run("hsdp", "kill:rank=0,step=8,phase=before_exchange;kill:rank=2,step=8,phase=before_exchange",
-                  "--step-ms", "150", "--step-ms-until-gen", "1", steps=10, backup_dir=str(backups),
+                  "--await-backup", "2,4,6", steps=10, backup_dir=str(backups),
                   backup_every=2)
     _assert_exact(result, "hsdp", 10)
     (rec,) = events_of(result, Recovered)

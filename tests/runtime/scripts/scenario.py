@@ -32,9 +32,23 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--step-ms-until-gen", type=int, default=0,
                    help="--step-ms only until the job reaches this generation (each recovery starts one), then full "
                         "speed: a test's window for its outside action stays wide on a loaded machine, the run short")
+    p.add_argument("--await-backup", type=lambda text: [int(x) for x in text.split(",")], default=[],
+                   help="comma-separated steps: once the step after each is committed, wait (bounded) until its backup "
+                        "is complete in the job's --backup-dir (so that the next one is not skipped, and a fault "
+                        "planned after it finds it, whatever the machine's pace)")
     p.add_argument("--say", action="store_true",
                    help="print each committed step with this process's name to stdout, and its rank to stderr")
     return p
+
+
+def _await_backup(job: Job, step: int, timeout_s: float = 120.0) -> None:
+    from runtime.training.backup import backup_steps
+
+    deadline = time.monotonic() + timeout_s
+    while step not in backup_steps(job.cfg.backup_dir):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the backup of step {step} was not complete within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
@@ -46,5 +60,7 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
         time.sleep(args.pace_ms * factor / 1000)
     if args.step_ms and (not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen):
         time.sleep(args.step_ms / 1000)
+    if result.step - 1 in args.await_backup:
+        _await_backup(job, result.step - 1)
     if result.step == args.raise_at:
         raise ValueError(f"a bug in the training script at step {result.step}")
