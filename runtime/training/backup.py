@@ -236,13 +236,14 @@ class BackupWriter:
             where = str(final)
             if self.remote is not None:
                 self.remote.upload(final, step)
-                self.remote.prune(self.settings.keep)
                 where = f"{self.remote.url}/{step_dir(step)}"
-            self._prune(1 if self.remote is not None else self.settings.keep)  # staged: only the newest kept
             done = BackupRecord(step, where, sum(int(v["bytes"]) for v in files.values()), stage_s,
-                           time.perf_counter() - t0 - stage_s)
-            with self._lock:
+                                time.perf_counter() - t0 - stage_s)
+            with self._lock:  # complete: reported before the housekeeping
                 self._finished.append(done)
+            if self.remote is not None:
+                self.remote.prune(self.settings.keep)
+            self._prune(1 if self.remote is not None else self.settings.keep)  # staged: only the newest kept
         except Exception as exc:  # a full disk, a removed folder, a peer lost: the job trains on, without it
             self.failed += 1
             log.warning("backup of step %d failed: %s", step, exc)

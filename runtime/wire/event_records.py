@@ -178,6 +178,8 @@ class RestoringFromBackup(Event):
     generation: int
     """The generation that was lost (the restore happens in the next one)."""
     backup_step: int
+    """The newest backup rank 0 had reported; the members load the newest complete one, which may be newer (one
+    finished but not yet reported): the `recovered` event's step, minus one, is the one loaded."""
     path: str
     committed_step: int
     """The job's last committed step before the loss: the steps after `backup_step` are trained again."""

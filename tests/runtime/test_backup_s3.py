@@ -88,7 +88,9 @@ def test_every_copy_lost_the_job_comes_back_from_the_bucket_bit_exact(s3: str, t
 
     assert result.exit_code == 0, result.message
     (restore,) = events_of(result, RestoringFromBackup)
-    assert restore.backup_step == 8 and restore.path == f"{url}/{step_dir(8)}"
+    # The coordinator names the newest backup reported (8, or 4 when 8 finished a moment before the loss but after
+    # rank 0's last report: seen under load in CI); the members load the newest complete one, 8.
+    assert restore.backup_step in (4, 8) and restore.path == f"{url}/{step_dir(restore.backup_step)}"
     (recovered,) = events_of(result, Recovered)
     assert recovered.step == 9 and recovered.handoff_bytes > 0
     assert events_of(result, BackupWritten)[-1].path == f"{url}/{step_dir(20)}"

@@ -181,15 +181,19 @@ def test_losing_every_copy_with_backups_restarts_from_the_newest_and_ends_bit_ex
 
     assert result.exit_code == 0, result.message
     (restore,) = events_of(result, RestoringFromBackup)
-    # The job's progress as the heartbeats last published it (behind the true step 9 by what a beat missed).
-    assert restore.backup_step == 8 and restore.committed_step <= 9
-    assert restore.steps_redone == max(0, restore.committed_step - 8)
+    # The newest backup rank 0 had reported (8, or 4 when 8 completed just after its last report; the members load
+    # 8 either way), and the job's progress as the heartbeats last published it (behind the true step 9 by what a
+    # beat missed).
+    assert restore.backup_step in (4, 8) and restore.committed_step <= 9
+    assert restore.steps_redone == max(0, restore.committed_step - restore.backup_step)
     (recovered,) = events_of(result, Recovered)
     assert recovered.step == 9 and recovered.handoff_bytes > 0
     written = events_of(result, BackupWritten)
-    assert [w.step for w in written][:2] == [4, 8] and written[-1].step == 20  # the last one waited for
+    assert written[0].step == 4 and written[-1].step == 20  # the last one waited for
     assert all(w.bytes > 0 and w.stage_s >= 0 and w.write_s > 0 for w in written)
-    assert sorted(p.name for p in backups.iterdir()) == ["step-000000012", "step-000000016", "step-000000020"]
+    # The newest 3 are kept (on a loaded machine a backup due while the last one is written is skipped).
+    kept = sorted(int(p.name[5:]) for p in backups.iterdir())
+    assert len(kept) == 3 and kept[-1] == 20 and all(s % 4 == 0 for s in kept), kept
     reference = clean_digest(2, steps, EMA)  # --await-backup changes no number
     assert set(result.digests.values()) == {reference}
 

@@ -232,7 +232,8 @@ def test_hsdp_a_shard_lost_with_its_replica_comes_back_from_the_newest_backup_bi
     (rec,) = events_of(result, Recovered)
     assert rec.step == 7 and rec.sources == [] and rec.handoff_bytes > 0, "every rank read step 6's backup"
     written = events_of(result, BackupWritten)
-    assert [w.step for w in written][:3] == [2, 4, 6] and written[-1].step == 10
+    # Rank 0's reports (6's may not have gone out before it died) and the new rank 0's, up to the last step.
+    assert [w.step for w in written][:2] == [2, 4] and written[-1].step == 10
     assert sorted(p.name for p in backups.iterdir()) == ["step-000000006", "step-000000008", "step-000000010"]
 
     resumed = _run("hsdp", "", steps=10, standby=0, resume_from=str(backups / "step-000000008"))
