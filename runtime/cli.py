@@ -147,6 +147,52 @@ def store_command(ns: argparse.Namespace) -> int:
     return code
 
 
+def add_steer_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`trainmover resize` and `trainmover move`: an orchestrator's requests to a running job, sealed with the job's
+    secret (runtime.wire.control.JobControl, the same path as the API)."""
+    resize = sub.add_parser(
+        "resize", help="run a job at N members: fewer frees capacity, more grows back onto standbys",
+        description="Ask a running job (trainmover run --port P) to run at WIDTH members, 1 up to its --nproc: the "
+                    "highest ranks leave at a step boundary, or ready standbys join at one, with the state handed "
+                    "over from memory. A data-parallel job keeps its global batch (--shrink accumulate) or scales its "
+                    "learning rate (lr-linear, lr-sqrt). The job's secret comes from --secret-file or "
+                    "$TRAINMOVER_JOB_SECRET.")
+    resize.add_argument("--width", type=int, required=True, help="members to run with")
+    move = sub.add_parser(
+        "move", help="move ranks of a running job to standbys, on purpose",
+        description="Ask a running job to move RANKS to warm standbys (a host to drain, a spot notice an agent did "
+                    "not see). The job's secret comes from --secret-file or $TRAINMOVER_JOB_SECRET.")
+    move.add_argument("--ranks", required=True, help="comma-separated ranks, e.g. 1,3")
+    for p in (resize, move):
+        p.add_argument("--port", type=int, required=True, help="the job's store port (its job_started event's)")
+        p.add_argument("--host", default="127.0.0.1", help="where the job's store listens (default %(default)s)")
+        p.add_argument("--reason", default="requested", help="why, in the events (default %(default)s)")
+        p.add_argument("--secret-file", metavar="FILE", help="the job's secret (mode 600)")
+        p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                       help="how long to wait for the job's answer (default %(default)s s)")
+
+
+def steer_command(ns: argparse.Namespace) -> int:
+    """Send the request and print the job's answer; 0 when accepted, 1 when refused, 2 when it could not be sent."""
+    from runtime.wire.control import JobControl, JobEnded, JobNotFound
+
+    try:
+        ranks = [int(r) for r in ns.ranks.split(",")] if ns.command == "move" else []
+        with JobControl(ns.host, ns.port, secret=_secret(ns.secret_file, ns.command)) as job:
+            if ns.command == "move":
+                outcome = job.wait_move(job.move(ranks, ns.reason), ns.timeout)
+            else:
+                outcome = job.wait_resize(job.resize(ns.width, ns.reason), ns.timeout)
+    except (JobNotFound, JobEnded, TimeoutError, ValueError, OSError) as exc:
+        print(f"trainmover {ns.command}: {exc}", file=sys.stderr)
+        return 2
+    if not outcome.accepted:
+        print(f"trainmover {ns.command}: refused: {outcome.reason}", file=sys.stderr)
+        return 1
+    print(f"trainmover {ns.command}: accepted (request {outcome.seq}); the job's events say when it is done")
+    return 0
+
+
 def run_command(ns: argparse.Namespace) -> int:
     from runtime.launcher import ConfigError, launch
 

@@ -258,6 +258,11 @@ class RuntimeJob:
         events). False when there is no one to ask (not connected yet, or over)."""
         return self._send(lambda control: control.move(list(ranks), reason))
 
+    def resize(self, width: int, reason: str) -> bool:
+        """Run the job at `width` members (1 up to its nproc): fewer frees capacity, more grows back onto standbys;
+        the `shrunk` and `grew` events say when. False when there is no one to ask (not connected yet, or over)."""
+        return self._send(lambda control: control.resize(width, reason))
+
     def steer(self, command: Literal["set_standby_target", "move"], *args: Any) -> bool:
         """Deprecated: call `set_standby_target(n)` or `move(ranks, reason)`."""
         warnings.warn("RuntimeJob.steer is deprecated: call set_standby_target or move", DeprecationWarning,

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 Role = Literal["worker", "standby"]
 Backend = Literal["gloo", "nccl"]
 Transport = Literal["gloo", "tls"]
+ShrinkMode = Literal["off", "accumulate", "lr-linear", "lr-sqrt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,10 @@ class Knobs:
     """With a backup directory: committed steps between persistent backups (runtime.training.backup)."""
     backup_keep: int = 3
     """With a backup directory: how many of the newest backups are kept."""
+    shrink: ShrinkMode = "accumulate"
+    """When no standby takes a lost rank within the standby wait, a data-parallel job continues with fewer members
+    (runtime.training.elastic): keeping the global batch by accumulation (accumulate), or with a smaller batch and the
+    learning rate scaled by the width (lr-linear) or its square root (lr-sqrt); off: the job stops."""
 
     @property
     def agent_lease_s(self) -> float:
@@ -214,6 +219,7 @@ ENV_BACKUP_DIR = "TM_BACKUP_DIR"
 ENV_BACKUP_EVERY = "TM_BACKUP_EVERY"
 ENV_BACKUP_KEEP = "TM_BACKUP_KEEP"
 ENV_RESUME_FROM = "TM_RESUME_FROM"
+ENV_SHRINK = "TM_SHRINK"
 
 
 class LaunchError(RuntimeError):
@@ -262,6 +268,8 @@ class ProcessConfig:
     backup_keep: int = KNOBS.backup_keep
     resume_from: str = ""
     """A backup (a `step-*` folder, or the newest in a backup directory) the job starts from; empty: step 0."""
+    shrink: ShrinkMode = KNOBS.shrink
+    """How a shrunk generation trains (runtime.training.elastic)."""
 
     def __repr__(self) -> str:  # the token must never reach a log through a repr
         return (f"ProcessConfig(job_id={self.job_id!r}, proc={self.proc!r}, role={self.role!r}, "
@@ -292,6 +300,7 @@ class ProcessConfig:
             ENV_BACKUP_EVERY: str(self.backup_every),
             ENV_BACKUP_KEEP: str(self.backup_keep),
             ENV_RESUME_FROM: self.resume_from,
+            ENV_SHRINK: self.shrink,
         }
 
     @classmethod
@@ -309,6 +318,9 @@ class ProcessConfig:
             raise LaunchError(f"{ENV_ROLE}={role!r}: expected worker or standby")
         if backend not in ("gloo", "nccl"):
             raise LaunchError(f"{ENV_BACKEND}={backend!r}: expected gloo or nccl")
+        shrink = env.get(ENV_SHRINK, KNOBS.shrink)
+        if shrink not in typing.get_args(ShrinkMode):
+            raise LaunchError(f"{ENV_SHRINK}={shrink!r}: expected one of {', '.join(typing.get_args(ShrinkMode))}")
         transport = env.get(ENV_HANDOFF_TRANSPORT, KNOBS.handoff_transport)
         if transport not in ("gloo", "tls"):
             raise LaunchError(f"{ENV_HANDOFF_TRANSPORT}={transport!r}: expected gloo or tls")
@@ -337,6 +349,7 @@ class ProcessConfig:
                 backup_every=int(env.get(ENV_BACKUP_EVERY, KNOBS.backup_every)),
                 backup_keep=int(env.get(ENV_BACKUP_KEEP, KNOBS.backup_keep)),
                 resume_from=env.get(ENV_RESUME_FROM, ""),
+                shrink=shrink,  # type: ignore[arg-type]
             )
         except ValueError as exc:
             raise LaunchError(f"malformed TrainMover launch variable: {exc}") from None
@@ -371,8 +384,14 @@ class LaunchConfig:
         metavar="S"))
     heartbeat_s: float = KNOBS.heartbeat_s
     standby_wait_s: float = field(default=KNOBS.standby_wait_s, metadata=flag(
-        "--standby-wait", "with no standby ready, how long to wait for one before stopping (default %(default)s s)",
+        "--standby-wait", "with no standby ready, how long to wait for one before shrinking (--shrink) or stopping "
+                          "(default %(default)s s)",
         metavar="S"))
+    shrink: ShrinkMode = field(default=KNOBS.shrink, metadata=flag(
+        "--shrink", "when no standby takes a lost rank within --standby-wait: continue with fewer members, keeping "
+                    "the global batch by accumulation (accumulate), or with a smaller batch and the learning rate "
+                    "scaled linearly (lr-linear) or by the square root (lr-sqrt) of the width; grow back when a "
+                    "standby is ready. off: stop the job (default %(default)s; data-parallel jobs)"))
     replenish: bool = field(default=KNOBS.replenish, metadata=flag(
         "--replenish", "start a replacement standby whenever one is promoted or lost"))
     num_threads: int | None = field(default=None, metadata=flag(

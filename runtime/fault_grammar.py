@@ -10,7 +10,7 @@ from __future__ import annotations
 ACTION_NAMES: tuple[str, ...] = ("kill", "stop", "term", "exit", "corrupt", "host")
 PHASES: tuple[str, ...] = (
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
-    "standby_wait",
+    "standby_wait", "switch",
 )
 INT_KEYS: tuple[str, ...] = ("step", "rank", "chunk", "gen")
 NAME_KEYS: tuple[str, ...] = ("proc", "role")

@@ -32,7 +32,7 @@ from runtime.wire.store import Records, k_fault
 
 Phase = Literal[
     "before_exchange", "exchange", "after_exchange", "optimizer", "handoff_send", "handoff_recv", "warmup",
-    "standby_wait",
+    "standby_wait", "switch",
 ]
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "exit": None, "corrupt": None,
            "host": None}

@@ -159,7 +159,7 @@ def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] |
         handoff_transport=cfg.handoff_transport, tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
         tls_ca=tls[2] if tls else "",
         backup_dir=_absolute(cfg.backup_dir), backup_every=cfg.backup_every, backup_keep=cfg.backup_keep,
-        resume_from=_absolute(cfg.resume_from),
+        resume_from=_absolute(cfg.resume_from), shrink=cfg.shrink,
     )
     env = {k: v for k, v in pc.to_env().items() if k not in ("TM_JOB_TOKEN", "TM_PROC", "TM_ROLE", "TM_BIND_HOST")}
     env.update({"OMP_NUM_THREADS": str(cfg.threads()), "PYTHONUNBUFFERED": "1"})
@@ -229,7 +229,7 @@ def launch(cfg: LaunchConfig) -> JobResult:
         job_id=cfg.job_id, job_token=token, nproc=cfg.nproc, standby=cfg.standby,
         hang_timeout_s=cfg.hang_timeout_s, standby_wait_s=cfg.standby_wait_s, replenish=cfg.replenish,
         faults=cfg.faults, start_when_standbys_ready=cfg.wait_for_standbys, chaos=cfg.chaos,
-        public_port=public_port,
+        public_port=public_port, shrink=cfg.shrink,
     )
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.getsignal(signal.SIGTERM)

@@ -18,16 +18,18 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     if command == "demo" and "--runtime" not in argv:
         return _flow_demo(parser, sub, argv)
-    if command in ("run", "demo", "coordinator", "agent", "store"):
+    if command in ("run", "demo", "coordinator", "agent", "store", "resize", "move"):
         from runtime.cli import (
             add_agent_parser,
             add_coordinator_parser,
             add_demo_parser,
             add_run_parser,
+            add_steer_parsers,
             add_store_parser,
             agent_command,
             demo_command,
             run_command,
+            steer_command,
             store_command,
         )
 
@@ -36,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         add_agent_parser(sub)
         add_store_parser(sub)
         add_demo_parser(sub)
+        add_steer_parsers(sub)
         ns = parser.parse_args([a for a in argv if a != "--runtime"])
         if ns.command == "agent":
             return agent_command(ns)
         if ns.command == "store":
             return store_command(ns)
+        if ns.command in ("resize", "move"):
+            return steer_command(ns)
         return run_command(ns) if ns.command in ("run", "coordinator") else demo_command(ns)
     if command == "policy":
         from policy.cli import add_policy_parser, policy_command
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("coordinator", help="coordinate a job across hosts, each running `trainmover agent`")
     sub.add_parser("agent", help="this host's agent: start the processes a coordinator assigns to its slots")
     sub.add_parser("store", help="serve a job's store in a process of its own (the job outlives its coordinator)")
+    sub.add_parser("resize", help="run a job at N members: fewer frees capacity, more grows back onto standbys")
+    sub.add_parser("move", help="move ranks of a running job to standbys, on purpose")
     sub.add_parser("demo", help="the main job on this machine: a resilient training flow with two failures")
     sub.add_parser("bench", help="benchmarks (recovery)")
     sub.add_parser("policy", help="failure traces, standby policy simulation and tuning (needs the policy extra)")

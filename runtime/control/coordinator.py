@@ -20,6 +20,7 @@ on a fake clock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -33,9 +34,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from runtime.config import KNOBS
+from runtime.config import KNOBS, ShrinkMode
 from runtime.control.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control.decisions import MoveContext, move_refusal
+from runtime.control.elastic import PlannedChange, change_figures, resize_plan, standbys_needed
 from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
 from runtime.control.hosts import NoSlot
 from runtime.control.lease import Deposed, Lease
@@ -44,7 +46,7 @@ from runtime.control.standbys import StandbyPool
 from runtime.faults import parse_plan
 from runtime.wire import store as keys
 from runtime.wire.auth import Sealer
-from runtime.wire.control import ControlValueError, MoveRequest, parse_move, parse_standby_target
+from runtime.wire.control import ControlValueError, MoveRequest, parse_move, parse_resize, parse_standby_target
 from runtime.wire.event_records import (
     BackupWritten,
     ChaosInjected,
@@ -53,15 +55,18 @@ from runtime.wire.event_records import (
     CoordinatorTookOver,
     Event,
     GenerationStarted,
+    Grew,
     JobFinished,
     JobStarted,
     MemberFailed,
     MoveAccepted,
     RestoringFromBackup,
+    Shrunk,
     StandbyLost,
     StandbyTargetChanged,
     StandbyWarm,
     UntrustedValue,
+    WidthTargetChanged,
 )
 from runtime.wire.event_records import (
     JobFailed as JobFailedEvent,
@@ -82,6 +87,7 @@ from runtime.wire.protocol import (
     HoldsState,
     JobConfig,
     JobOver,
+    Joined,
     MoveResult,
     Progress,
     RecoveryOpened,
@@ -245,6 +251,8 @@ class CoordinatorSettings:
     """Standbys that die in a row before they are warm, after which the job stops instead of spawning more."""
     public_port: int = 0
     """The store's port as clients see it (its gate's, runtime.wire.tunnel, across hosts); 0: the store's own."""
+    shrink: ShrinkMode = KNOBS.shrink
+    """With no standby ready within the standby wait: continue with fewer members (a data-parallel job), or stop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +334,11 @@ class Coordinator:
         self._chaos_hit: dict[str, float] = {}
         """Processes the chaos monkey signalled, and when: their true moment of failure."""
         self._chaos_over = False
+        self.width_target = settings.nproc
+        """Members the job should run with: its logical width, until a resize request sets fewer."""
+        self._resize_cause = "a standby is ready"
+        self._change: PlannedChange | None = None
+        """A planned generation (a grow, a requested shrink) not every member has switched to yet."""
         self._last_backup: BackupRecord | None = None
         self._restore_announced = -1
         self._health_due = True
@@ -405,11 +418,20 @@ class Coordinator:
             if gen is None:
                 raise JobFailed(f"generation {current.gen}'s record is missing or unsealed in the store; the job "
                                 "cannot be taken over")
+            planned = self.records.get_record(keys.k_gen(gen.gen + 1), Generation)
+            if planned is not None and planned.planned:
+                # The previous coordinator published a planned generation: its members switch to it on their own.
+                self._change = PlannedChange(
+                    gen, planned, "grow" if planned.world_size > gen.world_size else "shrink",
+                    "resumed by the coordinator that took over",
+                    left_out=[(r, p) for r, p in enumerate(gen.members) if p not in planned.members],
+                    added=[p for p in planned.members if p not in gen.members])
+                gen = planned
             self.gen, self.started = gen, True
         else:
             self.started = False  # the first coordinator was still waiting for its standbys
         self.holders = self._holders_from_records()
-        for key in (keys.k_control_standby_target(), keys.k_control_move()):
+        for key in (keys.k_control_standby_target(), keys.k_control_move(), keys.k_control_resize()):
             command = self.records.get_record(key, ControlCommand)
             if command is not None:  # applied by the previous coordinator (one given while none ran is lost)
                 self._control_last[key], self._control_seq[key] = command, command.seq
@@ -417,6 +439,12 @@ class Coordinator:
                     self.standbys.target = int(command.request)
         result = self.records.get_record(keys.k_control_move_result(), MoveResult)
         self._last_move_seq = result.seq if result is not None else 0
+        resize = self._control_last.get(keys.k_control_resize())
+        answer = self.records.get_record(keys.k_control_resize_result(), MoveResult)
+        if resize is not None and answer is not None and answer.seq == resize.seq and answer.accepted:
+            with contextlib.suppress(ControlValueError):
+                request = parse_resize(resize.request)
+                self.width_target, self._resize_cause = request.width, f"resize to {request.width}: {request.reason}"
         opened = self.records.get_record(keys.k_recovery(self.gen.gen), RecoveryOpened) if self.started else None
         reports = [self.records.get_record(keys.k_report(self.gen.gen, r), RecoveryReport)
                    for r in range(self.gen.world_size)] if opened is not None else []
@@ -461,6 +489,7 @@ class Coordinator:
             member = handle.name in self.gen.members
             m = Member(handle, now, hb_changed_at=now, hb_changed_wall=self.wall())
             m.hello_ok = self.health.hello_ok(handle.name, m)
+            m.released = self._change is not None and handle.name in {p for _, p in self._change.left_out}
             if handle.role == "standby":
                 m.ready = self.records.get_record(keys.k_ready(handle.name), StandbyReady) is not None
                 m.assigned_gen = self.gen.gen if member else None
@@ -700,6 +729,15 @@ class Coordinator:
         # hung process, else the exit seen on its pidfd; the moment it was noticed only when nothing else is known.
         failure = (self._chaos_hit.get(name) or (fault.time if fault else None) or failure_at
                    or m.exit_seen_at or now_wall)
+        if rank is None and m.released:
+            c = self._change
+            if code != 0 and c is not None and name in c.old.members and self.started:
+                # Left out by a planned shrink, but lost before the members switched: their step waits on it.
+                log.warning("%s (left out by a resize) %s before the members switched; rebuilding", name, cause)
+                new = self.gen.change(f"{name} (left out by a resize) {cause} before the members switched")
+                self._publish(new)
+                self._emit_generation(new)
+            return  # otherwise it left after the switch, as it was told
         if rank is None:
             if code == 0:
                 return  # a standby that joined and then left on its own (the job is ending): nothing lost
@@ -786,7 +824,7 @@ class Coordinator:
     # -- control (runtime.wire.control) --------------------------------------------------------------------
     def _poll_control(self) -> None:
         """Apply what an orchestrator wrote since the last tick; each value is acted on once."""
-        for key in (keys.k_control_standby_target(), keys.k_control_move()):
+        for key in (keys.k_control_standby_target(), keys.k_control_move(), keys.k_control_resize()):
             command = self.records.get_record(key, ControlCommand)
             if command is None or command == self._control_last.get(key):
                 continue  # nothing, refused (and counted once), or what the last tick saw
@@ -799,8 +837,10 @@ class Coordinator:
             self._control_seq[key] = command.seq
             if key == keys.k_control_standby_target():
                 self._apply_standby_target(command.request)
-            else:
+            elif key == keys.k_control_move():
                 self._apply_move(command.request)
+            else:
+                self._apply_resize(command.request)
 
     def _reject(self, control: str, reason: str, *, value: str | None = None, seq: int | None = None,
                 ranks: list[int] | None = None, host: str | None = None) -> None:
@@ -845,6 +885,31 @@ class Coordinator:
         for proc in procs:
             self._fence(proc, f"planned_move:{request.reason}")
 
+    def _apply_resize(self, raw: str) -> None:
+        try:
+            request = parse_resize(raw)
+        except ControlValueError as exc:
+            self._reject("resize", str(exc), seq=exc.seq)
+            self._answer(keys.k_control_resize_result(), exc.seq, str(exc))
+            return
+        logical = self.gen.logical_width
+        refusal = None
+        if self.s.shrink == "off":
+            refusal = "the job was started with --shrink off: it runs at its full width only"
+        elif self._sharded():
+            refusal = "a sharded job runs at its full width only (resizing is for data-parallel jobs)"
+        elif not request.width <= logical:
+            refusal = f"width {request.width} is more than the job's {logical} logical ranks (--nproc)"
+        if refusal is not None:
+            self._reject("resize", refusal, seq=request.seq, value=str(request.width))
+            self._answer(keys.k_control_resize_result(), request.seq, refusal)
+            return
+        old, self.width_target = self.width_target, request.width
+        self._resize_cause = f"resize to {request.width}: {request.reason}"
+        self.events.emit(WidthTargetChanged(old=old, new=request.width, reason=request.reason, seq=request.seq))
+        log.warning("width target changed from %d to %d members: %s", old, request.width, request.reason)
+        self._answer(keys.k_control_resize_result(), request.seq, None)
+
     def _move_refusal(self, request: MoveRequest) -> str | None:
         return move_refusal(request, MoveContext(
             last_seq=self._last_move_seq, started=self.started, finished=self.started and self._all_done(),
@@ -852,8 +917,11 @@ class Coordinator:
             ready=len(self.standbys.ready())))
 
     def _answer_move(self, seq: int | None, refusal: str | None) -> None:
+        self._answer(keys.k_control_move_result(), seq, refusal)
+
+    def _answer(self, key: str, seq: int | None, refusal: str | None) -> None:
         if seq is not None:
-            self.records.put(keys.k_control_move_result(), MoveResult(seq, refusal is None, refusal or ""))
+            self.records.put(key, MoveResult(seq, refusal is None, refusal or ""))
 
     # -- membership ----------------------------------------------------------------------------------
     def _progress(self, now: float) -> JobResult | None:
@@ -870,6 +938,8 @@ class Coordinator:
             return None
         if self.completing_since is not None:
             return self._progress_completion(now)
+        if self._change is not None:
+            self._track_change()
         if self._all_done():
             self.completing_since = now
             self.pending_deaths.clear()
@@ -881,6 +951,8 @@ class Coordinator:
             self.standbys.top_up("keep the standby target")
         if self.pending_deaths:
             self._replace(now)
+        elif self._health_due:
+            self._resize()
         if self._health_due:
             # Reports are read on health ticks only: a recovery of N ranks costs 2N store round trips per read,
             # which the busy loop (every 5 ms while a death is pending) must not pay.
@@ -997,7 +1069,7 @@ class Coordinator:
         elif now - self.failed_seen_at > self.s.hang_timeout_s:
             self.failed_seen_at = None
             message = reports[0].message
-            new = Generation(self.gen.gen + 1, self.gen.members, f"collective error without a lost member: {message}")
+            new = self.gen.change(f"collective error without a lost member: {message}")
             log.warning("collective error without a lost member (%s); rebuilding the groups", message)
             self.recoveries.carry_over(new)
             self._publish(new)
@@ -1009,35 +1081,135 @@ class Coordinator:
         settle_s = self.pool.settle_s
         if settle_s > 0 and self.wall() - max(d.declared_at for d in deaths) < settle_s:
             return  # across hosts, hosts failing together (a rack, a switch) are seen within ms: one generation
-        if len(ready) < len(deaths):
+        survivors = self.gen.world_size - len(deaths)
+        # The lowest lost ranks get standbys (a rank given to one keeps its number); as many as the width target
+        # needs: all of them at full width.
+        needed = standbys_needed(len(deaths), self.gen.world_size, self.width_target)
+        shrinking = False
+        if len(ready) < needed:
             if self.s.replenish:
-                self.standbys.cover(len(deaths))
+                self.standbys.cover(needed)
             assert self.waiting_since is not None
-            if now - self.waiting_since > self.s.standby_wait_s:
-                lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
-                hint = ("Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS).")
-                if self.pool.free_slots() is not None:
-                    hint = ("No standby host is left: start `trainmover agent` on another host (it joins as a standby "
-                            "host), or keep more standby slots (--standby K), or allow a longer --standby-wait.")
-                raise JobFailed(
-                    f"lost {lost} and no standby became ready within {self.s.standby_wait_s:.0f} s; the job was "
-                    f"stopped. {hint}"
-                )
-            return
-        assignment = self._assign(deaths, ready)
+            if now - self.waiting_since <= self.s.standby_wait_s:
+                return
+            if not self._can_shrink(survivors):
+                self._no_standby(deaths)
+            needed, shrinking = len(ready), True
+        covered, left_out = deaths[:needed], deaths[needed:]
+        assignment = self._assign(covered, ready)
         reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
-        new = self.gen.replace(assignment, reason)
+        if left_out:
+            self._resize_cause = "a standby is ready"  # what grows the job back, unless a resize asks otherwise
+            why = (f"no standby ready within {self.s.standby_wait_s:.0f} s" if shrinking
+                   else f"the width target is {self.width_target}")
+            reason += f"; {len(left_out)} rank(s) left out ({why}): {survivors + len(covered)} of " \
+                      f"{self.gen.logical_width} members"
+        width_before = self.gen.world_size
+        new = self.gen.change(reason, assign=assignment, drop=[d.rank for d in left_out])
         declared_at = self.wall()
         self.records.put(keys.k_recovery(new.gen), RecoveryOpened(
             tuple((d.rank, d.proc, d.pid, d.cause, d.failure_at, d.declared_at) for d in deaths), declared_at))
         self.standbys.promote(list(assignment.values()), new.gen)
         self._publish(new, assign=list(assignment.values()))
-        self.recoveries.open(new, deaths, declared_at)
+        self.recoveries.open(new, deaths, declared_at, left_out=[d.proc for d in left_out],
+                             width_before=width_before, mode=self.s.shrink)
         self._emit_generation(new)
         self.pending_deaths.clear()
         self.waiting_since = None
         if self.s.replenish:
             self.standbys.top_up("replace a promoted standby")
+
+    def _no_standby(self, deaths: list[Death]) -> None:
+        lost = ", ".join(f"rank {d.rank} ({d.proc}, {d.cause})" for d in deaths)
+        hint = ("Start more standbys (--standby K) or allow a longer wait (--standby-wait SECONDS).")
+        if self.pool.free_slots() is not None:
+            hint = ("No standby host is left: start `trainmover agent` on another host (it joins as a standby "
+                    "host), or keep more standby slots (--standby K), or allow a longer --standby-wait.")
+        if self.s.shrink == "off" and self.gen.world_size > len(deaths) and not self._sharded():
+            hint += " Or let the job continue with fewer members (--shrink accumulate)."
+        raise JobFailed(
+            f"lost {lost} and no standby became ready within {self.s.standby_wait_s:.0f} s; the job was "
+            f"stopped. {hint}"
+        )
+
+    # -- elastic width (runtime.control.elastic) -------------------------------------------------------------
+    def _sharded(self) -> bool:
+        """A sharded job (its rank 0 published where each shard's copies live) runs at its full width only."""
+        return self._homes is not None or self.records.get_record(keys.k_state_homes(), StateHomes) is not None
+
+    def _can_shrink(self, survivors: int) -> bool:
+        return self.s.shrink != "off" and survivors >= 1 and not self._sharded()
+
+    def _resize(self) -> None:
+        """With nothing lost pending: move the job towards its width target (a planned generation), growing back
+        onto ready standbys after a shrink, or leaving out the highest ranks when a resize asked for fewer."""
+        if (not self.started or self.completing_since is not None or self._change is not None or self.recoveries
+                or self.s.shrink == "off" or self.gen.world_size == self.width_target):
+            return
+        if self._sharded():
+            return
+        old = self.gen
+        drop, add = resize_plan(old.world_size, self.width_target, self.standbys.ready())
+        if not drop and not add:
+            if self.s.replenish:
+                self.standbys.cover(self.width_target - old.world_size)  # new instances, to grow onto
+            return
+        cause = self._resize_cause
+        if drop:
+            left_out = [(r, old.members[r]) for r in drop]
+            for _, proc in left_out:
+                self.procs[proc].released = True
+            new = old.change(f"shrink: {cause}", drop=drop, planned=True)
+            self._publish(new)
+            self._change = PlannedChange(old, new, "shrink", cause, left_out=left_out)
+        else:
+            new = old.change(f"grow: {', '.join(add)} joined ({cause})", add=add, planned=True)
+            self.standbys.promote(add, new.gen)
+            self._publish(new, assign=add)
+            self._change = PlannedChange(old, new, "grow", cause, added=add)
+            if self.s.replenish:
+                self.standbys.top_up("replace a promoted standby")
+        log.warning("%s from %d to %d members at the next step boundary: %s", self._change.kind, old.world_size,
+                    new.world_size, cause)
+        self._emit_generation(new)
+
+    def _track_change(self) -> None:
+        """A planned generation: current once every member joined it; its `grew`/`shrunk` event once each member
+        committed its first step in it. If the old generation's members all finished first (the job's last step
+        came before the switch point), the job ends in the old generation."""
+        c = self._change
+        assert c is not None
+        old, new = c.old, c.new
+        if self.store.check([keys.k_done(old.gen, r) for r in range(old.world_size)]):
+            log.info("the job finished before switching to generation %d", new.gen)
+            self._change = None
+            self.gen = old
+            self.pool.announce(old.gen, list(old.members))
+            return
+        if not c.current:
+            if not all(self.records.get_record(keys.k_joined(new.gen, r), Joined) is not None
+                       for r in range(new.world_size)):
+                return
+            self.records.put(keys.k_current_gen(), CurrentGeneration(new.gen))
+            c.current = True
+        reports = [self.records.get_record(keys.k_report(new.gen, r), RecoveryReport) for r in range(new.world_size)]
+        if any(r is None for r in reports):
+            return
+        f = change_figures([r for r in reports if r is not None])
+        self._change = None
+        if c.kind == "grow":
+            self.events.emit(Grew(generation=new.gen, width_from=old.world_size, width_to=new.world_size,
+                                  logical_width=new.logical_width, procs=c.added, cause=c.cause, stall_s=f.stall_s,
+                                  handoff_bytes=f.handoff_bytes, first_step_s=f.first_step_s,
+                                  steady_step_s=f.steady_step_s))
+        else:
+            self.events.emit(Shrunk(generation=new.gen, width_from=old.world_size, width_to=new.world_size,
+                                    logical_width=new.logical_width,
+                                    ranks=[{"rank": r, "proc": p} for r, p in c.left_out], cause=c.cause,
+                                    planned=True, mode=self.s.shrink, lost_s=f.stall_s, first_step_s=f.first_step_s,
+                                    steady_step_s=f.steady_step_s))
+        log.warning("%s to %d of %d members: the members stalled %.3f s", "grew" if c.kind == "grow" else "shrank",
+                    new.world_size, new.logical_width, f.stall_s)
 
     def _assign(self, deaths: list[Death], ready: list[str]) -> dict[int, str]:
         """A ready standby for each lost rank: for a sharded job, one on a host where no surviving copy of that
@@ -1066,7 +1238,9 @@ class Coordinator:
             self.lease.claim(keys.k_gen(gen.gen), gen.to_json())
         for proc in assign or []:
             self.records.put(keys.k_assign(proc), Assignment(gen.gen))
-        self.records.put(keys.k_current_gen(), CurrentGeneration(gen.gen))
+        if not gen.planned:  # a planned generation becomes current once every member switched (`_track_change`)
+            self.records.put(keys.k_current_gen(), CurrentGeneration(gen.gen))
+            self._change = None  # a failure's generation supersedes a planned one not switched to
         self.gen = gen
         self.pool.announce(gen.gen, list(gen.members))
 

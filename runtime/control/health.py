@@ -59,6 +59,8 @@ class Member:
     assigned_gen: int | None = None
     exit_seen_at: float | None = None
     """Wall-clock moment its pidfd turned readable: when the process exited, to the loop's latency."""
+    released: bool = False
+    """A member a planned shrink left out: it leaves on its own once the others switched, and nothing replaces it."""
 
 
 def describe_exit(code: int) -> str:

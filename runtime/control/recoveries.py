@@ -10,12 +10,13 @@ of the same recovery, which goes on in the next generation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.control.decisions import recovery_metrics
 from runtime.wire import store as keys
-from runtime.wire.event_records import Recovered
+from runtime.wire.event_records import Recovered, Shrunk
 from runtime.wire.events import EventLog
 from runtime.wire.protocol import Generation, RecoveryReport
 
@@ -42,6 +43,10 @@ class PendingRecovery:
     reports: dict[int, RecoveryReport] = field(default_factory=dict)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     """Earlier generations of this recovery that failed before its replayed step committed, and why."""
+    left_out: dict[str, int] = field(default_factory=dict)
+    """Lost processes no standby replaced (the job shrank): process -> the width before."""
+    mode: str = ""
+    """How the shrunk job trains (`--shrink`)."""
 
     def replayed(self) -> bool:
         return any(r.replay_done_at is not None for r in self.reports.values())
@@ -58,14 +63,18 @@ class Recoveries:
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def open(self, gen: Generation, deaths: list[Death], declared_at: float) -> None:
-        """`gen` gives the ranks of `deaths` to standbys. A recovery it supersedes before its replayed step
-        committed goes on in this one: its failure, its deaths and its failed generations are this recovery's, and
-        its time runs from there."""
+    def open(self, gen: Generation, deaths: list[Death], declared_at: float, left_out: Sequence[str] = (),
+             width_before: int = 0, mode: str = "") -> None:
+        """`gen` gives the ranks of `deaths` to standbys, or leaves them out (`left_out`: their processes; the job
+        shrank from `width_before` members). A recovery it supersedes before its replayed step committed goes on in
+        this one: its failure, its deaths and its failed generations are this recovery's, and its time runs from
+        there."""
         earlier = self.supersede(gen)
         merged = [d for r in earlier for d in r.deaths] + deaths
         attempts = [a for r in earlier for a in r.attempts]
-        self.pending.append(PendingRecovery(gen, merged, declared_at, attempts=attempts))
+        shrunk = {p: w for r in earlier for p, w in r.left_out.items()} | {p: width_before for p in left_out}
+        self.pending.append(PendingRecovery(gen, merged, declared_at, attempts=attempts, left_out=shrunk,
+                                            mode=mode or next((r.mode for r in earlier if r.mode), "")))
 
     def carry_over(self, gen: Generation) -> None:
         """`gen` rebuilds the groups with the same members: unfinished recoveries go on in it."""
@@ -109,9 +118,12 @@ class Recoveries:
 
     def _emit(self, rec: PendingRecovery) -> None:
         m = recovery_metrics([(d.failure_at, d.declared_at) for d in rec.deaths], list(rec.reports.values()))
+        def new_of(d: Death) -> str | None:
+            return None if d.proc in rec.left_out else rec.gen.members[d.rank]
+
         self.events.emit(Recovered(
             generation=rec.gen.gen, step=m["step"],
-            ranks=[{"rank": d.rank, "old": d.proc, "new": rec.gen.members[d.rank]} for d in rec.deaths],
+            ranks=[{"rank": d.rank, "old": d.proc, "new": new_of(d)} for d in rec.deaths],
             causes=[d.cause for d in rec.deaths], recovery_s=m["recovery_s"],
             handoff_bytes=m["handoff_bytes"], sources=m["sources"],
             detect_s=m["detect_s"], reconfigure_s=m["reconfigure_s"], handoff_s=m["handoff_s"],
@@ -119,8 +131,20 @@ class Recoveries:
             reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
             failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
         ))
+        if rec.left_out:
+            out = [d for d in rec.deaths if d.proc in rec.left_out]
+            self.events.emit(Shrunk(
+                generation=rec.gen.gen, width_from=max(rec.left_out.values()), width_to=rec.gen.world_size,
+                logical_width=rec.gen.logical_width, ranks=[{"rank": d.rank, "proc": d.proc} for d in out],
+                cause="; ".join(f"{d.proc} {d.cause}" for d in out) + ": no standby ready within the standby wait",
+                planned=False, mode=rec.mode, lost_s=m["recovery_s"], first_step_s=m["replay_s"] or None,
+                steady_step_s=None))
+            log.warning("the job shrank to %d of %d members after losing %s (%s); it grows back when a standby is "
+                        "ready", rec.gen.world_size, rec.gen.logical_width, ", ".join(d.proc for d in out), rec.mode)
         for d in rec.deaths:
-            new = rec.gen.members[d.rank]
+            new = new_of(d)
+            if new is None:
+                continue
             log.warning("worker %s (pid %d) died at step %d (%s); standby %s took rank %d in %.2f s "
                         "(detect %.3f, reconfigure %.3f, handoff %.3f, replay %.3f)", d.proc, d.pid, m["step"],
                         d.cause, new, d.rank, m["recovery_s"], m["detect_s"], m["reconfigure_s"], m["handoff_s"],

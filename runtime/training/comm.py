@@ -375,9 +375,16 @@ class GradientBuckets:
         for flat in self.flats:
             flat.zero_()
 
+    def divide(self, divisor: int) -> None:
+        """Divide every bucket (a member alone in a shrunk job: its sum over the units of a step)."""
+        self.attach()
+        for flat in self.flats:
+            flat.div_(divisor)
+
     def all_reduce_mean(self, world_size: int, wait: Callable[[list[dist.Work]], str | None],
                         on_issued: Callable[[], object] | None = None) -> None:
-        """Sum every bucket over the group, then divide: the same bits on every rank, every time.
+        """Sum every bucket over the group, then divide by `world_size` (the units of data the step consumed: the
+        group's size, or the logical width of a shrunk job): the same bits on every rank, every time.
 
         `wait(works)` (the group's `Communicator.wait`) waits for the exchange; a message it returns fails it."""
         self.attach()  # backward may have produced a fresh tensor if user code dropped our view

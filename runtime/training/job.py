@@ -29,7 +29,7 @@ from runtime.config import LaunchError, ProcessConfig
 from runtime.faults import FaultInjector
 from runtime.wire import store as keys
 from runtime.wire.auth import Sealer
-from runtime.wire.protocol import FatalError, ProcessHello
+from runtime.wire.protocol import FatalError, Generation, ProcessHello
 
 COORDINATOR_LOST_S = 15.0
 
@@ -63,10 +63,15 @@ class Heartbeat(threading.Thread):
         """Called from this thread with the newest generation and this thread's own store connection."""
         self._halt = threading.Event()
         self._wake = threading.Event()
+        self._watch_thread: threading.Thread | None = None
+        self._watch_blocked = False
+        """Whether the watch is blocked in its long store wait (where the process may exit under it); elsewhere it
+        makes short store calls, and a process that exits during one of those aborts (torch's client)."""
 
     def run(self) -> None:
         client = keys.connect(self.cfg.store_host, self.cfg.store_port)
-        threading.Thread(target=self._watch, name="trainmover-generation-watch", daemon=True).start()
+        self._watch_thread = threading.Thread(target=self._watch, name="trainmover-generation-watch", daemon=True)
+        self._watch_thread.start()
         threading.Thread(target=self._beat_agent, name="trainmover-agent-beat", daemon=True).start()
         try:
             self._beat(keys.Records(client, self.sealer))
@@ -138,13 +143,26 @@ class Heartbeat(threading.Thread):
             try:
                 if client is None:
                     client = keys.connect(self.cfg.store_host, self.cfg.store_port)
+                self._watch_blocked = True
                 client.wait([keys.k_gen(nxt)], datetime.timedelta(seconds=WATCH_WAIT_S))
+                self._watch_blocked = False
+                if self._halt.is_set():
+                    # The process is leaving, perhaps finalizing already: a store call now could abort it (torch's
+                    # client, from a daemon thread). Park here instead; the process exits under this thread.
+                    threading.Event().wait()
                 records = keys.Records(client, self.sealer)
+                record = records.get_record(keys.k_gen(nxt), Generation)
+                if record is not None and record.planned:
+                    # Members switch to it at a step boundary (Trainer._planned_switch), not at once: wait for the
+                    # one after it (a failure's), while the beat sees this one become current.
+                    seen = nxt
+                    continue
                 deadline = time.monotonic() + self.cfg.heartbeat_s
                 while (current := records.get_int(keys.k_current_gen())) < nxt and time.monotonic() < deadline \
                         and not self._halt.is_set():
                     time.sleep(keys.POLL_S)
             except Exception:  # a timed-out wait leaves its answer on the connection; or the store is gone
+                self._watch_blocked = False
                 client = None
                 self._halt.wait(self.cfg.heartbeat_s)
                 continue
@@ -158,6 +176,11 @@ class Heartbeat(threading.Thread):
     def halt(self) -> None:
         self._halt.set()
         self._wake.set()
+
+    def join_watch(self, timeout_s: float) -> None:
+        """Wait (bounded) for the watch to end, unless it is blocked in its long wait (safe to exit under)."""
+        if self._watch_thread is not None and not self._watch_blocked:
+            self._watch_thread.join(timeout_s)
 
 
 def _agent_beat_socket() -> tuple[socket.socket | None, str]:
@@ -207,6 +230,7 @@ class Job:
     def close(self) -> None:
         self.heartbeat.halt()
         self.heartbeat.join(timeout=5.0)
+        self.heartbeat.join_watch(timeout_s=1.0)
 
     @property
     def proc(self) -> str:

@@ -51,6 +51,7 @@ from runtime.training.backup import (
 )
 from runtime.training.comm import CommFailure, Communicator, GradientBuckets, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
+from runtime.training.elastic import CURSOR_STATE, DataCursor, Layout
 from runtime.training.handoff import (
     GlooLinks,
     HandoffError,
@@ -81,6 +82,7 @@ from runtime.wire.protocol import (
     StandbyReady,
     StepStatus,
     StopOrder,
+    SwitchPoint,
 )
 
 log = logging.getLogger("trainmover.runtime")
@@ -235,6 +237,11 @@ class Trainer:
         self._buffer_snapshot: list[torch.Tensor] = [torch.empty_like(b) for b in self._buffers]
         self._snapshot_step = 0
         self._init_membership(device)
+        if self.job.cfg.shrink in ("lr-linear", "lr-sqrt"):
+            # How far into the data the job is depends on the widths it ran at: part of the state (elastic.py).
+            cursor = DataCursor()
+            self.state.register(CURSOR_STATE, cursor)
+            self.cursor: DataCursor | None = cursor
         if self.job.faults:
             optimizer.register_step_post_hook(self._optimizer_fault)
 
@@ -257,6 +264,12 @@ class Trainer:
         self._group_build_s = 0.0
         self.backups: BackupWriter | None = None
         """Rank 0's persistent backups (`--backup-dir`), made when this process first commits as rank 0."""
+        self.layout: Layout | None = None
+        """This member's share of each step at the generation's width (runtime.training.elastic)."""
+        self.cursor = None
+        """The units of data consumed (lr-* shrink modes only; with accumulation it follows from the step)."""
+        self._switch_to: tuple[int, int] | None = None
+        """A planned generation the members switch to, and the step after which they do."""
         self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
@@ -333,10 +346,16 @@ class Trainer:
             try:
                 self._enter(g, failure_seen)
                 failure_seen = None
-                while self.committed < steps:
+                switch: int | None = None
+                while self.committed < steps and switch is None:
                     yield self._step(self.committed + 1)
                     # The script's loop body ran (an EMA updated after the commit is part of the step's state).
                     self._backup(self.committed)
+                    if self.committed < steps:
+                        switch = self._planned_switch()
+                if switch is not None:
+                    g = switch  # a step boundary every member agreed on: nothing is abandoned or replayed
+                    continue
                 self._finish()
                 return
             except keys.Interrupted as stop:
@@ -355,6 +374,39 @@ class Trainer:
                 del exc
                 g = self._recover(g, message, untrusted)
 
+    def _planned_switch(self) -> int | None:
+        """At a step boundary: the planned generation (a grow, a requested shrink) to switch to now, if any.
+
+        The coordinator publishes a planned generation without making it current, so no step in flight is
+        abandoned. The first member to see it here proposes the step after its own last commit as the switch
+        point (compare_set: the first proposal wins, and every member reads it). No member can have committed
+        that step yet, since its exchange needs the proposer, and each member looks again after every commit: every
+        member leaves after the same step. One store round trip per step while nothing is planned."""
+        assert self.gen is not None
+        records = self.job.records
+        if self._switch_to is None:
+            nxt = self.gen + 1
+            if not records.store.check([keys.k_gen(nxt)]):
+                return None
+            record = records.get_record(keys.k_gen(nxt), Generation)
+            if record is None or not record.planned:
+                return None  # a failure's generation: the heartbeat aborts this one
+            key = keys.k_switch_at(nxt)
+            ours = records.sealer.seal(key, SwitchPoint(self.committed + 1).to_json())
+            current = records.store.compare_set(key, "", ours)
+            agreed = records.open_record(key, current, SwitchPoint)
+            if agreed is None:
+                raise CommFailure(f"the switch point of generation {nxt} in the store is not the job's; the "
+                                  "members cannot agree on it")
+            self._switch_to = (nxt, agreed.step)
+        nxt, at = self._switch_to
+        if self.committed < at:
+            return None
+        if self.committed > at:  # cannot happen (see above); a failure's path rebuilds rather than diverge
+            raise CommFailure(f"committed step {self.committed} beyond the switch point {at} of generation {nxt}")
+        self.job.faults.at("switch", step=at, rank=self.rank, gen=nxt)
+        return nxt
+
     # -- one step ------------------------------------------------------------------------------------
     def _step(self, step: int) -> StepResult:
         assert self.gen is not None and self.rank is not None
@@ -362,29 +414,36 @@ class Trainer:
         self._step_in_flight = step
         self._snapshot_buffers(step)
         faults = self.job.faults
+        layout = self.layout
+        assert layout is not None
         self.buckets.zero()
-        losses = []
-        for micro in range(self.accumulation_steps):
-            losses.append(self._forward_backward(step, micro, self.rank, self.world_size))
-        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        n_units = layout.units_per_step()
+        unit_losses = self._units(layout.units(step, self.cursor), layout.logical_width)
+        loss = torch.stack(unit_losses).mean() if len(unit_losses) > 1 else unit_losses[0]
         faults.at("before_exchange", step=step, rank=self.rank, gen=self.gen)
         if self.job.heartbeat.latest_gen > self.gen:
             raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed during step {step}")
         global_loss: float | None = None
+        units_loss = float(loss) if len(unit_losses) == 1 else float(torch.stack(unit_losses).sum())
         if self.world_size > 1:
             self.buckets.all_reduce_mean(
-                self.world_size,
+                n_units,
                 on_issued=lambda: faults.at("exchange", step=step, rank=self.rank, gen=self.gen),
                 wait=self.comm.wait,
             )
             if self.broadcast_buffers and self._buffers:
                 self.comm.broadcast_from_rank0(self._buffers)
             if self._plateau:
-                global_loss = self.comm.mean_scalar(float(loss), self.world_size)
-        elif self._plateau:
-            global_loss = float(loss)
+                global_loss = self.comm.mean_scalar(units_loss, n_units)
+        else:
+            if n_units > 1:
+                self.buckets.divide(n_units)
+            if self._plateau:
+                global_loss = units_loss / n_units
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
-        self._optimizer_step()
+        self._optimizer_step(layout.lr_factor())
+        if self.cursor is not None:
+            self.cursor.units += n_units
         if self.scheduler is not None:
             if self._plateau:
                 self.scheduler.step(global_loss)  # type: ignore[arg-type]
@@ -469,6 +528,28 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed & 0xFFFF_FFFF)
 
+    def _units(self, units: list[tuple[int, int]], width: int) -> list[torch.Tensor]:
+        """The micro-batches of each unit of data (a logical rank's batch of a data step, runtime.training.elastic)
+        this member trains on; each unit's loss (the mean over its micro-batches). A member of a shrunk job runs
+        several units in a step: each starts from the step's buffers (BatchNorm statistics) as its logical rank
+        would at full width, and the member keeps the buffers its first unit left (member 0's first unit is
+        logical rank 0's, whose buffers the exchange broadcasts)."""
+        kept: list[torch.Tensor] | None = None
+        out = []
+        for i, (data_step, logical) in enumerate(units):
+            if i > 0 and self._buffers:
+                if kept is None:
+                    kept = [b.clone() for b in self._buffers]
+                for snap, b in zip(self._buffer_snapshot, self._buffers, strict=True):
+                    b.copy_(snap)
+            losses = [self._forward_backward(data_step, micro, logical, width)
+                      for micro in range(self.accumulation_steps)]
+            out.append(torch.stack(losses).mean() if len(losses) > 1 else losses[0])
+        if kept is not None:
+            for k, b in zip(kept, self._buffers, strict=True):
+                b.copy_(k)
+        return out
+
     def _micro_batch(self, step: int, micro: int, rank: int, world_size: int) -> Any:
         k = self.accumulation_steps
         if k == 1:
@@ -494,8 +575,20 @@ class Trainer:
             scaled.backward()
         return loss.detach().float()
 
-    def _optimizer_step(self) -> None:
-        """Unscale, clip, step: the gradients are the same bits on every rank, so every replica does the same."""
+    def _optimizer_step(self, lr_factor: float = 1.0) -> None:
+        """Unscale, clip, step: the gradients are the same bits on every rank, so every replica does the same.
+        `lr_factor`: the learning rate's scale for this step (a shrunk job in an lr-* mode); the rates the
+        scheduler set are put back after it."""
+        if lr_factor != 1.0:
+            rates = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * lr_factor
+            try:
+                self._optimizer_step()
+            finally:
+                for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+                    group["lr"] = lr
+            return
         if self.scaler is not None and (self.clip_grad_norm is not None or self.clip_grad_value is not None):
             self.scaler.unscale_(self.optimizer)
         params = self.buckets.params
@@ -565,6 +658,12 @@ class Trainer:
                                       what=f"the record of generation {g}")[keys.k_gen(g)]
         rank = record.rank_of(cfg.proc)
         if rank is None:
+            if record.planned:  # a requested shrink released this member: the job goes on without it
+                sys.stderr.write(f"[trainmover] {cfg.proc} was released by a resize of the job (generation {g}, "
+                                 f"{record.world_size} members); exiting\n")
+                self._close_groups()
+                self.job.close()
+                raise SystemExit(0)
             sys.stderr.write(f"[trainmover] {cfg.proc} is no longer a member of the job (generation {g}); exiting\n")
             raise SystemExit(1)
         world = record.world_size
@@ -578,6 +677,8 @@ class Trainer:
         t_all_joined = time.time()
         self._group_build_s = self._form_groups(g, rank, record, {r: joined[keys.k_joined(g, r)] for r in range(world)})
         self.gen, self.rank, self.world_size = g, rank, world
+        self.layout = Layout(record.logical_width, world, rank, cfg.shrink)
+        self._switch_to = None
         group_ready = time.time()
         records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state, pending, own, copies))
         found = records.wait_records([keys.k_status(g, r) for r in range(world)], StepStatus, cfg.recovery_timeout_s,

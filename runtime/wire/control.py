@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 from runtime.wire import store as keys
 from runtime.wire.auth import ENV_SECRET, Sealer
-from runtime.wire.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress
+from runtime.wire.protocol import ControlCommand, JobConfig, MoveRequest, MoveResult, Progress, ResizeRequest
 from runtime.wire.tunnel import StoreDoor, is_loopback
 
 __all__ = ["MAX_STANDBY_TARGET", "ControlValueError", "JobControl", "JobEnded", "JobNotFound", "MoveOutcome",
-           "MoveRequest", "parse_move", "parse_standby_target"]
+           "MoveRequest", "ResizeRequest", "parse_move", "parse_resize", "parse_standby_target"]
 
 MAX_STANDBY_TARGET = 64
 """Upper bound of a standby target: a typo (640 instead of 64) must not start hundreds of processes."""
@@ -81,15 +81,7 @@ def _check_reason(reason: object) -> str:
 
 def parse_move(raw: bytes | str) -> MoveRequest:
     """Read a move request; the ranks are checked against the current generation by the coordinator."""
-    try:
-        record: Any = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ControlValueError("move request is not JSON") from None
-    if not isinstance(record, dict):
-        raise ControlValueError('move request must be a JSON object {"seq": n, "ranks": [...], "reason": "..."}')
-    seq = record.get("seq")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
-        raise ControlValueError(f"move request needs a positive integer seq, got {seq!r:.40}")
+    record, seq = _request_object(raw, "move", '{"seq": n, "ranks": [...], "reason": "..."}')
     ranks = record.get("ranks")
     if (
         not isinstance(ranks, list) or not ranks
@@ -103,6 +95,33 @@ def parse_move(raw: bytes | str) -> MoveRequest:
     except ControlValueError as exc:
         raise ControlValueError(str(exc), seq) from None
     return MoveRequest(seq, tuple(ranks), reason)
+
+
+def _request_object(raw: bytes | str, what: str, shape: str) -> tuple[dict[str, Any], int]:
+    """A control request's JSON object and its seq, or ControlValueError saying what is wrong."""
+    try:
+        record: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ControlValueError(f"{what} request is not JSON") from None
+    if not isinstance(record, dict):
+        raise ControlValueError(f"{what} request must be a JSON object {shape}")
+    seq = record.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise ControlValueError(f"{what} request needs a positive integer seq, got {seq!r:.40}")
+    return record, seq
+
+
+def parse_resize(raw: bytes | str) -> ResizeRequest:
+    """Read a resize request; the width is checked against the job's logical width by the coordinator."""
+    record, seq = _request_object(raw, "resize", '{"seq": n, "width": n, "reason": "..."}')
+    width = record.get("width")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ControlValueError(f"resize width must be a positive integer, got {width!r:.40}", seq)
+    try:
+        reason = _check_reason(record.get("reason", "requested"))
+    except ControlValueError as exc:
+        raise ControlValueError(str(exc), seq) from None
+    return ResizeRequest(seq, width, reason)
 
 
 class JobControl:
@@ -209,17 +228,36 @@ class JobControl:
 
     def move_outcome(self, seq: int) -> MoveOutcome | None:
         """The answer to request `seq`, or None while it is unanswered (or was overwritten by a newer one)."""
-        result = self.records.get_record(keys.k_control_move_result(), MoveResult)
+        return self._answer(keys.k_control_move_result(), seq)
+
+    def _answer(self, key: str, seq: int) -> MoveOutcome | None:
+        result = self.records.get_record(key, MoveResult)
         return result if result is not None and result.seq == seq else None
 
     def wait_move(self, seq: int, timeout_s: float) -> MoveOutcome:
         """Wait for the answer to request `seq`; raises `TimeoutError` if none comes within `timeout_s`."""
+        return self._wait_answer(keys.k_control_move_result(), seq, timeout_s, "move")
+
+    def _wait_answer(self, key: str, seq: int, timeout_s: float, what: str) -> MoveOutcome:
         deadline = time.monotonic() + timeout_s
-        while (outcome := self.move_outcome(seq)) is None:
+        while (outcome := self._answer(key, seq)) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the job did not answer move request {seq} within {timeout_s:.0f} s")
+                raise TimeoutError(f"the job did not answer {what} request {seq} within {timeout_s:.0f} s")
             time.sleep(0.05)
         return outcome
+
+    def resize(self, width: int, reason: str = "requested") -> int:
+        """Ask the coordinator to run the job at `width` members (1 up to its `--nproc`): fewer frees capacity (the
+        highest ranks leave at a step boundary), more grows back onto ready standbys. Returns the request's seq
+        (see `wait_resize`); the `shrunk` or `grew` event says when the job reached the width."""
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"the width must be a positive integer, got {width!r}")
+        _check_reason(reason)
+        return self._command(keys.k_control_resize(), lambda seq: ResizeRequest(seq, width, reason).to_json())
+
+    def wait_resize(self, seq: int, timeout_s: float) -> MoveOutcome:
+        """Wait for the answer to resize request `seq` (accepted, or refused and why)."""
+        return self._wait_answer(keys.k_control_resize_result(), seq, timeout_s, "resize")
 
     def committed_step(self) -> int | None:
         """The last step the job committed (published by the members' heartbeats), None before the first or

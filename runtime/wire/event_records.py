@@ -186,6 +186,52 @@ class RestoringFromBackup(Event):
     steps_redone: int
 
 
+# -- elastic width (runtime.training.elastic) ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shrunk(Event):
+    """The job runs at fewer members than its logical width: no standby took a lost rank within the standby wait
+    (`planned` false: its cost is the `recovered` event's, repeated in `lost_s`), or a resize asked for it
+    (`planned`: the members switched at a step boundary; `lost_s` is the stall)."""
+
+    KIND: ClassVar[str] = "shrunk"
+    generation: int
+    width_from: int
+    width_to: int
+    logical_width: int
+    ranks: list[dict[str, Any]]
+    """{"rank", "proc"} per rank left out (numbered as in the generation before)."""
+    cause: str
+    planned: bool
+    mode: str
+    """How the smaller width trains: accumulate (the same global batch), lr-linear or lr-sqrt."""
+    lost_s: float
+    """Failure: from the first failure to the commit of the replayed step; planned: from the members leaving the
+    old generation to every member holding the state in the new one."""
+    first_step_s: float | None = field(default=None, metadata=SOMETIMES)
+    """The first step at the new width (the slowest member's)."""
+    steady_step_s: float | None = field(default=None, metadata=SOMETIMES)
+    """The step before the change (the members' median of recent steps)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grew(Event):
+    """Members joined a shrunk job at a step boundary, with the state handed over from memory."""
+
+    KIND: ClassVar[str] = "grew"
+    generation: int
+    width_from: int
+    width_to: int
+    logical_width: int
+    procs: list[str]
+    """The processes that joined (standbys promoted, or new instances)."""
+    cause: str
+    stall_s: float
+    """From the members leaving the old generation to every member holding the state in the new one."""
+    handoff_bytes: int
+    first_step_s: float | None = field(default=None, metadata=SOMETIMES)
+    steady_step_s: float | None = field(default=None, metadata=SOMETIMES)
+
+
 # -- standbys -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StandbySpawned(Event):
@@ -244,6 +290,17 @@ class StandbyTargetChanged(Event):
     KIND: ClassVar[str] = "standby_target_changed"
     old: int
     new: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WidthTargetChanged(Event):
+    """A resize request was accepted: the job moves to `new` members (a `shrunk` or `grew` event says when it did)."""
+
+    KIND: ClassVar[str] = "width_target_changed"
+    old: int
+    new: int
+    reason: str
+    seq: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,7 +453,7 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     JobStarted, GenerationStarted, JobFinished, JobFailed, MemberFailed, Recovered, StandbySpawned, StandbyWarm,
     StandbyLost, StandbyReleased, Coverage, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue,
     ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused, CoordinatorTookOver,
-    BackupWritten, RestoringFromBackup,
+    BackupWritten, RestoringFromBackup, Shrunk, Grew, WidthTargetChanged,
 )}
 """Every kind the coordinator writes, by its name."""
 

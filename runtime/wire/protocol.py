@@ -31,7 +31,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -571,22 +571,59 @@ class Generation(StoreRecord):
     reason: str = "start"
     """Why this generation exists, in words."""
     replaced: tuple[tuple[int, str, str], ...] = field(default_factory=tuple)
-    """(rank, old process, new process) for every rank that changed hands."""
+    """(rank, old process, new process) for every rank that changed hands (ranks of this generation)."""
+    logical: int = 0
+    """The job's data-parallel width in logical ranks; 0: one per member. With fewer members than logical ranks the
+    job runs shrunk: member i covers logical ranks i, i + world_size, ... (runtime.training.elastic)."""
+    planned: bool = False
+    """The members switch to this generation at a step boundary they agree on (a grow, a requested shrink), instead
+    of abandoning the step in flight as after a failure."""
 
     @property
     def world_size(self) -> int:
         return len(self.members)
 
+    @property
+    def logical_width(self) -> int:
+        """The logical ranks the job's data is split into (its full width)."""
+        return self.logical or len(self.members)
+
     def rank_of(self, proc: str) -> int | None:
         return self.members.index(proc) if proc in self.members else None
 
     def replace(self, rank_to_proc: dict[int, str], reason: str) -> Generation:
-        members = list(self.members)
+        return self.change(reason, assign=rank_to_proc)
+
+    def change(self, reason: str, *, assign: Mapping[int, str] | None = None, drop: Iterable[int] = (),
+               add: Sequence[str] = (), planned: bool = False) -> Generation:
+        """The next generation: the ranks in `assign` given to new processes, the ranks in `drop` left out (the
+        survivors keep their order, so their ranks shift down), the processes in `add` appended as new ranks.
+        Its logical width is this one's (written 0 at full width); no member, or more members than logical ranks, is a
+        ValueError."""
+        assign = dict(assign or {})
+        dropped = set(drop)
+        members: list[str] = []
         replaced = []
-        for rank, proc in sorted(rank_to_proc.items()):
-            replaced.append((rank, members[rank], proc))
-            members[rank] = proc
-        return Generation(self.gen + 1, tuple(members), reason, tuple(replaced))
+        for rank, proc in enumerate(self.members):
+            if rank in dropped:
+                continue
+            if rank in assign:
+                replaced.append((len(members), proc, assign[rank]))
+                proc = assign[rank]
+            members.append(proc)
+        members += add
+        width = self.logical_width
+        if not 1 <= len(members) <= width:
+            raise ValueError(f"a generation of {len(members)} members for a job of {width} logical ranks")
+        return Generation(self.gen + 1, tuple(members), reason, tuple(replaced),
+                          logical=0 if len(members) == width else width, planned=planned)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchPoint(StoreRecord):
+    """The step after which every member switches to a planned generation (`Generation.planned`)."""
+
+    step: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -680,8 +717,21 @@ class MoveRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ResizeRequest:
+    """Run the job at `width` members (1 up to its logical width): shrink to free capacity, grow back onto standbys
+    (the `request` of a resize `ControlCommand`, parsed by `runtime.wire.control.parse_resize`)."""
+
+    seq: int
+    width: int
+    reason: str
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "width": self.width, "reason": self.reason})
+
+
+@dataclass(frozen=True, slots=True)
 class MoveResult(StoreRecord):
-    """The coordinator's answer to the latest move request."""
+    """The coordinator's answer to the latest move request (and, under its own key, to the latest resize)."""
 
     seq: int
     accepted: bool

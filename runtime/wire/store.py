@@ -163,6 +163,12 @@ def k_backup() -> str:
     return "backup/newest"
 
 
+def k_switch_at(g: int) -> str:
+    """The step after which the members switch to planned generation g: the first member to see g writes its own
+    committed step + 1 (sealed, with compare_set), and every member reads the value that won."""
+    return f"gen/{g}/switch_at"
+
+
 def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
 
@@ -176,6 +182,16 @@ def k_control_standby_target() -> str:
 def k_control_move() -> str:
     """The latest planned-move request: a sealed `ControlCommand` whose request is a `MoveRequest`'s JSON."""
     return "control/move"
+
+
+def k_control_resize() -> str:
+    """The latest resize request: a sealed `ControlCommand` whose request is a `ResizeRequest`'s JSON."""
+    return "control/resize"
+
+
+def k_control_resize_result() -> str:
+    """The coordinator's answer to the latest resize request: a sealed `MoveResult`."""
+    return "control/resize_result"
 
 
 def k_control_seq() -> str:

@@ -304,7 +304,7 @@ def test_a_warm_standby_resets_the_count_of_failures_in_a_row() -> None:
 @pytest.mark.timeout(20)
 def test_no_standby_left_stops_the_job_after_the_standby_wait_with_what_to_do() -> None:
     scene = Scene(lambda name, role: Script(exit_at=1.0) if name == "w1" else Script(), standby=0,
-                  standby_wait_s=5.0)
+                  standby_wait_s=5.0, shrink="off")
     result = scene.c.run()
     assert result.exit_code == 1
     assert result.message.startswith(

@@ -22,6 +22,7 @@ from runtime.wire.event_records import (
     Event,
     EventError,
     GenerationStarted,
+    Grew,
     HostJoined,
     HostLost,
     HostNoticed,
@@ -33,6 +34,7 @@ from runtime.wire.event_records import (
     Placed,
     Recovered,
     RestoringFromBackup,
+    Shrunk,
     StandbyLost,
     StandbyReleased,
     StandbySpawned,
@@ -40,6 +42,7 @@ from runtime.wire.event_records import (
     StandbyWarm,
     UnknownEvent,
     UntrustedValue,
+    WidthTargetChanged,
     parse_event,
 )
 from runtime.wire.events import EventLog, read_events, read_records
@@ -81,6 +84,12 @@ ONE_OF_EACH: list[Event] = [
     BackupWritten(step=8, path="/backups/step-000000008", bytes=1 << 20, stage_s=0.004, write_s=0.05),
     RestoringFromBackup(generation=1, backup_step=8, path="/backups/step-000000008", committed_step=9,
                         steps_redone=1),
+    Shrunk(generation=2, width_from=4, width_to=3, logical_width=4, ranks=[{"rank": 1, "proc": "w1"}],
+           cause="w1 killed by SIGKILL: no standby ready within the standby wait", planned=False,
+           mode="accumulate", lost_s=0.4),
+    Grew(generation=3, width_from=3, width_to=4, logical_width=4, procs=["s1"], cause="a standby is ready",
+         stall_s=0.05, handoff_bytes=1 << 20, first_step_s=0.09, steady_step_s=0.08),
+    WidthTargetChanged(old=4, new=2, reason="free capacity", seq=3),
 ]
 
 
