@@ -145,11 +145,11 @@ class Heartbeat(threading.Thread):
                     client = keys.connect(self.cfg.store_host, self.cfg.store_port)
                 self._watch_blocked = True
                 client.wait([keys.k_gen(nxt)], datetime.timedelta(seconds=WATCH_WAIT_S))
-                self._watch_blocked = False
                 if self._halt.is_set():
                     # The process is leaving, perhaps finalizing already: a store call now could abort it (torch's
-                    # client, from a daemon thread). Park here instead; the process exits under this thread.
+                    # client, from a daemon thread). Park here instead (still "blocked"); the process exits under it.
                     threading.Event().wait()
+                self._watch_blocked = False
                 records = keys.Records(client, self.sealer)
                 record = records.get_record(keys.k_gen(nxt), Generation)
                 if record is not None and record.planned:
