@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from runtime.config import KNOBS, Backend
+from runtime.config import KNOBS, Backend, ShrinkMode
 from runtime.wire.auth import ENV_SECRET
 from runtime.wire.control import JobControl, JobEnded
 from runtime.wire.event_records import ENDINGS, Event, EventError, parse_event
@@ -56,6 +56,8 @@ class JobSpec:
     faults: str | None = None
     steps: int | None = None
     threads: int = 1
+    shrink: ShrinkMode = KNOBS.shrink
+    """With no standby ready within the standby wait: continue with fewer members (runtime.training.elastic)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,7 @@ class Placement:
 
 def _script_tail(spec: JobSpec) -> list[str]:
     argv = ["--nproc", str(spec.workers), "--standby", str(spec.standby), "--backend", spec.backend,
-            "--threads", str(spec.threads), "--quiet"]
+            "--threads", str(spec.threads), "--shrink", spec.shrink, "--quiet"]
     if spec.faults:
         argv += ["--faults", spec.faults]
     argv += [str(spec.script.resolve()), *spec.script_args]

@@ -48,7 +48,8 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "agent_connect_timeout_s": [(AgentConfig, "connect_timeout_s")],
     "backup_every": [(LaunchConfig, "backup_every"), (ProcessConfig, "backup_every")],
     "backup_keep": [(LaunchConfig, "backup_keep"), (ProcessConfig, "backup_keep")],
-    "shrink": [(LaunchConfig, "shrink"), (ProcessConfig, "shrink"), (CoordinatorSettings, "shrink")],
+    "shrink": [(LaunchConfig, "shrink"), (ProcessConfig, "shrink"), (CoordinatorSettings, "shrink"),
+               (JobSpec, "shrink")],
 }
 """Where each shared knob lives: every one of these defaults is KNOBS's."""
 

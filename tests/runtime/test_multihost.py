@@ -255,7 +255,7 @@ def test_two_hosts_at_once_then_no_standby_host_left(hosts: Cluster, tmp_path: P
     for _ in range(5):
         hosts.add_host()
     job = Job(hosts, tmp_path, agents=5, nproc=3, standby=2, steps=400, step_ms=50,
-              extra=("--standby-wait", "3", "--no-replenish"))
+              extra=("--standby-wait", "3", "--no-replenish", "--shrink", "off"))
     try:
         for i in range(5):
             job.agent(i, 1)

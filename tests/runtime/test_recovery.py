@@ -137,11 +137,11 @@ def test_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(reference_dige
 
 def test_without_a_standby_the_job_waits_then_stops_with_a_clear_message() -> None:
     result = run_job(nproc=2, standby=0, steps=20, faults="kill:rank=1,step=5,phase=exchange", standby_wait_s=1.0,
-                     replenish=False)
+                     replenish=False, shrink="off")
 
     assert result.exit_code == 1
     assert "no standby became ready within 1 s" in result.message
-    assert "--standby" in result.message
+    assert "--standby" in result.message and "--shrink accumulate" in result.message
     assert events_of(result, JobFailed)
 
 
