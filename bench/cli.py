@@ -25,7 +25,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "mesh shape, buddy copies' cost, reconfiguration by world size), reconfiguration (that last "
                         "part alone: delta against the full rebuild), coordinator-loss (the coordinator SIGKILLed, "
                         "alone; data-parallel runs it too), backups (persistent backups' cost by period, and a "
-                        "restore after every copy is lost) (default: %(default)s)")
+                        "restore after every copy is lost), elastic (a shrink when no standby is left and the grow "
+                        "back, against a takeover and torchft) (default: %(default)s)")
     c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
     c.add_argument("--interruptions", type=_positive, default=100,
                    help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
@@ -102,10 +103,10 @@ def bench_command(ns: argparse.Namespace) -> int:
         return chaos_main(ns.interruptions, ns.json, every_s=ns.every, seed=ns.seed, signals=signals,
                           targets=targets)
     sections = [x for x in ns.sections.split(",") if x]
-    if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration", "coordinator-loss", "backups")
-                           for x in sections):
+    if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration", "coordinator-loss", "backups",
+                                     "elastic") for x in sections):
         print("trainmover bench recovery: --sections takes data-parallel, sharded, reconfiguration, coordinator-loss, "
-              "backups, comma-separated; "
+              "backups, elastic, comma-separated; "
               f"got {ns.sections!r}")
         return 2
     from bench.recovery import main

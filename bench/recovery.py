@@ -314,6 +314,13 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         report["backups"] = run_backups_benchmark(quick, kills)
         print(format_backups(report["backups"]))
         mismatch = mismatch or not report["backups"]["restore"]["bitwise_identical"]
+    if "elastic" in sections:
+        from bench.elastic import format_report as format_elastic
+        from bench.elastic import run_elastic_benchmark
+
+        report["elastic"] = run_elastic_benchmark(quick, kills)
+        print(format_elastic(report["elastic"]))
+        mismatch = mismatch or not all(report["elastic"]["bitwise_identical"].values())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))

@@ -50,6 +50,8 @@ _COST_FLAGS = {
     "lead_time_h": "--lead-time-h",
     "restart_downtime_s": "--restart-downtime-s",
     "replacement_h": "--replacement-h",
+    "shrink_s": "--shrink-s",
+    "shrink_replica_nodes": "--shrink-replica-nodes",
     "budget_usd_per_h": "--budget-usd-per-h",
     "hysteresis": "--hysteresis",
     "min_hold_s": "--min-hold-s",
@@ -163,6 +165,21 @@ def _add_cost_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.restart_downtime_s,
         help="checkpoint-restart downtime of an uncovered failure once a host is there (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shrink-s",
+        type=float,
+        default=None,
+        help="the job shrinks when no standby is left (trainmover run --shrink): an uncovered failure costs this "
+        "many seconds plus one node's share of the throughput until a replacement arrives, instead of a restart "
+        "(default: it restarts)",
+    )
+    p.add_argument(
+        "--shrink-replica-nodes",
+        type=int,
+        default=defaults.shrink_replica_nodes,
+        help="with --shrink-s: nodes a shrink leaves out per lost node, one data-parallel replica's (default: "
+        "%(default)s, pure data parallelism)",
     )
     p.add_argument(
         "--replacement-h",
@@ -323,9 +340,12 @@ def _priced_job(costs: StandbyCosts, job_nodes: int, ns: argparse.Namespace) -> 
         + (f", reclaimed {c.interruptions_per_h:.3g}/h" if c.interruptions_per_h else "")
         for t, c in costs.tiers.items()
     )
+    uncovered = costs.uncovered_cost_s(job_nodes)
+    how = (f"a shrink by {costs.shrink_replica_nodes} node(s) until a fresh node arrives"
+           if uncovered < costs.uncovered_downtime_s else f"restart {costs.restart_downtime_s:g} s + replacement")
     return (
-        f"job {costs.job_price_usd_per_h:.2f} USD/h ({source}); uncovered failure {costs.uncovered_downtime_s:g} s "
-        f"(restart {costs.restart_downtime_s:g} s + replacement); standbys: {tiers}"
+        f"job {costs.job_price_usd_per_h:.2f} USD/h ({source}); uncovered failure {uncovered:g} s ({how}); "
+        f"standbys: {tiers}"
     )
 
 

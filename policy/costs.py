@@ -156,6 +156,22 @@ class StandbyCosts(BaseModel):
         ge=0.0,
         le=168.0,
     )
+    shrink_s: float | None = Field(
+        default=None,
+        description="A job that shrinks when no standby is left (trainmover run --shrink, data-parallel): an "
+        "uncovered failure costs this many seconds of whole-job downtime (the survivors go on at once, one node "
+        "fewer), plus one node's share of the job's throughput until a fresh node arrives (the lead time L) and "
+        "the job grows back onto it, instead of a restart; none: the job restarts from its checkpoint.",
+        ge=0.0,
+        le=3600.0,
+    )
+    shrink_replica_nodes: int = Field(
+        default=1,
+        description="With shrink_s: the nodes a shrink leaves out per lost node, the size of one data-parallel "
+        "replica (1 for a purely data-parallel job; a sharded job could only drop a whole replica group).",
+        ge=1,
+        le=1_000_000,
+    )
     lead_time_h: float = Field(
         default=LEAD_TIME_H,
         description="Replenishment lead time L: hours to obtain a fresh node; failure probabilities refer to it.",
@@ -205,6 +221,16 @@ class StandbyCosts(BaseModel):
         """Downtime of a failure no standby covers: wait for a replacement host, then checkpoint-restart."""
         replacement_h = self.lead_time_h if self.replacement_h is None else self.replacement_h
         return self.restart_downtime_s + replacement_h * 3600.0
+
+    def uncovered_cost_s(self, job_nodes: int) -> float:
+        """What a failure no standby covers costs a job of `job_nodes` nodes, in seconds of whole-job time: a
+        shrink until a fresh node arrives (`shrink_s`, plus the share of the throughput of the replica left out,
+        `shrink_replica_nodes` / `job_nodes`, for the lead time L) where the job can shrink and that is cheaper,
+        else the restart."""
+        if self.shrink_s is None or job_nodes <= self.shrink_replica_nodes:
+            return self.uncovered_downtime_s
+        share = self.shrink_replica_nodes / job_nodes
+        return min(self.uncovered_downtime_s, self.shrink_s + self.lead_time_h * 3600.0 * share)
 
     def expected_takeover_s(self, tier: TierName) -> float:
         """Expected downtime of a failure a standby of `tier` takes: its takeover, plus an uncovered failure's

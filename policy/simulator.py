@@ -18,8 +18,11 @@ Model, in the order the simulator applies it:
 - A job failure takes the fastest available standby ("covered": downtime = that tier's expected takeover,
   `StandbyCosts.expected_takeover_s`: its `takeover_s` plus, with its `wake_failure_prob`, an uncovered failure's
   downtime); with none available it is "uncovered" (downtime = `StandbyCosts.uncovered_downtime_s`: waiting for a
-  replacement host, then the restart). The consumed standby is reordered at once while the target still asks
-  for it. Expected downtimes keep the replay deterministic.
+  replacement host, then the restart). A job that can shrink (`StandbyCosts.shrink_s`: data-parallel, `trainmover
+  run --shrink`) rides an uncovered failure out instead: `shrink_s` of downtime plus one node's share of the job's
+  throughput until the replacement arrives (`uncovered_cost_s`; lost throughput, not downtime), where that is the
+  cheaper. The consumed standby is reordered at once while the target still asks for it. Expected downtimes keep
+  the replay deterministic.
 - Standby hours accrue for available and ordered standbys (the cloud bills a launching instance too).
 - Downtimes add up (a failure during another failure's downtime adds its own); productive time is the wall time
   minus the total downtime, floored at zero.
@@ -374,7 +377,7 @@ class Oracle:
         held_h = np.minimum(f, costs.lead_time_h)
         # options[:, 0] is "uncovered"; column 1 + i is tiers[i].
         standby_usd = np.column_stack([np.zeros(f.size)] + [held_h * costs.tiers[t].price_usd_per_h for t in tiers])
-        down_s = [costs.uncovered_downtime_s] + [costs.expected_takeover_s(t) for t in tiers]
+        down_s = [costs.uncovered_cost_s(job.job_nodes)] + [costs.expected_takeover_s(t) for t in tiers]
         down_h = np.array(down_s) / _SECONDS_PER_HOUR
         duration = job.duration_h
         lam = 0.0
@@ -652,6 +655,8 @@ class SimulationResult:
     covered_by_tier: dict[TierName, int] = field(default_factory=dict)
     spot_reclaims: int = 0
     """Spot standbys the provider took back during the run (each replaced one lead time later)."""
+    shrunk_failures: int = 0
+    """Of the uncovered failures, those the job rode out by shrinking until a replacement arrived (`shrink_s`)."""
 
     @property
     def failures(self) -> int:
@@ -714,7 +719,7 @@ def _run(job: JobView, name: str, sched: StandbySchedule, reclaim: bool = True) 
     orders: list[deque[float]] = [deque() for _ in range(n_tiers)]
     standby_h = [0.0] * n_tiers
     covered = [0] * n_tiers
-    uncovered = 0
+    uncovered = shrunk = 0
     downtime_s = 0.0
     now = 0.0
     i_s = i_f = 0
@@ -774,7 +779,10 @@ def _run(job: JobView, name: str, sched: StandbySchedule, reclaim: bool = True) 
             tier = next((k for k in offered if avail[k] > 0), None)
             if tier is None:
                 uncovered += 1
-                downtime_s += costs.uncovered_downtime_s
+                cost_s = costs.uncovered_cost_s(job.job_nodes)
+                if cost_s < costs.uncovered_downtime_s:
+                    shrunk += 1  # covered by shrinking until a replacement arrives: lost throughput, not a restart
+                downtime_s += cost_s
             else:
                 covered[tier] += 1
                 avail[tier] -= 1
@@ -801,6 +809,7 @@ def _run(job: JobView, name: str, sched: StandbySchedule, reclaim: bool = True) 
         uncovered_failures=uncovered,
         covered_by_tier={TIER_NAMES[k]: covered[k] for k in offered},
         spot_reclaims=reclaims,
+        shrunk_failures=shrunk,
     )
 
 

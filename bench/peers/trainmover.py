@@ -76,6 +76,8 @@ class Commit:
     generation: int
     time: float
     """Wall clock (``time.time()``) just after the commit."""
+    step_s: float = 0.0
+    """The step's own duration, measured inside it (``StepResult.step_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,8 @@ def collect(out: Path, events: list[dict[str, Any]], exit_code: int, message: st
                       for p in out.parent.glob(f"{out.name}.*.digest")}
     proc_commits = {p.name[len(out.name) + 1 : -len(".commits")]: parse_commit_log(p.read_text())
                     for p in out.parent.glob(f"{out.name}.*.commits")}
-    commits = tuple(Commit(int(s), int(g), float(t)) for s, g, t, *_ in record.get("commits", []))
+    commits = tuple(Commit(int(s), int(g), float(t), float(rest[0]) if rest else 0.0)
+                    for s, g, t, *rest in record.get("commits", []))
     if check and not commits:
         raise PeerError("the TrainMover job finished without rank 0's step record")
     return JobRun(
@@ -185,7 +188,8 @@ def parse_commit_log(text: str) -> tuple[Commit, ...]:
         if len(parts) < 3:
             continue
         try:
-            rows.append(Commit(int(parts[0]), int(parts[1]), float(parts[2])))
+            rows.append(Commit(int(parts[0]), int(parts[1]), float(parts[2]),
+                               float(parts[3]) if len(parts) > 3 else 0.0))
         except ValueError:
             continue
     return tuple(rows)

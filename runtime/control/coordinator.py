@@ -1046,18 +1046,19 @@ class Coordinator:
 
     def _handle_failed_reports(self, now: float) -> None:
         """A member saw a collective fail. Usually a death explains it; if none does, rebuild anyway."""
-        if keys.read_counter(self.store, keys.k_failed_count(self.gen.gen)) == 0:
-            self.failed_seen_at = None
-            return
-        reports = [r for p in self.gen.members
-                   if (r := self.records.get_record(keys.k_failed(self.gen.gen, p), FailureReport)) is not None]
+        # While a planned generation is pending the members still train in the old one, and report there.
+        gens = [self.gen] if self._change is None else [self._change.old, self.gen]
+        by_gen = {g.gen: [r for p in g.members
+                          if (r := self.records.get_record(keys.k_failed(g.gen, p), FailureReport)) is not None]
+                  for g in gens if keys.read_counter(self.store, keys.k_failed_count(g.gen)) > 0}
+        reports = [r for rs in by_gen.values() for r in rs]
         if not reports:
             self.failed_seen_at = None
             return
         for r in reports:
             if r.kind == "state_lost":
                 raise JobFailed(f"{r.message or 'the training state was lost'}; the job was stopped")
-        for r in reports:
+        for r in by_gen.get(self.gen.gen, []):
             untrusted = r.untrusted_rank
             if (untrusted is not None and 0 <= untrusted < self.gen.world_size
                     and not self.procs[self.gen.members[untrusted]].dead):

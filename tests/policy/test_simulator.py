@@ -55,6 +55,28 @@ def test_one_fault_without_standby_costs_a_restart() -> None:
     assert r.cost_per_useful_hour == pytest.approx(1000.0 / 99.0)
 
 
+def test_a_job_that_shrinks_rides_an_uncovered_fault_out_at_one_nodes_share_until_the_replacement() -> None:
+    shrinking = costs().model_copy(update={"shrink_s": 36.0})
+    r = simulate(trace(("a", 10.0, 20.0)), shrinking, NoStandby())
+    assert (r.covered_failures, r.uncovered_failures, r.shrunk_failures) == (0, 1, 1)
+    # 36 s of downtime, plus one node of ten missing for the lead time (2 h): 0.2 h of the job's throughput.
+    assert r.downtime_h == pytest.approx(0.01 + 0.2)
+    assert r.downtime_h < simulate(trace(("a", 10.0, 20.0)), costs(), NoStandby()).downtime_h
+    # A sharded job drops a whole replica group: 5 of 10 nodes for 2 h is 1 h of the job's time plus 36 s, more
+    # than the restart's 1 h, so the simulator restarts; 2 of 10 nodes costs 0.4 h plus 36 s, and it shrinks.
+    halves = simulate(trace(("a", 10.0, 20.0)), shrinking.model_copy(update={"shrink_replica_nodes": 5}), NoStandby())
+    assert (halves.shrunk_failures, halves.downtime_h) == (0, pytest.approx(1.0))
+    quarter = shrinking.model_copy(update={"shrink_replica_nodes": 2})
+    assert simulate(trace(("a", 10.0, 20.0)), quarter, NoStandby()).downtime_h == pytest.approx(0.01 + 0.4)
+    # A job of one node cannot shrink: it restarts.
+    one = simulate(trace(("a", 10.0, 20.0), n_nodes=1), shrinking, NoStandby(), job_nodes=1)
+    assert (one.shrunk_failures, one.downtime_h) == (0, pytest.approx(1.0))
+    # The oracle weighs the shrink too: here a warm standby (20 USD for its 2 h, 36 s of takeover) still beats a
+    # shrink's 756 s of the job's time (210 USD), and the oracle never does worse than shrinking.
+    oracle = simulate(trace(("a", 10.0, 20.0)), shrinking, Oracle())
+    assert oracle.covered_failures == 1 and oracle.cost_per_useful_hour <= r.cost_per_useful_hour
+
+
 def test_one_fault_with_a_warm_standby_costs_a_takeover_and_the_standby_hours() -> None:
     r = simulate(trace(("a", 10.0, 20.0)), costs(), ONE_WARM)
     assert (r.covered_failures, r.uncovered_failures) == (1, 0)

@@ -18,6 +18,7 @@ from runtime.wire.protocol import (
     Assignment,
     ControlCommand,
     CurrentGeneration,
+    FailureReport,
     Generation,
     Joined,
     MoveResult,
@@ -227,6 +228,26 @@ def test_a_member_left_out_that_dies_before_the_switch_makes_the_others_rebuild(
     g2 = scene.c.gen
     assert g2.members == ("w0",) and not g2.planned and "before the members switched" in g2.reason
     assert scene.member.get_record(keys.k_current_gen(), CurrentGeneration) == CurrentGeneration(2)
+
+
+@pytest.mark.timeout(20)
+def test_members_that_cannot_agree_on_the_switch_report_in_the_old_generation_and_the_groups_are_rebuilt() -> None:
+    """An outsider wrote the switch point first (members raise, report the failure in the generation they train
+    in, and wait): the coordinator reads the old generation's reports too, and forms a failure's generation."""
+    scene = Scene(lambda name, role: Script(), nproc=2, standby=0, hang_timeout_s=1.0)
+    scene.c.start()
+    scene.run_for(0.5)
+    assert _resize(scene, 1, 1).accepted
+    scene.until(lambda: scene.c.gen.gen == 1, 1.0)
+    for proc in ("w0", "w1"):
+        scene.member.put(keys.k_failed(0, proc), FailureReport("the switch point is not the job's", scene.clock.wall(),
+                                                               7))
+        scene.store.add(keys.k_failed_count(0), 1)
+    rebuilt_at = scene.until(lambda: scene.c.gen.gen == 2, 3.0)
+    g2 = scene.c.gen
+    assert g2.members == ("w0",) and not g2.planned and "collective error without a lost member" in g2.reason
+    assert scene.member.get_record(keys.k_current_gen(), CurrentGeneration) == CurrentGeneration(2)
+    assert rebuilt_at > 1.0, "after the hang timeout, as any collective error without a lost member"
 
 
 @pytest.mark.timeout(20)

@@ -1,0 +1,152 @@
+"""Elastic width (`--shrink`, runtime.training.elastic): what a shrink costs when no standby is left, what growing
+back costs, against a standby takeover of the same kill, checkpoint-restart and torchft.
+
+The benchmark workload's data-parallel job (`bench.tm_worker`, 2 workers); rank 1 is SIGKILLed during its exchange at
+step K, `kills` times (one job each), in three shapes:
+
+- **takeover**: one warm standby takes rank 1 (the runtime's ordinary recovery);
+- **shrink, then grow**: no standby (`--standby 0`, `--standby-wait 0`): rank 0 trains on alone at once with both
+  ranks' data (accumulation: the same global batch); the standby started to cover the loss warms up, and the job
+  grows back onto it at a step boundary;
+- **clean**: the same job, nothing killed (the reference for equal work).
+
+Figures, from rank 0's commits (it is never killed). For a change at step r (its first commit in the new generation):
+
+- `gap_s` = T[r] - T[r-1] - step_s(r): the time between two commits not spent computing the second one (step_s is
+  the step's own duration, measured inside it: at the new width). For the takeover and the shrink it holds the part
+  of step r done before the failure (lost), the detection, the new group and the handoff; for the grow, the switch
+  at the boundary (leaving the old group, joining the new one, handing the state to the new member).
+- The takeover's floor: state bytes / the measured point-to-point bandwidth + the part of the step the failure
+  destroyed (d = failure - T[r-1]); the shrink's target is at most 1.5 x that floor.
+- The grow's stall against the steady step at full width (target: at most one step).
+- Equal work: wall(killed run) - wall(clean run), both from generation 0 to the last commit. A shrunk job is slower
+  (with accumulation each step runs both ranks' batches on one member), so this counts the narrower steps too.
+- torchft 0.2 (bench.peers.torchft_peer): its healthy replica also goes on alone; its lost time charges the samples
+  the missing replica did not contribute at the clean throughput (equal work).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from bench.peers.common import WARMUP_STEPS, rounded, spread
+from bench.peers.p2p import measure_p2p_bandwidth
+from bench.peers.torchft_peer import lost_time_torchft
+from bench.peers.trainmover import Commit, JobRun, kill_plan, run_job
+from bench.workload import WorkloadSpec
+
+KILL_STEP = 12
+
+
+def _by_gen(commits: tuple[Commit, ...]) -> dict[int, list[Commit]]:
+    out: dict[int, list[Commit]] = {}
+    for c in commits:
+        out.setdefault(c.generation, []).append(c)
+    return out
+
+
+def _gap(before: Commit, first: Commit) -> float:
+    return first.time - before.time - first.step_s
+
+
+def _wall(run: JobRun) -> float:
+    return run.commits[-1].time - run.training_start()
+
+
+def _failure_at(run: JobRun) -> float:
+    (failed,) = [e for e in run.of_kind("member_failed") if e["proc"] == "w1"]
+    return float(failed["failure_at"])
+
+
+def _takeover(run: JobRun, bandwidth: float) -> dict[str, Any]:
+    gens = _by_gen(run.commits)
+    before, first = gens[0][-1], gens[1][0]
+    d = _failure_at(run) - before.time
+    floor = run.state_bytes / bandwidth + max(d, 0.0)
+    return {"gap_s": _gap(before, first), "d_s": d, "floor_s": floor, "replay_step": first.step}
+
+
+def _shrink_grow(run: JobRun, bandwidth: float, steady_full: float) -> dict[str, Any]:
+    gens = _by_gen(run.commits)
+    if sorted(gens) != [0, 1, 2]:
+        raise RuntimeError(f"expected a shrink then a grow (generations 0, 1, 2), got {sorted(gens)}")
+    before, shrunk = gens[0][-1], gens[1]
+    d = _failure_at(run) - before.time
+    takeover_floor = run.state_bytes / bandwidth + max(d, 0.0)
+    narrow = [c.step_s for c in shrunk[1:]]
+    (grew,) = run.of_kind("grew")
+    (shrunk_event,) = run.of_kind("shrunk")
+    stall = _gap(shrunk[-1], gens[2][0])
+    return {"gap_s": _gap(before, shrunk[0]), "d_s": d, "takeover_floor_s": takeover_floor,
+            "x_takeover_floor": _gap(before, shrunk[0]) / takeover_floor,
+            "shrunk_steps": len(shrunk), "shrunk_step_s": statistics.median(narrow) if narrow else None,
+            "grow_stall_s": stall, "grow_stall_steps": stall / steady_full,
+            "grew_event_stall_s": grew["stall_s"], "shrunk_event_lost_s": shrunk_event["lost_s"],
+            "grow_handoff_bytes": grew["handoff_bytes"]}
+
+
+def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
+    spec = WorkloadSpec.quick() if quick else WorkloadSpec.full()
+    steps = 40 if quick else 60
+    t0 = time.time()
+    clean = run_job(spec, steps, standby=0)
+    full_steps = [c.step_s for c in clean.commits[WARMUP_STEPS:]]
+    steady_full = statistics.median(full_steps)
+    bandwidth = measure_p2p_bandwidth(max(clean.state_bytes, 1 << 20))
+    plan = kill_plan([KILL_STEP])
+    takeovers, shrinks, walls = [], [], {"clean": [_wall(clean)], "takeover": [], "shrink_grow": []}
+    digests = {"clean": set(clean.runtime_digests.values()), "takeover": set(), "shrink_grow": set()}
+    for _ in range(kills):
+        t = run_job(spec, steps, faults=plan, standby=1)
+        takeovers.append(_takeover(t, bandwidth))
+        walls["takeover"].append(_wall(t))
+        digests["takeover"] |= set(t.runtime_digests.values())
+        s = run_job(spec, steps, faults=plan, standby=0, replenish=True, wait_for_standbys=False,
+                    extra={"standby_wait_s": 0.0})
+        shrinks.append(_shrink_grow(s, bandwidth, steady_full))
+        walls["shrink_grow"].append(_wall(s))
+        digests["shrink_grow"] |= set(s.runtime_digests.values())
+    clean_wall = walls["clean"][0]
+    tft = lost_time_torchft(spec, steps, KILL_STEP, kills=kills)
+    report: dict[str, Any] = {
+        "mode": "quick" if quick else "full", "steps": steps, "kill_step": KILL_STEP, "kills": kills,
+        "steady_step_s": steady_full, "state_bytes": clean.state_bytes, "p2p_bandwidth": bandwidth,
+        "takeover": {"each": takeovers, "gap_s": spread([k["gap_s"] for k in takeovers]),
+                     "floor_s": spread([k["floor_s"] for k in takeovers]),
+                     "equal_work_lost_s": spread([w - clean_wall for w in walls["takeover"]])},
+        "shrink_grow": {"each": shrinks, "gap_s": spread([k["gap_s"] for k in shrinks]),
+                        "x_takeover_floor": spread([k["x_takeover_floor"] for k in shrinks]),
+                        "shrunk_step_s": spread([k["shrunk_step_s"] for k in shrinks if k["shrunk_step_s"]]),
+                        "grow_stall_s": spread([k["grow_stall_s"] for k in shrinks]),
+                        "grow_stall_steps": spread([k["grow_stall_steps"] for k in shrinks]),
+                        "equal_work_lost_s": spread([w - clean_wall for w in walls["shrink_grow"]])},
+        "torchft": tft,
+        # Two members to one with one micro-batch per step is bit-exact (docs/elastic.md): the same final state.
+        "bitwise_identical": {k: v == digests["clean"] for k, v in digests.items() if k != "clean"},
+    }
+    report["wall_s"] = time.time() - t0
+    return rounded(report)
+
+
+def format_report(r: dict[str, Any]) -> str:
+    t, s = r["takeover"], r["shrink_grow"]
+    lines = [f"Elastic width ({r['mode']}, {r['kills']} kill(s) of rank 1 at step {r['kill_step']}; steady step "
+             f"{r['steady_step_s']:.3f} s at full width, state {r['state_bytes'] / 1e6:.1f} MB)",
+             f"  takeover by a warm standby: gap {t['gap_s']['median']:.3f} s, floor {t['floor_s']['median']:.3f} s",
+             f"  shrink (no standby): gap {s['gap_s']['median']:.3f} s = x{s['x_takeover_floor']['median']:.2f} the "
+             f"takeover's floor (target <= 1.5); shrunk step {s['shrunk_step_s']['median'] or 0:.3f} s",
+             f"  grow back at a step boundary: stall {s['grow_stall_s']['median']:.3f} s = "
+             f"{s['grow_stall_steps']['median']:.2f} steps (target <= 1)",
+             f"  equal work, killed run minus clean: takeover {t['equal_work_lost_s']['median']:.3f} s, shrink and "
+             f"grow {s['equal_work_lost_s']['median']:.3f} s"]
+    tf = r["torchft"]
+    if tf.get("available"):
+        lines.append(f"  torchft 0.2 (its healthy replica goes on alone): lost {tf['lost_time_s']:.3f} s at equal "
+                     f"work; shrink and grow / torchft = "
+                     f"{s['equal_work_lost_s']['median'] / tf['lost_time_s']:.2f}")
+    else:
+        lines.append(f"  torchft: not run ({tf.get('reason')})")
+    lines.append(f"  same final state as the clean run: {r['bitwise_identical']}")
+    return "\n".join(lines)
