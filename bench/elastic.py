@@ -60,12 +60,22 @@ def _failure_at(run: JobRun) -> float:
     return float(failed["failure_at"])
 
 
+def _components(run: JobRun) -> dict[str, float]:
+    """The first recovery's parts, as the coordinator's `recovered` event gives them (reconfigure_s split into the
+    members' group build and the rest)."""
+    rec = run.of_kind("recovered")[0]
+    split = rec.get("reconfigure_split") or {}
+    return {k: float(rec[k]) for k in ("detect_s", "reconfigure_s", "handoff_s", "replay_s")} | {
+        "group_init_s": float(split.get("group_init_s") or 0.0)}
+
+
 def _takeover(run: JobRun, bandwidth: float) -> dict[str, Any]:
     gens = _by_gen(run.commits)
     before, first = gens[0][-1], gens[1][0]
     d = _failure_at(run) - before.time
     floor = run.state_bytes / bandwidth + max(d, 0.0)
-    return {"gap_s": _gap(before, first), "d_s": d, "floor_s": floor, "replay_step": first.step}
+    return {"gap_s": _gap(before, first), "d_s": d, "floor_s": floor, "replay_step": first.step,
+            "recovered": _components(run)}
 
 
 def _shrink_grow(run: JobRun, bandwidth: float, steady_full: float) -> dict[str, Any]:
@@ -83,8 +93,11 @@ def _shrink_grow(run: JobRun, bandwidth: float, steady_full: float) -> dict[str,
             "x_takeover_floor": _gap(before, shrunk[0]) / takeover_floor,
             "shrunk_steps": len(shrunk), "shrunk_step_s": statistics.median(narrow) if narrow else None,
             "grow_stall_s": stall, "grow_stall_steps": stall / steady_full,
-            "grew_event_stall_s": grew["stall_s"], "shrunk_event_lost_s": shrunk_event["lost_s"],
-            "grow_handoff_bytes": grew["handoff_bytes"]}
+            "grew_event_stall_s": grew["stall_s"], "grow_group_s": grew.get("group_s"),
+            "grow_handoff_s": grew.get("handoff_s"), "shrunk_event_lost_s": shrunk_event["lost_s"],
+            "grow_handoff_bytes": grew["handoff_bytes"], "recovered": _components(run),
+            # What a shrink cannot avoid: the part of the step the failure destroyed, its detection and a new group.
+            "own_floor_s": max(d, 0.0) + _components(run)["detect_s"] + _components(run)["group_init_s"]}
 
 
 def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
@@ -114,11 +127,18 @@ def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
         "mode": "quick" if quick else "full", "steps": steps, "kill_step": KILL_STEP, "kills": kills,
         "steady_step_s": steady_full, "state_bytes": clean.state_bytes, "p2p_bandwidth": bandwidth,
         "takeover": {"each": takeovers, "gap_s": spread([k["gap_s"] for k in takeovers]),
+                     "x_floor": spread([k["gap_s"] / k["floor_s"] for k in takeovers]),
                      "floor_s": spread([k["floor_s"] for k in takeovers]),
                      "equal_work_lost_s": spread([w - clean_wall for w in walls["takeover"]])},
         "shrink_grow": {"each": shrinks, "gap_s": spread([k["gap_s"] for k in shrinks]),
                         "x_takeover_floor": spread([k["x_takeover_floor"] for k in shrinks]),
                         "shrunk_step_s": spread([k["shrunk_step_s"] for k in shrinks if k["shrunk_step_s"]]),
+                        "own_floor_s": spread([k["own_floor_s"] for k in shrinks]),
+                        "x_own_floor": spread([k["gap_s"] / k["own_floor_s"] for k in shrinks]),
+                        "detect_s": spread([k["recovered"]["detect_s"] for k in shrinks]),
+                        "group_init_s": spread([k["recovered"]["group_init_s"] for k in shrinks]),
+                        "grow_group_s": spread([k["grow_group_s"] or 0.0 for k in shrinks]),
+                        "grow_handoff_s": spread([k["grow_handoff_s"] or 0.0 for k in shrinks]),
                         "grow_stall_s": spread([k["grow_stall_s"] for k in shrinks]),
                         "grow_stall_steps": spread([k["grow_stall_steps"] for k in shrinks]),
                         "equal_work_lost_s": spread([w - clean_wall for w in walls["shrink_grow"]])},
@@ -134,11 +154,15 @@ def format_report(r: dict[str, Any]) -> str:
     t, s = r["takeover"], r["shrink_grow"]
     lines = [f"Elastic width ({r['mode']}, {r['kills']} kill(s) of rank 1 at step {r['kill_step']}; steady step "
              f"{r['steady_step_s']:.3f} s at full width, state {r['state_bytes'] / 1e6:.1f} MB)",
-             f"  takeover by a warm standby: gap {t['gap_s']['median']:.3f} s, floor {t['floor_s']['median']:.3f} s",
+             f"  takeover by a warm standby: gap {t['gap_s']['median']:.3f} s, floor {t['floor_s']['median']:.3f} s "
+             f"(x{t['x_floor']['median']:.2f})",
              f"  shrink (no standby): gap {s['gap_s']['median']:.3f} s = x{s['x_takeover_floor']['median']:.2f} the "
-             f"takeover's floor (target <= 1.5); shrunk step {s['shrunk_step_s']['median'] or 0:.3f} s",
+             f"takeover's floor (target <= 1.5), x{s['x_own_floor']['median']:.2f} its own (d + detection "
+             f"{s['detect_s']['median']:.3f} + new group {s['group_init_s']['median']:.3f}); shrunk step "
+             f"{s['shrunk_step_s']['median'] or 0:.3f} s",
              f"  grow back at a step boundary: stall {s['grow_stall_s']['median']:.3f} s = "
-             f"{s['grow_stall_steps']['median']:.2f} steps (target <= 1)",
+             f"{s['grow_stall_steps']['median']:.2f} steps (target <= 1): new group {s['grow_group_s']['median']:.3f} "
+             f"s, handoff {s['grow_handoff_s']['median']:.3f} s",
              f"  equal work, killed run minus clean: takeover {t['equal_work_lost_s']['median']:.3f} s, shrink and "
              f"grow {s['equal_work_lost_s']['median']:.3f} s"]
     tf = r["torchft"]

@@ -1202,7 +1202,7 @@ class Coordinator:
             self.events.emit(Grew(generation=new.gen, width_from=old.world_size, width_to=new.world_size,
                                   logical_width=new.logical_width, procs=c.added, cause=c.cause, stall_s=f.stall_s,
                                   handoff_bytes=f.handoff_bytes, first_step_s=f.first_step_s,
-                                  steady_step_s=f.steady_step_s))
+                                  steady_step_s=f.steady_step_s, group_s=f.group_s, handoff_s=f.handoff_s))
         else:
             self.events.emit(Shrunk(generation=new.gen, width_from=old.world_size, width_to=new.world_size,
                                     logical_width=new.logical_width,

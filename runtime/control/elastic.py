@@ -56,6 +56,10 @@ class ChangeFigures:
     first_step_s: float | None
     steady_step_s: float | None
     handoff_bytes: int
+    group_s: float
+    """Of the stall, the slowest member's new group (built and proven)."""
+    handoff_s: float
+    """Of the stall, the slowest member's handoff (the new member's receive)."""
 
 
 def change_figures(reports: Sequence[RecoveryReport]) -> ChangeFigures:
@@ -70,4 +74,5 @@ def change_figures(reports: Sequence[RecoveryReport]) -> ChangeFigures:
     steady = [r.steady_step_s for r in reports if r.steady_step_s is not None]
     received = sum(r.handoff_bytes for r in reports if r.role == "receiver")
     return ChangeFigures(stall_s=max(0.0, holding - left), first_step_s=max(first) if first else None,
-                         steady_step_s=statistics.median(steady) if steady else None, handoff_bytes=received)
+                         steady_step_s=statistics.median(steady) if steady else None, handoff_bytes=received,
+                         group_s=max(r.group_init_s for r in reports), handoff_s=max(r.handoff_s for r in reports))

@@ -230,6 +230,10 @@ class Grew(Event):
     handoff_bytes: int
     first_step_s: float | None = field(default=None, metadata=SOMETIMES)
     steady_step_s: float | None = field(default=None, metadata=SOMETIMES)
+    group_s: float | None = field(default=None, metadata=SOMETIMES)
+    """Of the stall, the slowest member's new group (built, and every peer's proof)."""
+    handoff_s: float | None = field(default=None, metadata=SOMETIMES)
+    """Of the stall, the slowest member's part of the handoff."""
 
 
 # -- standbys -----------------------------------------------------------------------------------------------------
