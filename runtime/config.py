@@ -437,16 +437,17 @@ class LaunchConfig:
     backup_dir: str | None = field(default=None, metadata=flag(
         "--backup-dir", "write persistent backups here (rank 0, every --backup-every steps, beside training): "
                         "used only when every copy of the state is lost, and by --resume-from. Across hosts, a "
-                        "directory every host mounts at this path, or s3://BUCKET/PREFIX (data-parallel jobs; "
-                        "boto3's credentials)", metavar="DIR"))
+                        "directory every host mounts at this path, s3://BUCKET/PREFIX (data-parallel jobs; "
+                        "boto3's credentials) or az://CONTAINER/PREFIX (data-parallel jobs; "
+                        "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_URL)", metavar="DIR"))
     backup_every: int = field(default=KNOBS.backup_every, metadata=flag(
         "--backup-every", "with --backup-dir: committed steps between backups (default %(default)s)", metavar="N"))
     backup_keep: int = field(default=KNOBS.backup_keep, metadata=flag(
         "--backup-keep", "with --backup-dir: how many of the newest backups to keep (default %(default)s)",
         metavar="N"))
     resume_from: str | None = field(default=None, metadata=flag(
-        "--resume-from", "start from a backup: a step-* folder, or the newest in a --backup-dir directory or "
-                         "s3:// prefix",
+        "--resume-from", "start from a backup: a step-* folder, or the newest in a --backup-dir directory, "
+                         "s3:// or az:// prefix",
         metavar="PATH"))
     agents: int = field(default=0, metadata=flag(
         "--agents", "hosts to wait for before starting", group="hosts", metavar="N", required=True))
@@ -536,7 +537,7 @@ class LaunchConfig:
         if self.backup_every < 1 or self.backup_keep < 1:
             raise ConfigError(f"--backup-every and --backup-keep must be 1 or more, got {self.backup_every} and "
                               f"{self.backup_keep}")
-        if self.resume_from is not None and not self.agents and not self.resume_from.startswith("s3://") \
+        if self.resume_from is not None and not self.agents and not self.resume_from.startswith(("s3://", "az://")) \
                 and not Path(self.resume_from).exists():
             raise ConfigError(f"--resume-from {self.resume_from!r} does not exist: name a --backup-dir directory or "
                               "one of its step-* folders")

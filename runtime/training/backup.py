@@ -21,10 +21,18 @@ torch's checkpoint metadata is made of, and every entry must be a tensor (a byte
 without `weights_only`: refused). Tensors are read in place with `weights_only=True`, then the metadata is applied
 as after a handoff (`TrainingState.apply_meta`). Data and random numbers are addressed by step, so training
 resumed at the backup's step replays exactly what the lost run did after it.
+
+**Object stores** (`remote_mirror`): a `--backup-dir` of `s3://BUCKET/PREFIX` (`S3Mirror`, boto3) or
+`az://CONTAINER/PREFIX` (`AzureBlobMirror`, the Azure SDK) is written locally as above, into a staging folder,
+then uploaded with its manifest last; pruning deletes a backup's manifest first. A backup there is complete exactly
+when its manifest is; a restore downloads the chosen one into a folder of its own process and reads it as a local
+one. Both stores share those rules (`ObjectStoreMirror`); each supplies five calls and turns its SDK's errors into
+a `BackupError` that names the location and never a key.
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import logging
@@ -38,12 +46,15 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from runtime.training.state import StateMeta, StateMismatchError, TrainingState, local_shard, spec_difference
 from runtime.wire.protocol import BackupRecord
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
 
 log = logging.getLogger("trainmover.runtime")
 # One process writes and reads each backup (`no_dist`), on purpose: torch's checkpoint warns that it assumes so.
@@ -132,8 +143,8 @@ class BackupWriter:
 
     def __init__(self, settings: BackupSettings, job_id: str, spec: list[Any]) -> None:
         self.settings = settings
-        self.remote = S3Mirror(settings.directory) if is_remote(settings.directory) else None
-        """Where finished backups go when `directory` is an s3:// prefix (written locally first)."""
+        self.remote = remote_mirror(settings.directory)
+        """Where finished backups go when `directory` is an s3:// or az:// URL (written locally first)."""
         self.root = _staging(settings.directory) if self.remote is not None else Path(settings.directory)
         self.job_id = job_id
         self.spec = spec
@@ -299,9 +310,9 @@ def _manifest(path: Path) -> dict[str, Any] | None:
 
 def find_backup(where: str | Path, step: int | None = None) -> Backup:
     """The backup at `where`: a `step-*` folder, or the newest complete one (or the one of `step`) in a backup
-    directory or under an `s3://` prefix (downloaded first into a folder of this process's)."""
-    if is_remote(where):
-        mirror = S3Mirror(str(where))
+    directory or under an `s3://` or `az://` prefix (downloaded first into a folder of this process's)."""
+    mirror = remote_mirror(str(where))
+    if mirror is not None:
         steps = mirror.steps()
         if step is None and not steps:
             raise BackupError(f"no complete backup under {where}: name the prefix given to --backup-dir")
@@ -326,14 +337,15 @@ def find_backup(where: str | Path, step: int | None = None) -> Backup:
 
 
 def has_backup(directory: str) -> bool:
-    """Whether `directory` (or an `s3://` prefix) holds a complete backup."""
+    """Whether `directory` (or an `s3://` or `az://` prefix) holds a complete backup."""
     return bool(backup_steps(directory))
 
 
 def backup_steps(directory: str) -> list[int]:
-    """The steps of the complete backups in `directory` (or under an `s3://` prefix), oldest first."""
-    if is_remote(directory):
-        return S3Mirror(directory).steps()
+    """The steps of the complete backups in `directory` (or under an `s3://` or `az://` prefix), oldest first."""
+    mirror = remote_mirror(directory)
+    if mirror is not None:
+        return mirror.steps()
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -355,10 +367,25 @@ def newest_backup(directory: str | Path) -> Backup | None:
 
 # -- object storage ------------------------------------------------------------------------------------------
 S3_SCHEME = "s3://"
+AZ_SCHEME = "az://"
+AZ_CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
+AZ_ACCOUNT_URL = "AZURE_STORAGE_ACCOUNT_URL"
+_AZ_CREDENTIALS = (f"{AZ_CONNECTION_STRING}, or {AZ_ACCOUNT_URL} with a credential DefaultAzureCredential finds: a "
+                   "managed identity, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or `az login`")
 
 
-def is_remote(directory: str | Path) -> bool:
-    return str(directory).startswith(S3_SCHEME)
+def is_remote(directory: str | Path | None) -> bool:
+    """Whether `directory` names an object store (`s3://` or `az://`) rather than a directory."""
+    return str(directory or "").startswith((S3_SCHEME, AZ_SCHEME))
+
+
+def remote_mirror(url: str) -> ObjectStoreMirror | None:
+    """The object store `url` names (`s3://BUCKET/PREFIX`, `az://CONTAINER/PREFIX`), or None for a directory."""
+    if url.startswith(S3_SCHEME):
+        return S3Mirror(url)
+    if url.startswith(AZ_SCHEME):
+        return AzureBlobMirror(url)
+    return None
 
 
 def _staging(url: str) -> Path:
@@ -373,9 +400,97 @@ def _restore_cache() -> Path:
     return path
 
 
-class S3Mirror:
+class ObjectStoreMirror(abc.ABC):
+    """Backups under `PREFIX/step-000000123/` of an object store. The rules live here, once: a backup is uploaded
+    with its `manifest.json` last, so it is complete exactly when its manifest is there; only those are listed; a
+    download checks the manifest and refuses a name outside the backup; pruning deletes the manifest first. A store
+    supplies the five calls below and `_error`, which turns its SDK's errors into a `BackupError`."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url.rstrip("/")
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+
+    @abc.abstractmethod
+    def _put(self, key: str, path: Path) -> None:
+        """Upload the file `path` as `key`, replacing any object there."""
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix`."""
+
+    @abc.abstractmethod
+    def _read(self, key: str) -> bytes:
+        """The object `key`."""
+
+    @abc.abstractmethod
+    def _fetch(self, key: str, path: Path) -> None:
+        """Download the object `key` into the file `path`."""
+
+    @abc.abstractmethod
+    def _delete(self, keys: list[str]) -> None:
+        """Delete `keys`, in their order."""
+
+    @abc.abstractmethod
+    def _error(self, what: str, exc: Exception) -> BackupError | None:
+        """`exc` as one BackupError naming `self.url` and what to check (never a key), if it is the store's own
+        error; None for anything else (a programming error, raised as it is)."""
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            error = self._error(what, exc)
+            if error is None:
+                raise
+            raise error from None
+
+    def _key(self, step: int, name: str = "") -> str:
+        return f"{self.prefix}{step_dir(step)}/{name}"
+
+    def upload(self, folder: Path, step: int) -> None:
+        names = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+        for name in [*names, MANIFEST]:  # the manifest last: its presence says the backup is complete
+            self._call("uploading a backup to", self._put, self._key(step, name), folder / name)
+
+    def steps(self) -> list[int]:
+        """Steps of the complete backups (those with a manifest), oldest first."""
+        found = set()
+        for key in self._call("listing the backups in", self._list, self.prefix + PREFIX):
+            folder, _, name = key[len(self.prefix):].partition("/")
+            number = folder[len(PREFIX):]
+            if name == MANIFEST and number.isdigit():
+                found.add(int(number))
+        return sorted(found)
+
+    def download(self, step: int, into: Path) -> Backup:
+        raw = self._call("reading a backup's manifest in", self._read, self._key(step, MANIFEST))
+        try:
+            manifest = _parse_manifest(json.loads(raw))
+        except ValueError:
+            manifest = None
+        if manifest is None or manifest["step"] != step:
+            raise BackupError(f"{self.url}/{step_dir(step)}/{MANIFEST} is not a TrainMover backup manifest")
+        into.mkdir(parents=True, exist_ok=True)
+        for name in manifest["files"]:
+            if "/" in name or name.startswith(".."):
+                raise BackupError(f"{self.url}/{step_dir(step)}: the manifest names {name!r}, outside the backup")
+            self._call("downloading a backup from", self._fetch, self._key(step, name), into / name)
+        _write_json(into / MANIFEST, manifest)
+        return Backup(into, step, manifest)
+
+    def prune(self, keep: int) -> None:
+        for old in self.steps()[:-keep]:
+            keys = self._call("pruning the backups in", self._list, self._key(old))
+            manifest = [k for k in keys if k.endswith("/" + MANIFEST)]
+            # The manifest first: a backup half deleted is no longer complete.
+            for batch in (manifest, [k for k in keys if k not in manifest]):
+                if batch:
+                    self._call("pruning the backups in", self._delete, batch)
+
+
+class S3Mirror(ObjectStoreMirror):
     """Backups in S3 (or any endpoint of its API: `AWS_ENDPOINT_URL_S3`), through boto3 with the default
-    credential chain. A backup is complete once its `manifest.json` is there: it is uploaded last."""
+    credential chain."""
 
     def __init__(self, url: str) -> None:
         bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
@@ -386,75 +501,121 @@ class S3Mirror:
             from botocore.config import Config
         except ImportError:
             raise BackupError("backups to s3:// need boto3: pip install 'trainmover[aws]'") from None
-        self.url = url.rstrip("/")
+        super().__init__(url, prefix)
         self.bucket = bucket
-        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.client = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": 5}))
 
-    def _key(self, step: int, name: str = "") -> str:
-        return f"{self.prefix}{step_dir(step)}/{name}"
-
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _error(self, what: str, exc: Exception) -> BackupError | None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            return fn(*args, **kwargs)
-        except ClientError as exc:
+        if isinstance(exc, ClientError):
             code = exc.response.get("Error", {}).get("Code", "error")
-            raise BackupError(f"{what} {self.url}: S3 answered {code}; check the bucket and this host's credentials "
-                              "(the default AWS chain)") from None
-        except BotoCoreError as exc:
-            raise BackupError(f"{what} {self.url}: {type(exc).__name__}; check the endpoint and this host's "
-                              "credentials (the default AWS chain)") from None
+            return BackupError(f"{what} {self.url}: S3 answered {code}; check the bucket and this host's credentials "
+                               "(the default AWS chain)")
+        if isinstance(exc, BotoCoreError):
+            return BackupError(f"{what} {self.url}: {type(exc).__name__}; check the endpoint and this host's "
+                               "credentials (the default AWS chain)")
+        return None
 
-    def upload(self, folder: Path, step: int) -> None:
-        names = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
-        for name in [*names, MANIFEST]:  # the manifest last: its presence says the backup is complete
-            self._call("uploading a backup to", self.client.upload_file, str(folder / name), self.bucket,
-                       self._key(step, name))
+    def _put(self, key: str, path: Path) -> None:
+        self.client.upload_file(str(path), self.bucket, key)  # multipart when large, retried
 
-    def steps(self) -> list[int]:
-        """Steps of the complete backups (those with a manifest), oldest first."""
-        found = set()
-        pages = self._call("listing the backups in", lambda: list(
-            self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + PREFIX)))
-        for page in pages:
-            for obj in page.get("Contents", []):
-                folder, _, name = obj["Key"][len(self.prefix):].partition("/")
-                number = folder[len(PREFIX):]
-                if name == MANIFEST and number.isdigit():
-                    found.add(int(number))
-        return sorted(found)
+    def _list(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
 
-    def download(self, step: int, into: Path) -> Backup:
-        body = self._call("reading a backup's manifest in", self.client.get_object, Bucket=self.bucket,
-                          Key=self._key(step, MANIFEST))
+    def _read(self, key: str) -> bytes:
+        return cast(bytes, self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+
+    def _fetch(self, key: str, path: Path) -> None:
+        self.client.download_file(self.bucket, key, str(path))
+
+    def _delete(self, keys: list[str]) -> None:
+        for first in range(0, len(keys), 1000):  # S3 deletes at most 1000 objects a request
+            self.client.delete_objects(Bucket=self.bucket,
+                                       Delete={"Objects": [{"Key": k} for k in keys[first:first + 1000]]})
+
+
+class AzureBlobMirror(ObjectStoreMirror):
+    """Backups in an Azure Blob Storage container (`az://CONTAINER/PREFIX`), through the Azure SDK
+    (azure-storage-blob). The account: `AZURE_STORAGE_CONNECTION_STRING` if set, else `AZURE_STORAGE_ACCOUNT_URL`
+    (https://ACCOUNT.blob.core.windows.net) with `DefaultAzureCredential`."""
+
+    _CONCURRENCY = 4
+    """Blocks of one blob sent or received at once (the SDK splits a large blob into blocks)."""
+    _RETRIES = 4
+    """Retries of a request the SDK deems worth retrying (no answer, 408, 5xx, no token from the credential),
+    after waits of about 1, 3, 5 and 9 s. The SDK's default waits 15 s first, about 90 s in all for an unreachable
+    endpoint."""
+
+    def __init__(self, url: str) -> None:
+        container, _, prefix = url[len(AZ_SCHEME):].partition("/")
+        if not container:
+            raise BackupError(f"{url!r}: an Azure Blob backup location is az://CONTAINER or az://CONTAINER/PREFIX")
         try:
-            manifest = _parse_manifest(json.loads(body["Body"].read()))
-        except ValueError:
-            manifest = None
-        if manifest is None or manifest["step"] != step:
-            raise BackupError(f"{self.url}/{step_dir(step)}/{MANIFEST} is not a TrainMover backup manifest")
-        into.mkdir(parents=True, exist_ok=True)
-        for name in manifest["files"]:
-            if "/" in name or name.startswith(".."):
-                raise BackupError(f"{self.url}/{step_dir(step)}: the manifest names {name!r}, outside the backup")
-            self._call("downloading a backup from", self.client.download_file, self.bucket, self._key(step, name),
-                       str(into / name))
-        _write_json(into / MANIFEST, manifest)
-        return Backup(into, step, manifest)
+            from azure.storage.blob import BlobServiceClient, ExponentialRetry
+        except ImportError:
+            raise BackupError("backups to az:// need azure-storage-blob: pip install 'trainmover[azure]'") from None
+        super().__init__(url, prefix)
+        connection_string = os.environ.get(AZ_CONNECTION_STRING, "")
+        account_url = os.environ.get(AZ_ACCOUNT_URL, "")
+        retry = ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=self._RETRIES, random_jitter_range=1)
+        if connection_string:
+            try:
+                service = BlobServiceClient.from_connection_string(connection_string, retry_policy=retry)
+            except ValueError:  # its message is not repeated: it may quote the string
+                raise BackupError(f"{AZ_CONNECTION_STRING} is not a storage account's connection string: copy it "
+                                  "from the account's access keys, or unset it and set "
+                                  f"{AZ_ACCOUNT_URL}") from None
+        elif account_url:
+            try:
+                from azure.identity import DefaultAzureCredential
+            except ImportError:
+                raise BackupError(f"backups to az:// with {AZ_ACCOUNT_URL} need azure-identity: pip install "
+                                  "'trainmover[azure]'") from None
+            try:
+                service = BlobServiceClient(account_url, credential=DefaultAzureCredential(), retry_policy=retry)
+            except ValueError:
+                raise BackupError(f"{AZ_ACCOUNT_URL} is not a blob endpoint: set it to "
+                                  "https://ACCOUNT.blob.core.windows.net") from None
+        else:
+            raise BackupError(f"backups to az:// need the storage account: set {AZ_CONNECTION_STRING}, or "
+                              f"{AZ_ACCOUNT_URL} (https://ACCOUNT.blob.core.windows.net) with a credential "
+                              "DefaultAzureCredential finds (a managed identity, "
+                              "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or `az login`)")
+        self.container_name = container
+        self.container: ContainerClient = service.get_container_client(container)
 
-    def prune(self, keep: int) -> None:
-        for old in self.steps()[:-keep]:
-            listed = self._call("pruning the backups in", self.client.list_objects_v2, Bucket=self.bucket,
-                                Prefix=self._key(old))
-            objects = [{"Key": o["Key"]} for o in listed.get("Contents", [])]
-            manifest = [o for o in objects if o["Key"].endswith("/" + MANIFEST)]
-            # The manifest first: a backup half deleted is no longer complete.
-            for batch in (manifest, [o for o in objects if o not in manifest]):
-                if batch:
-                    self._call("pruning the backups in", self.client.delete_objects, Bucket=self.bucket,
-                               Delete={"Objects": batch})
+    def _error(self, what: str, exc: Exception) -> BackupError | None:
+        from azure.core.exceptions import AzureError, HttpResponseError
+
+        if isinstance(exc, HttpResponseError) and exc.status_code is not None:
+            code = getattr(exc, "error_code", None) or exc.status_code
+            return BackupError(f"{what} {self.url}: Azure Blob answered {getattr(code, 'value', code)}; check that "
+                               f"the container {self.container_name!r} exists and this host's credentials "
+                               f"({_AZ_CREDENTIALS})")
+        if isinstance(exc, AzureError):  # no answer: unreachable, or no credential found
+            return BackupError(f"{what} {self.url}: {type(exc).__name__}; check the account's endpoint and this "
+                               f"host's credentials ({_AZ_CREDENTIALS})")
+        return None
+
+    def _put(self, key: str, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.container.upload_blob(key, f, overwrite=True, max_concurrency=self._CONCURRENCY)
+
+    def _list(self, prefix: str) -> list[str]:
+        return list(self.container.list_blob_names(name_starts_with=prefix))
+
+    def _read(self, key: str) -> bytes:
+        return cast(bytes, self.container.download_blob(key).readall())
+
+    def _fetch(self, key: str, path: Path) -> None:
+        with open(path, "wb") as f:
+            self.container.download_blob(key, max_concurrency=self._CONCURRENCY).readinto(f)
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:  # one by one, in order: the manifest's deletion ends before the files' begin
+            self.container.delete_blob(key)
 
 
 _ALLOWED = {
@@ -578,10 +739,12 @@ def _layout(layout: dict[str, Any] | None) -> str:
 
 
 __all__ = [
+    "AzureBlobMirror",
     "Backup",
     "BackupError",
     "BackupSettings",
     "BackupWriter",
+    "ObjectStoreMirror",
     "S3Mirror",
     "Shards",
     "find_backup",
@@ -589,6 +752,7 @@ __all__ = [
     "is_remote",
     "load_backup",
     "newest_backup",
+    "remote_mirror",
     "step_dir",
     "verify_backup",
 ]

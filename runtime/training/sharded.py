@@ -280,7 +280,7 @@ class ShardedTrainer(Trainer):
         self.job = job or init()
         if is_remote(self.job.cfg.backup_dir) or is_remote(self.job.cfg.resume_from):
             raise ValueError("a sharded job's backups go to a directory every host mounts (--backup-dir DIR); "
-                             "s3:// backups cover data-parallel jobs in this version")
+                             "s3:// and az:// backups cover data-parallel jobs in this version")
         workers = self.job.num_workers()
         if mesh.world_size != workers:
             raise ValueError(f"the mesh {mesh} has {mesh.world_size} ranks but the job has {workers} workers: make "
