@@ -21,10 +21,8 @@ from runtime.training.backup import (
     load_backup,
     step_dir,
 )
-from runtime.wire.event_records import BackupWritten, Recovered, RestoringFromBackup
 from tests.cloud.aws_servers import moto_server
-from tests.runtime.conftest import SCRIPTS, clean_digest, events_of, run_job
-from tests.runtime.test_backup import make, train
+from tests.runtime.test_backup import comes_back_from_the_store, make, train
 
 BUCKET = "tm-backups"
 
@@ -81,17 +79,4 @@ def test_a_backup_without_its_manifest_is_not_there_and_a_missing_bucket_says_so
 @pytest.mark.untimed
 def test_every_copy_lost_the_job_comes_back_from_the_bucket_bit_exact(s3: str, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/jobs/ema"
-    steps, ema_job = 20, SCRIPTS / "ema_job.py"
-    result = run_job(nproc=2, standby=2, steps=steps, script=ema_job, backup_dir=url, backup_every=4,
-                     script_args=("--await-backup", "4,8"),
-                     faults="kill:rank=0,step=10,phase=before_exchange;kill:rank=1,step=10,phase=before_exchange")
-
-    assert result.exit_code == 0, result.message
-    (restore,) = events_of(result, RestoringFromBackup)
-    # The coordinator names the newest backup reported (8, or 4 when 8 finished a moment before the loss but after
-    # rank 0's last report: seen under load in CI); the members load the newest complete one, 8.
-    assert restore.backup_step in (4, 8) and restore.path == f"{url}/{step_dir(restore.backup_step)}"
-    (recovered,) = events_of(result, Recovered)
-    assert recovered.step == 9 and recovered.handoff_bytes > 0
-    assert events_of(result, BackupWritten)[-1].path == f"{url}/{step_dir(20)}"
-    assert set(result.digests.values()) == {clean_digest(2, steps, ema_job)}
+    comes_back_from_the_store(url)
