@@ -53,6 +53,7 @@ from runtime.wire.event_records import (
     JobFailed,
     JobFinished,
     MemberFailed,
+    Moved,
     Placed,
     Recovered,
     StandbyWarm,
@@ -435,6 +436,9 @@ class Supervisor:
                 case MemberFailed():
                     self._failure(ev)
                     return []
+                case Moved():
+                    self._on_moved(ev)
+                    return []
                 case HostLost():
                     return []
         if self.hosts is not None:
@@ -442,6 +446,8 @@ class Supervisor:
                 case Recovered():
                     # Recovery first: the table row names the rank's instance before the new holder replaces it.
                     return self._on_recovered(ev) + self._on_host_event(ev)
+                case Moved():
+                    return self._on_moved(ev) + self._on_host_event(ev)
                 case Placed() | GenerationStarted() | HostLost():
                     return self._on_host_event(ev)
                 case MemberFailed(rank=rank):
@@ -451,6 +457,8 @@ class Supervisor:
                 return [self._failure(ev), *self._replace_instance(rank)]
             case Recovered():
                 return self._on_recovered(ev)
+            case Moved(ranks=ranks):
+                return self._on_moved(ev) + [h for r in ranks for h in self._replace_instance(int(r["rank"]))]
             case StandbyWarm(proc=proc):
                 return [Happening(f"{EVENT_PREFIX}.standby.ready", f"{EVENT_PREFIX}.process.{proc}",
                                   f"standby {proc} is warm", {"process": proc})]
@@ -514,6 +522,25 @@ class Supervisor:
                 # target (simulated instances keep theirs until the policy's next decision releases the spare).
                 self.warm_target = max(0, self.warm_target - 1)
                 self._set_standby_target(self.warm_target)
+        return out
+
+    def _on_moved(self, ev: Moved) -> list[Happening]:
+        """A planned move done at a step boundary (a data-parallel job): no failure, nothing replayed; its stall is
+        the interruption's whole cost."""
+        out = []
+        for r in ev.ranks:
+            rank, old, new = int(r["rank"]), str(r["old"]), str(r["new"])
+            node = self.workers.get(rank, f"rank-{rank}")
+            self.interruptions.append(Interruption(
+                cause=f"planned_move:{ev.reason}", rank=rank, old_process=old, new_process=new, step=None,
+                detect_s=0.0, reconfigure_s=ev.group_s or 0.0, handoff_s=ev.handoff_s or 0.0, replay_s=0.0,
+                lost_time_s=ev.stall_s, tier="warm", predicted=node in self._hot_nodes))
+            out.append(Happening(
+                f"{EVENT_PREFIX}.node.moved", f"{EVENT_PREFIX}.node.{node}",
+                f"rank {rank} moved from {old} (node {node}) to standby {new} at a step boundary ({ev.reason}): "
+                f"{ev.stall_s:.2f} s of stall, nothing replayed",
+                {"rank": rank, "process": old, "new": new, "cause": f"planned_move:{ev.reason}", "node": node,
+                 "lost_time_s": ev.stall_s}))
         return out
 
     def _replace_instance(self, rank: int) -> list[Happening]:
@@ -583,7 +610,7 @@ class Supervisor:
                           f"ordered {missing} replacement standby instance(s): {', '.join(new)}", {"instances": new})]
 
     # -- hosts mode: the instances run the job -------------------------------------------------------
-    def _on_host_event(self, ev: Placed | GenerationStarted | HostLost | Recovered) -> list[Happening]:
+    def _on_host_event(self, ev: Placed | GenerationStarted | HostLost | Recovered | Moved) -> list[Happening]:
         out: list[Happening] = []
         match ev:
             case Placed(proc=proc, host=host):
@@ -600,7 +627,7 @@ class Supervisor:
                                      f"instance {lost} lost ({cause}): terminated, its ranks move to standbys",
                                      {"node": lost, "cause": cause, "processes": procs}))
         self._sync_hosts()
-        if isinstance(ev, HostLost | Recovered):
+        if isinstance(ev, HostLost | Recovered | Moved):
             out += self._order_standbys()
         return out
 

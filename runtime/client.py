@@ -256,8 +256,9 @@ class RuntimeJob:
         return self._send(lambda control: control.set_standby_target(n))
 
     def move(self, ranks: Sequence[int], reason: str) -> bool:
-        """Move these ranks' processes to standbys, on purpose (`reason`: the cause `planned_move:<reason>` in the
-        events). False when there is no one to ask (not connected yet, or over)."""
+        """Move these ranks' processes to standbys, on purpose (`reason`: in the `moved` event of a data-parallel job,
+        moved at a step boundary; the cause `planned_move:<reason>` of a sharded job's failure path). False when there
+        is no one to ask (not connected yet, or over)."""
         return self._send(lambda control: control.move(list(ranks), reason))
 
     def resize(self, width: int, reason: str) -> bool:

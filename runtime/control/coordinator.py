@@ -60,6 +60,7 @@ from runtime.wire.event_records import (
     JobStarted,
     MemberFailed,
     MoveAccepted,
+    Moved,
     RestoringFromBackup,
     Shrunk,
     StandbyLost,
@@ -693,7 +694,8 @@ class Coordinator:
                 del self._host_notices[(host, incarnation)]
                 continue
             ready = [p for p in self.standbys.ready() if p not in procs]
-            if ranks and (self.pending_deaths or self.recoveries or len(ready) < len(ranks)):
+            if ranks and (self.pending_deaths or self.recoveries or self._change is not None
+                          or len(ready) < len(ranks)):
                 continue  # asked again on the next turn; the cloud's deadline is what bounds the wait
             del self._host_notices[(host, incarnation)]
             for proc in standbys:
@@ -702,8 +704,7 @@ class Coordinator:
                 moving = [self.gen.members[r] for r in ranks]
                 self.events.emit(MoveAccepted(seq=None, ranks=ranks, procs=moving, reason=kind, host=host))
                 log.warning("host %s: %s: moving rank(s) %s (%s) to standbys", host, kind, ranks, ", ".join(moving))
-                for proc in moving:
-                    self._fence(proc, f"planned_move:{kind}")
+                self._move(ranks, kind, ready)
 
     def _declare_dead(self, name: str, cause: str, code: int | None, failure_at: float | None = None) -> None:
         m = self.procs[name]
@@ -880,10 +881,29 @@ class Coordinator:
                                       reason=request.reason))
         self._answer_move(request.seq, None)
         log.warning("moving rank(s) %s (%s) to standbys: %s", list(request.ranks), ", ".join(procs), request.reason)
-        # Leaving on purpose takes the failure path: after a SIGKILL the survivors' recovery is the one that is
-        # tested bit for bit, and a hand-over at a step boundary would save only the replay of one step.
-        for proc in procs:
-            self._fence(proc, f"planned_move:{request.reason}")
+        self._move(list(request.ranks), request.reason, self.standbys.ready())
+
+    def _move(self, ranks: list[int], reason: str, ready: list[str]) -> None:
+        """Give `ranks` to ready standbys. A data-parallel job does it in a planned generation: the members switch at
+        a step boundary, the standbys receive the state from the members that stay, the leaving processes exit once
+        the others switched, and nothing is replayed. A sharded job's leaving rank may hold the only copy of a shard
+        outside its buddy: it leaves by the failure path (fenced, `planned_move:<reason>`), which rebuilds it."""
+        if self._sharded():
+            for r in ranks:
+                self._fence(self.gen.members[r], f"planned_move:{reason}")
+            return
+        old = self.gen
+        assignment = dict(zip(sorted(ranks), ready, strict=False))
+        new = old.change(f"move: {reason}", assign=assignment, planned=True)
+        for r in ranks:
+            self.procs[old.members[r]].released = True
+        self.standbys.promote(list(assignment.values()), new.gen)
+        self._publish(new, assign=list(assignment.values()))
+        self._change = PlannedChange(old, new, "move", reason, left_out=[(r, old.members[r]) for r in sorted(ranks)],
+                                     added=list(assignment.values()))
+        self._emit_generation(new)
+        if self.s.replenish:
+            self.standbys.top_up("replace a promoted standby")
 
     def _apply_resize(self, raw: str) -> None:
         try:
@@ -913,7 +933,8 @@ class Coordinator:
     def _move_refusal(self, request: MoveRequest) -> str | None:
         return move_refusal(request, MoveContext(
             last_seq=self._last_move_seq, started=self.started, finished=self.started and self._all_done(),
-            world=self.gen.world_size, recovering=bool(self.pending_deaths or self.recoveries),
+            world=self.gen.world_size,
+            recovering=bool(self.pending_deaths or self.recoveries or self._change is not None),
             ready=len(self.standbys.ready())))
 
     def _answer_move(self, seq: int | None, refusal: str | None) -> None:
@@ -1198,6 +1219,15 @@ class Coordinator:
             return
         f = change_figures([r for r in reports if r is not None])
         self._change = None
+        if c.kind == "move":
+            self.events.emit(Moved(generation=new.gen, ranks=[{"rank": r, "old": p, "new": new.members[r]}
+                                                              for r, p in c.left_out], reason=c.cause,
+                                   stall_s=f.stall_s, handoff_bytes=f.handoff_bytes, group_s=f.group_s,
+                                   handoff_s=f.handoff_s, first_step_s=f.first_step_s,
+                                   steady_step_s=f.steady_step_s))
+            log.warning("moved rank(s) %s at a step boundary: the members stalled %.3f s",
+                        [r for r, _ in c.left_out], f.stall_s)
+            return
         if c.kind == "grow":
             self.events.emit(Grew(generation=new.gen, width_from=old.world_size, width_to=new.world_size,
                                   logical_width=new.logical_width, procs=c.added, cause=c.cause, stall_s=f.stall_s,

@@ -40,7 +40,7 @@ class PlannedChange:
     old: Generation
     new: Generation
     kind: str
-    """"grow" or "shrink"."""
+    """"grow", "shrink" or "move" (a planned move of a data-parallel job)."""
     cause: str
     left_out: list[tuple[int, str]] = field(default_factory=list)
     """(rank, process) left out, numbered as in `old`."""

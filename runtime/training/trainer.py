@@ -659,9 +659,9 @@ class Trainer:
                                       what=f"the record of generation {g}")[keys.k_gen(g)]
         rank = record.rank_of(cfg.proc)
         if rank is None:
-            if record.planned:  # a requested shrink released this member: the job goes on without it
-                sys.stderr.write(f"[trainmover] {cfg.proc} was released by a resize of the job (generation {g}, "
-                                 f"{record.world_size} members); exiting\n")
+            if record.planned:  # a resize or a move released this member: the job goes on without it
+                sys.stderr.write(f"[trainmover] {cfg.proc} left the job at a step boundary (generation {g}: its rank "
+                                 "moved, or the job was resized); exiting\n")
                 self._close_groups()
                 self.job.close()
                 # At once, as a process the job no longer needs: the interpreter's finalization after a group's

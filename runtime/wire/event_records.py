@@ -117,7 +117,7 @@ class JobFailed(Event):
 # -- failures and recoveries --------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemberFailed(Event):
-    """A worker was declared dead (`cause` starts with `planned_move:` for a move)."""
+    """A worker was declared dead (`cause` starts with `planned_move:` for a sharded job's move)."""
 
     KIND: ClassVar[str] = "member_failed"
     generation: int
@@ -320,6 +320,25 @@ class MoveAccepted(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Moved(Event):
+    """A planned move completed at a step boundary (a data-parallel job): the standbys hold the moved ranks, the
+    leaving processes exited once the others switched, and no step was replayed."""
+
+    KIND: ClassVar[str] = "moved"
+    generation: int
+    ranks: list[dict[str, Any]]
+    """{"rank", "old", "new"} per rank moved."""
+    reason: str
+    stall_s: float
+    """From the first member leaving the old generation to the last one holding the state in the new one."""
+    handoff_bytes: int
+    group_s: float | None = field(default=None, metadata=SOMETIMES)
+    handoff_s: float | None = field(default=None, metadata=SOMETIMES)
+    first_step_s: float | None = field(default=None, metadata=SOMETIMES)
+    steady_step_s: float | None = field(default=None, metadata=SOMETIMES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ControlRejected(Event):
     """A control value or a host notice the coordinator did not act on, and why."""
 
@@ -457,7 +476,7 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     JobStarted, GenerationStarted, JobFinished, JobFailed, MemberFailed, Recovered, StandbySpawned, StandbyWarm,
     StandbyLost, StandbyReleased, Coverage, StandbyTargetChanged, MoveAccepted, ControlRejected, UntrustedValue,
     ChaosInjected, ChaosUnresolved, Placed, HostJoined, HostLost, HostNoticed, AgentRefused, CoordinatorTookOver,
-    BackupWritten, RestoringFromBackup, Shrunk, Grew, WidthTargetChanged,
+    BackupWritten, RestoringFromBackup, Shrunk, Grew, WidthTargetChanged, Moved,
 )}
 """Every kind the coordinator writes, by its name."""
 

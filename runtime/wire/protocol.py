@@ -710,7 +710,8 @@ class MoveRequest:
     ranks: tuple[int, ...]
     """Logical ranks whose current processes leave."""
     reason: str
-    """Why; recorded as the cause `planned_move:<reason>` in `member_failed` and `recovered`."""
+    """Why; in the `moved` event (a data-parallel job, moved at a step boundary), or as the cause
+    `planned_move:<reason>` in `member_failed` and `recovered` (a sharded job's move takes the failure path)."""
 
     def to_json(self) -> str:
         return json.dumps({"seq": self.seq, "ranks": list(self.ranks), "reason": self.reason})

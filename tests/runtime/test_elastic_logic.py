@@ -13,7 +13,16 @@ from runtime.control.elastic import change_figures, resize_plan, standbys_needed
 from runtime.training.elastic import DataCursor, Layout
 from runtime.wire import store as keys
 from runtime.wire.control import ControlValueError, parse_resize
-from runtime.wire.event_records import GenerationStarted, Grew, JobFinished, Recovered, Shrunk, WidthTargetChanged
+from runtime.wire.event_records import (
+    GenerationStarted,
+    Grew,
+    JobFinished,
+    MemberFailed,
+    Moved,
+    Recovered,
+    Shrunk,
+    WidthTargetChanged,
+)
 from runtime.wire.protocol import (
     Assignment,
     ControlCommand,
@@ -21,6 +30,7 @@ from runtime.wire.protocol import (
     FailureReport,
     Generation,
     Joined,
+    MoveRequest,
     MoveResult,
     RecoveryReport,
     ResizeRequest,
@@ -270,3 +280,33 @@ def test_a_resize_is_refused_when_the_job_runs_at_full_width_only() -> None:
     scene.run_for(0.5)
     assert _resize(scene, 1, 1) == MoveResult(1, False, "the job was started with --shrink off: it runs at its full "
                                                         "width only")
+
+
+@pytest.mark.timeout(20)
+def test_a_planned_move_gives_the_rank_to_a_standby_at_a_step_boundary_and_nobody_fails() -> None:
+    scene = Scene(lambda name, role: Script(ready_at=0.3) if role == "standby" else Script(), nproc=3, standby=1,
+                  replenish=False)
+    scene.c.start()
+    scene.until(lambda: bool(scene.c.standbys.ready()), 2.0)
+    scene.orchestrator.put(keys.k_control_move(), ControlCommand(1, MoveRequest(1, (1,), "maintenance").to_json()))
+    scene.until(lambda: scene.c.gen.gen == 1, 1.0)
+    g1 = scene.c.gen
+    assert g1.members == ("w0", "s0", "w2") and g1.planned and g1.replaced == ((1, "w1", "s0"),)
+    assert scene.c.procs["w1"].released and not scene.pool.procs["w1"].killed, "not fenced: it leaves on its own"
+    assert scene.member.get_record(keys.k_assign("s0"), Assignment) == Assignment(1)
+    assert scene.member.get_record(keys.k_current_gen(), CurrentGeneration) == CurrentGeneration(0)
+    # A second move while this one is under way waits: refused, and asked again later.
+    scene.orchestrator.put(keys.k_control_move(), ControlCommand(2, MoveRequest(2, (2,), "maintenance").to_json()))
+    scene.until(lambda: (r := scene.member.get_record(keys.k_control_move_result(), MoveResult)) is not None
+                and r.seq == 2, 1.0)
+    assert scene.member.get_record(keys.k_control_move_result(), MoveResult) == MoveResult(
+        2, False, "a recovery is in progress; ask again once it is reported")
+    _join(scene, g1)
+    scene.pool.procs["w1"].script = Script(exit_at=scene.now, exit_code=0)  # it left after the switch
+    _report_all(scene, g1, receivers=(1,))
+    scene.until(lambda: bool(scene.events(Moved)), 1.0)
+    (moved,) = scene.events(Moved)
+    assert moved.ranks == [{"rank": 1, "old": "w1", "new": "s0"}] and moved.reason == "maintenance"
+    assert moved.stall_s == pytest.approx(0.05) and moved.handoff_bytes == 1000
+    scene.run_for(0.5)
+    assert not scene.events(MemberFailed) and not scene.events(Recovered)
