@@ -25,11 +25,16 @@ Figures, from rank 0's commits (it is never killed). For a change at step r (its
   slower; on this machine it is faster (one member, no 50 MB exchange over loopback), which this term shows.
 - torchft 0.2 (bench.peers.torchft_peer): its healthy replica also goes on alone; its lost time charges the samples
   the missing replica did not contribute at the clean throughput (equal work).
+- **planned move** (`JobControl.move`, issue 29's target: at most 0.1 s of stall, nothing replayed): with one warm
+  standby, an orchestrator moves rank 1 once step K is committed; the members switch at a step boundary. Its stall is
+  the gap of rank 0's first commit in the new generation, as above, and the `moved` event's own.
 """
 
 from __future__ import annotations
 
+import secrets
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -101,6 +106,45 @@ def _shrink_grow(run: JobRun, bandwidth: float, steady_full: float) -> dict[str,
             "own_floor_s": max(d, 0.0) + _components(run)["detect_s"] + _components(run)["group_init_s"]}
 
 
+def _planned_move(spec: WorkloadSpec, steps: int, steady_full: float) -> dict[str, Any]:
+    """One job with a warm standby; rank 1 moved by an orchestrator (another thread, through the job's sealed control
+    channel) once step KILL_STEP is committed."""
+    from bench.peers.common import free_port
+    from runtime.wire.control import JobControl
+
+    port, secret = free_port(), secrets.token_hex(32)
+    asked: list[float] = []
+
+    def orchestrate() -> None:
+        deadline = time.monotonic() + 300.0
+        while time.monotonic() < deadline:
+            try:
+                with JobControl("127.0.0.1", port, timeout_s=30.0, secret=secret) as job:
+                    while (job.committed_step() or 0) < KILL_STEP and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    outcome = job.wait_move(job.move([1], "bench"), timeout_s=30.0)
+                    if outcome.accepted:
+                        asked.append(time.time())
+                        return
+            except Exception:  # the job not up yet, or a refusal while it starts: ask again
+                pass
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=orchestrate, daemon=True)
+    thread.start()
+    run = run_job(spec, steps, standby=1, extra={"port": port, "secret": secret})
+    thread.join(timeout=5.0)
+    gens = _by_gen(run.commits)
+    if sorted(gens) != [0, 1] or not run.of_kind("moved"):
+        raise RuntimeError(f"expected one planned move (generations 0, 1), got {sorted(gens)}")
+    (moved,) = run.of_kind("moved")
+    gap = _gap(gens[0][-1], gens[1][0])
+    return {"gap_s": gap, "gap_steps": gap / steady_full, "moved_event_stall_s": moved["stall_s"],
+            "group_s": moved.get("group_s"), "handoff_s": moved.get("handoff_s"),
+            "replayed": [e["step"] for e in run.of_kind("recovered")], "failed": len(run.of_kind("member_failed")),
+            "digest": sorted(set(run.runtime_digests.values()))}
+
+
 def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
     spec = WorkloadSpec.quick() if quick else WorkloadSpec.full()
     steps = 40 if quick else 60
@@ -120,6 +164,8 @@ def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
                     extra={"standby_wait_s": 0.0})
         shrinks.append(_shrink_grow(s, bandwidth, steady_full))
         digests["shrink_grow"] |= set(s.runtime_digests.values())
+    moves = [_planned_move(spec, steps, steady_full) for _ in range(kills)]
+    digests["planned_move"] = {d for m in moves for d in m.pop("digest")}
     tft = lost_time_torchft(spec, steps, KILL_STEP, kills=kills)
     report: dict[str, Any] = {
         "mode": "quick" if quick else "full", "steps": steps, "kill_step": KILL_STEP, "kills": kills,
@@ -140,6 +186,10 @@ def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
                         "grow_stall_steps": spread([k["grow_stall_steps"] for k in shrinks]),
                         "narrow_steps_extra_s": spread([k["narrow_steps_extra_s"] for k in shrinks]),
                         "equal_work_lost_s": spread([k["equal_work_lost_s"] for k in shrinks])},
+        "planned_move": {"each": moves, "gap_s": spread([m["gap_s"] for m in moves]),
+                         "moved_event_stall_s": spread([m["moved_event_stall_s"] for m in moves]),
+                         "replayed_steps": sum(len(m["replayed"]) for m in moves),
+                         "failures": sum(m["failed"] for m in moves)},
         "torchft": tft,
         # Two members to one with one micro-batch per step is bit-exact (docs/elastic.md): the same final state.
         "bitwise_identical": {k: v == digests["clean"] for k, v in digests.items() if k != "clean"},
@@ -164,6 +214,10 @@ def format_report(r: dict[str, Any]) -> str:
              f"  equal work (shrink gap + grow stall + the shrunk steps' excess over a full step): "
              f"{s['equal_work_lost_s']['median']:.3f} s, of which the shrunk steps "
              f"{s['narrow_steps_extra_s']['median']:+.3f} s (a takeover: its gap)"]
+    m = r["planned_move"]
+    lines.append(f"  planned move at a step boundary: gap {m['gap_s']['median']:.3f} s (the moved event's stall "
+                 f"{m['moved_event_stall_s']['median']:.3f} s; target <= 0.1 s), steps replayed: "
+                 f"{m['replayed_steps']}, failures: {m['failures']}")
     tf = r["torchft"]
     if tf.get("available"):
         ours = s["equal_work_lost_s"]["median"]
