@@ -179,7 +179,8 @@ def test_percentiles_the_plan_and_commit_logs() -> None:
         "signals=kill|stop,targets=worker|standby,covered=1")
     # A member killed mid-write leaves a torn last line, which is skipped.
     assert parse_commit_log("1 0 100.5 0.2\n2 0 100.7 0.2\n3 0 10") == (
-        Commit(1, 0, 100.5), Commit(2, 0, 100.7))
+        Commit(1, 0, 100.5, 0.2), Commit(2, 0, 100.7, 0.2))
+    assert parse_commit_log("1 0 100.5\n") == (Commit(1, 0, 100.5),), "a log without step durations (older writers)"
 
 
 def test_a_stall_is_measured_against_the_steps_around_it_not_the_whole_soak() -> None:

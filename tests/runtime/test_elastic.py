@@ -82,17 +82,17 @@ def test_a_resize_shrinks_and_grows_the_job_at_step_boundaries_bit_exactly_with_
     port = free_port()
     env = {**os.environ, ENV_SECRET: SECRET}
 
-    def resize(width: int) -> subprocess.CompletedProcess[str]:
+    def resize(width: int) -> subprocess.CompletedProcess[str]:  # the command, as an operator types it
         return subprocess.run([sys.executable, "-m", "trainmover", "resize", "--port", str(port), "--width",
                                str(width), "--reason", "free capacity"], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=60)
 
-    # Paced (50 ms a step, 15 s in all): two commands and a grow fit in the run on a loaded machine too.
-    with running(tmp_path, "--standby", "1", "--port", str(port), "--wait-for-standbys", pace_ms=50) as job:
+    # Paced (40 ms a step, 12 s in all): a command and a grow fit in the run on a loaded machine too.
+    with running(tmp_path, "--standby", "1", "--port", str(port), "--wait-for-standbys", pace_ms=40) as job:
         control = job.control()
         job.wait_for("generation")
-        refused = resize(3)
-        assert refused.returncode == 1 and "width 3 is more than the job's 2 logical ranks" in refused.stderr
+        refused = control.wait_resize(control.resize(3, "more"), timeout_s=30)
+        assert not refused.accepted and "width 3 is more than the job's 2 logical ranks" in refused.reason
         accepted = resize(1)
         assert accepted.returncode == 0, accepted.stderr
         (shrunk,) = job.wait_for("shrunk")
