@@ -7,7 +7,9 @@ import hashlib
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +204,24 @@ def comes_back_from_the_store(url: str) -> None:
     assert recovered.step == 9 and recovered.handoff_bytes > 0
     assert events_of(result, BackupWritten)[-1].path == f"{url}/{step_dir(20)}"
     assert set(result.digests.values()) == {clean_digest(2, steps, ema_job)}
+
+
+def backups_round_trip(url: str, names: Callable[[str], list[str]]) -> tuple[TrainingState, Any]:
+    """Backups every 3 steps under `url` (an object store's prefix, `names(prefix)` listing its objects), the two
+    newest kept: the newest comes back bit for bit. Returns the trained state and its EMA."""
+    state, ema = make(0)
+    writer = BackupWriter(BackupSettings(url, 3, keep=2), "job-a", state.spec())
+    for step in range(1, 10):
+        train(state, ema, step, step)
+        if writer.after_commit(step, state):
+            assert writer.wait(60.0)
+    assert writer.failed == 0
+    assert [b.path for b in writer.finished()] == [f"{url}/{step_dir(s)}" for s in (3, 6, 9)]
+    prefix = url.split("/", 3)[3] + "/"
+    listed = names(prefix)
+    assert f"{prefix}{step_dir(9)}/{MANIFEST}" in listed and f"{prefix}{step_dir(9)}/.metadata" in listed
+    assert not any(step_dir(3) in n for n in listed)
+    fresh, _ = make(4)
+    assert load_backup(find_backup(url), fresh) == 9
+    assert fresh.digest() == state.digest()
+    return state, ema
