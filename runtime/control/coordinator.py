@@ -339,6 +339,8 @@ class Coordinator:
         """Members the job should run with: its logical width, until a resize request sets fewer."""
         self._resize_cause = "a standby is ready"
         self._change: PlannedChange | None = None
+        self._deferred_move: MoveRequest | None = None
+        """A move accepted before the first step was committed: it waits for one, then is judged again."""
         """A planned generation (a grow, a requested shrink) not every member has switched to yet."""
         self._last_backup: BackupRecord | None = None
         self._restore_announced = -1
@@ -695,7 +697,7 @@ class Coordinator:
                 continue
             ready = [p for p in self.standbys.ready() if p not in procs]
             if ranks and (self.pending_deaths or self.recoveries or self._change is not None
-                          or len(ready) < len(ranks)):
+                          or len(ready) < len(ranks) or not self._committed()):
                 continue  # asked again on the next turn; the cloud's deadline is what bounds the wait
             del self._host_notices[(host, incarnation)]
             for proc in standbys:
@@ -876,6 +878,28 @@ class Coordinator:
             self._reject("move", refusal, seq=request.seq, ranks=list(request.ranks))
             self._answer_move(request.seq, refusal)
             return
+        if not self._committed():
+            # Before the first commit a data-parallel job is not told apart from a sharded one: the move waits for
+            # it (a health tick or a few), then is judged again (`_deferred_moves`).
+            self._deferred_move = request
+            return
+        self._accept_move(request)
+
+    def _deferred_moves(self) -> None:
+        request, self._deferred_move = self._deferred_move, None
+        if request is None:
+            return
+        if not self._committed():
+            self._deferred_move = request
+            return
+        refusal = self._move_refusal(request, again=True)
+        if refusal is not None:
+            self._reject("move", refusal, seq=request.seq, ranks=list(request.ranks))
+            self._answer_move(request.seq, refusal)
+            return
+        self._accept_move(request)
+
+    def _accept_move(self, request: MoveRequest) -> None:
         procs = [self.gen.members[r] for r in request.ranks]
         self.events.emit(MoveAccepted(seq=request.seq, ranks=list(request.ranks), procs=procs,
                                       reason=request.reason))
@@ -887,8 +911,9 @@ class Coordinator:
         """Give `ranks` to ready standbys. A data-parallel job does it in a planned generation: the members switch at
         a step boundary, the standbys receive the state from the members that stay, the leaving processes exit once
         the others switched, and nothing is replayed. A sharded job's leaving rank may hold the only copy of a shard
-        outside its buddy: it leaves by the failure path (fenced, `planned_move:<reason>`), which rebuilds it."""
-        if self._sharded():
+        outside its buddy: it leaves by the failure path (fenced, `planned_move:<reason>`), which rebuilds it. Called
+        once a step was committed (a sharded job is told apart by then)."""
+        if not self._data_parallel():
             for r in ranks:
                 self._fence(self.gen.members[r], f"planned_move:{reason}")
             return
@@ -930,9 +955,11 @@ class Coordinator:
         log.warning("width target changed from %d to %d members: %s", old, request.width, request.reason)
         self._answer(keys.k_control_resize_result(), request.seq, None)
 
-    def _move_refusal(self, request: MoveRequest) -> str | None:
+    def _move_refusal(self, request: MoveRequest, again: bool = False) -> str | None:
+        """Why `request` cannot happen now (`again`: a deferred request judged again, its seq handled already)."""
+        last = request.seq - 1 if again else self._last_move_seq
         return move_refusal(request, MoveContext(
-            last_seq=self._last_move_seq, started=self.started, finished=self.started and self._all_done(),
+            last_seq=last, started=self.started, finished=self.started and self._all_done(),
             world=self.gen.world_size,
             recovering=bool(self.pending_deaths or self.recoveries or self._change is not None),
             ready=len(self.standbys.ready())))
@@ -973,6 +1000,7 @@ class Coordinator:
         if self.pending_deaths:
             self._replace(now)
         elif self._health_due:
+            self._deferred_moves()
             self._resize()
         if self._health_due:
             # Reports are read on health ticks only: a recovery of N ranks costs 2N store round trips per read,
@@ -1159,6 +1187,15 @@ class Coordinator:
         """A sharded job (its rank 0 published where each shard's copies live) runs at its full width only."""
         return self._homes is not None or self.records.get_record(keys.k_state_homes(), StateHomes) is not None
 
+    def _committed(self) -> bool:
+        """Whether a step was committed (the members' heartbeats publish it): by then a sharded job's rank 0 has
+        published its `StateHomes`, so a job without them is data-parallel."""
+        progress = self.records.get_record(keys.k_progress(), Progress)
+        return progress is not None and progress.step >= 1
+
+    def _data_parallel(self) -> bool:
+        return self._committed() and not self._sharded()
+
     def _can_shrink(self, survivors: int) -> bool:
         return self.s.shrink != "off" and survivors >= 1 and not self._sharded()
 
@@ -1168,8 +1205,8 @@ class Coordinator:
         if (not self.started or self.completing_since is not None or self._change is not None or self.recoveries
                 or self.s.shrink == "off" or self.gen.world_size == self.width_target):
             return
-        if self._sharded():
-            return
+        if not self._data_parallel():
+            return  # a sharded job never (its resize was refused); or no step committed yet: the next tick
         old = self.gen
         drop, add = resize_plan(old.world_size, self.width_target, self.standbys.ready())
         if not drop and not add:

@@ -134,13 +134,14 @@ def test_a_raised_standby_target_starts_a_standby_that_then_covers_a_failure(
 def test_a_planned_move_hands_the_rank_to_the_standby_at_a_step_boundary_bit_exactly(
     tmp_path: Path, reference_digest: Callable[[int, int], str]
 ) -> None:
-    # Generation 0 is published once the standby is warm; the move follows at once and lands while the workers
-    # connect, broadcast the initial model or run their first steps. The members switch after a step they agree on:
+    # Generation 0 is published once the standby is warm; the move follows at once, while the workers connect,
+    # broadcast the initial model or run their first step: it waits for the first committed step (before it a
+    # data-parallel job is not told apart from a sharded one), then the members switch after a step they agree on:
     # nobody fails, nothing is replayed, and the process that left exits on its own.
-    with running(tmp_path, "--standby", "1", "--wait-for-standbys") as job:
+    with running(tmp_path, "--standby", "1", "--wait-for-standbys", pace_ms=PACE_MS) as job:
         job.wait_for("generation")
         with job.control() as control:
-            outcome = control.wait_move(control.move([1], "spot_interruption"), timeout_s=10)
+            outcome = control.wait_move(control.move([1], "spot_interruption"), timeout_s=60)
         assert outcome.accepted, outcome.reason
         finished = job.finish()
 

@@ -32,6 +32,7 @@ from runtime.wire.protocol import (
     Joined,
     MoveRequest,
     MoveResult,
+    Progress,
     RecoveryReport,
     ResizeRequest,
     StateHomes,
@@ -133,6 +134,13 @@ def test_a_resize_request_is_checked_before_the_coordinator_sees_it() -> None:
 
 
 # -- the coordinator's loop on a fake clock ------------------------------------------------------------------------
+def _start(scene: Scene) -> None:
+    """Start the job, and publish a committed step as the members' heartbeats would: the coordinator makes planned
+    changes only once a step was committed (a sharded job has said so by then)."""
+    scene.c.start()
+    scene.member.put(keys.k_progress(), Progress(1))
+
+
 def _join(scene: Scene, gen: Generation) -> None:
     for r in range(gen.world_size):
         scene.member.put(keys.k_joined(gen.gen, r), Joined())
@@ -150,7 +158,7 @@ def _report_all(scene: Scene, gen: Generation, receivers: tuple[int, ...] = ()) 
 def test_no_standby_within_the_wait_shrinks_the_job_and_a_standby_warm_later_grows_it_at_a_step_boundary() -> None:
     scene = Scene(lambda name, role: Script(exit_at=1.0) if name == "w1" else
                   Script(ready_at=9.0) if role == "standby" else Script(), nproc=3, standby=0, standby_wait_s=4.0)
-    scene.c.start()
+    _start(scene)
     shrunk_at = scene.until(lambda: scene.c.gen.gen == 1, 10.0)
     assert 5.0 < shrunk_at <= 5.0 + TICK, "shrunk at the first tick past the standby wait, not before"
     g1 = scene.member.get_record(keys.k_gen(1), Generation)
@@ -202,7 +210,7 @@ def _resize(scene: Scene, seq: int, width: int) -> MoveResult:
 @pytest.mark.timeout(20)
 def test_a_resize_leaves_out_the_highest_ranks_at_a_step_boundary_and_their_exit_is_no_failure() -> None:
     scene = Scene(lambda name, role: Script(ready_at=0.3) if role == "standby" else Script(), nproc=4, standby=1)
-    scene.c.start()
+    _start(scene)
     scene.run_for(1.0)
     assert _resize(scene, 1, 5) == MoveResult(1, False, "width 5 is more than the job's 4 logical ranks (--nproc)")
     assert _resize(scene, 2, 2) == MoveResult(2, True, "")
@@ -229,7 +237,7 @@ def test_a_resize_leaves_out_the_highest_ranks_at_a_step_boundary_and_their_exit
 @pytest.mark.timeout(20)
 def test_a_member_left_out_that_dies_before_the_switch_makes_the_others_rebuild() -> None:
     scene = Scene(lambda name, role: Script(), nproc=2, standby=0)
-    scene.c.start()
+    _start(scene)
     scene.run_for(0.5)
     assert _resize(scene, 1, 1).accepted
     scene.until(lambda: scene.c.gen.gen == 1, 1.0)
@@ -245,7 +253,7 @@ def test_members_that_cannot_agree_on_the_switch_report_in_the_old_generation_an
     """An outsider wrote the switch point first (members raise, report the failure in the generation they train
     in, and wait): the coordinator reads the old generation's reports too, and forms a failure's generation."""
     scene = Scene(lambda name, role: Script(), nproc=2, standby=0, hang_timeout_s=1.0)
-    scene.c.start()
+    _start(scene)
     scene.run_for(0.5)
     assert _resize(scene, 1, 1).accepted
     scene.until(lambda: scene.c.gen.gen == 1, 1.0)
@@ -264,7 +272,7 @@ def test_members_that_cannot_agree_on_the_switch_report_in_the_old_generation_an
 def test_a_job_whose_last_step_came_before_the_switch_ends_in_the_old_generation() -> None:
     scene = Scene(lambda name, role: Script(finish_at=2.0) if role == "worker" else Script(ready_at=0.3),
                   nproc=2, standby=1)
-    scene.c.start()
+    _start(scene)
     scene.run_for(0.5)
     assert _resize(scene, 1, 1).accepted
     result = scene.c.run_loop()
@@ -276,7 +284,7 @@ def test_a_job_whose_last_step_came_before_the_switch_ends_in_the_old_generation
 @pytest.mark.timeout(20)
 def test_a_resize_is_refused_when_the_job_runs_at_full_width_only() -> None:
     scene = Scene(lambda name, role: Script(), nproc=2, standby=0, shrink="off")
-    scene.c.start()
+    _start(scene)
     scene.run_for(0.5)
     assert _resize(scene, 1, 1) == MoveResult(1, False, "the job was started with --shrink off: it runs at its full "
                                                         "width only")
@@ -286,7 +294,7 @@ def test_a_resize_is_refused_when_the_job_runs_at_full_width_only() -> None:
 def test_a_planned_move_gives_the_rank_to_a_standby_at_a_step_boundary_and_nobody_fails() -> None:
     scene = Scene(lambda name, role: Script(ready_at=0.3) if role == "standby" else Script(), nproc=3, standby=1,
                   replenish=False)
-    scene.c.start()
+    _start(scene)
     scene.until(lambda: bool(scene.c.standbys.ready()), 2.0)
     scene.orchestrator.put(keys.k_control_move(), ControlCommand(1, MoveRequest(1, (1,), "maintenance").to_json()))
     scene.until(lambda: scene.c.gen.gen == 1, 1.0)
@@ -310,3 +318,19 @@ def test_a_planned_move_gives_the_rank_to_a_standby_at_a_step_boundary_and_nobod
     assert moved.stall_s == pytest.approx(0.05) and moved.handoff_bytes == 1000
     scene.run_for(0.5)
     assert not scene.events(MemberFailed) and not scene.events(Recovered)
+
+
+@pytest.mark.timeout(20)
+def test_a_move_before_the_first_committed_step_waits_for_it_then_happens_at_a_step_boundary() -> None:
+    scene = Scene(lambda name, role: Script(ready_at=0.3) if role == "standby" else Script(), nproc=2, standby=1,
+                  replenish=False)
+    scene.c.start()  # no step committed yet: a data-parallel job is not told apart from a sharded one
+    scene.until(lambda: bool(scene.c.standbys.ready()), 2.0)
+    scene.orchestrator.put(keys.k_control_move(), ControlCommand(1, MoveRequest(1, (1,), "maintenance").to_json()))
+    scene.run_for(1.0)
+    assert scene.c.gen.gen == 0 and scene.member.get_record(keys.k_control_move_result(), MoveResult) is None
+    scene.member.put(keys.k_progress(), Progress(1))
+    scene.until(lambda: scene.c.gen.gen == 1, 1.0)
+    assert scene.c.gen.planned and scene.c.gen.members == ("w0", "s0")
+    assert scene.member.get_record(keys.k_control_move_result(), MoveResult) == MoveResult(1, True, "")
+    assert not scene.pool.procs["w1"].killed
