@@ -31,6 +31,7 @@ from runtime.wire.event_records import (
     JobStarted,
     MemberFailed,
     MoveAccepted,
+    Moved,
     Placed,
     Recovered,
     RestoringFromBackup,
@@ -90,6 +91,8 @@ ONE_OF_EACH: list[Event] = [
     Grew(generation=3, width_from=3, width_to=4, logical_width=4, procs=["s1"], cause="a standby is ready",
          stall_s=0.05, handoff_bytes=1 << 20, first_step_s=0.09, steady_step_s=0.08),
     WidthTargetChanged(old=4, new=2, reason="free capacity", seq=3),
+    Moved(generation=4, ranks=[{"rank": 1, "old": "w1", "new": "s2"}], reason="spot_interruption", stall_s=0.09,
+          handoff_bytes=1 << 20, group_s=0.04, handoff_s=0.04),
 ]
 
 

@@ -189,7 +189,9 @@ def test_losing_every_copy_with_backups_restarts_from_the_newest_and_ends_bit_ex
     (recovered,) = events_of(result, Recovered)
     assert recovered.step == 9 and recovered.handoff_bytes > 0
     written = events_of(result, BackupWritten)
-    assert written[0].step == 4 and written[-1].step == 20  # the last one waited for
+    # The coordinator reads rank 0's newest-backup record at its 0.2 s health tick: backups 4 and 8, reported at
+    # steps 5 and 9, can fall in one tick (seen in CI), and then only 8 has an event (docs/design.md, events).
+    assert written[0].step in (4, 8) and written[-1].step == 20  # the last one waited for
     assert all(w.bytes > 0 and w.stage_s >= 0 and w.write_s > 0 for w in written)
     # The newest 3 are kept (on a loaded machine a backup due while the last one is written is skipped).
     kept = sorted(int(p.name[5:]) for p in backups.iterdir())
