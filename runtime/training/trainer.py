@@ -425,7 +425,10 @@ class Trainer:
         if self.job.heartbeat.latest_gen > self.gen:
             raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed during step {step}")
         global_loss: float | None = None
-        units_loss = float(loss) if len(unit_losses) == 1 else float(torch.stack(unit_losses).sum())
+        # The sum of the units' losses, for a ReduceLROnPlateau scheduler only (it reads the mean over every unit).
+        units_loss = 0.0
+        if self._plateau:
+            units_loss = float(loss) if len(unit_losses) == 1 else float(torch.stack(unit_losses).sum())
         if self.world_size > 1:
             self.buckets.all_reduce_mean(
                 n_units,
