@@ -28,6 +28,7 @@ Figures, from rank 0's commits (it is never killed). For a change at step r (its
 - **planned move** (`JobControl.move`, issue 29's target: at most 0.1 s of stall, nothing replayed): with one warm
   standby, an orchestrator moves rank 1 once step K is committed; the members switch at a step boundary. Its stall is
   the gap of rank 0's first commit in the new generation, as above, and the `moved` event's own.
+- **sharded** (`_sharded_elastic`): the same shrink and grow for HSDP 2 x 2 and DP 2 x TP 2, by whole replica groups.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
         shrinks.append(_shrink_grow(s, bandwidth, steady_full))
         digests["shrink_grow"] |= set(s.runtime_digests.values())
     moves = [_planned_move(spec, steps, steady_full) for _ in range(kills)]
+    sharded = _sharded_elastic(quick, kills)
     digests["planned_move"] = {d for m in moves for d in m.pop("digest")}
     tft = lost_time_torchft(spec, steps, KILL_STEP, kills=kills)
     report: dict[str, Any] = {
@@ -191,6 +193,7 @@ def run_elastic_benchmark(quick: bool, kills: int) -> dict[str, Any]:
                          "replayed_steps": sum(len(m["replayed"]) for m in moves),
                          "failures": sum(m["failed"] for m in moves)},
         "torchft": tft,
+        "sharded": sharded,
         # Two members to one with one micro-batch per step is bit-exact (docs/elastic.md): the same final state.
         "bitwise_identical": {k: v == digests["clean"] for k, v in digests.items() if k != "clean"},
     }
@@ -227,4 +230,86 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append(f"  torchft: not run ({tf.get('reason')})")
     lines.append(f"  same final state as the clean run: {r['bitwise_identical']}")
+    lines.append(format_sharded(r["sharded"]))
+    return "\n".join(lines)
+
+
+SHARDED_KILL_STEP = 10
+
+
+def _row_gap(before: tuple[int, int, float, float], first: tuple[int, int, float, float]) -> float:
+    """`_gap` for the sharded worker's commit rows (step, generation, time, step_s)."""
+    return first[2] - before[2] - first[3]
+
+
+def _sharded_elastic(quick: bool, kills: int) -> dict[str, Any]:
+    """HSDP 2 x 2 and DP 2 x TP 2 (the sharded section's decoder, bench.sharded): rank 3 SIGKILLed in its exchange at
+    step K with no standby (`--standby-wait 0`): replica group 1 is left out (rank 2, alive, released) and group 0
+    trains on at once with both groups' batches (accumulation); the two standbys started for the loss grow the job
+    back at a step boundary. Against the same kill taken over by a warm standby. From rank 0's commits (w0 stays
+    rank 0), with the gaps of the data-parallel part above. The run is sized to outlast the standbys' start."""
+    from bench.sharded import FULL, QUICK, run, steady_step_s
+
+    size = QUICK if quick else FULL
+    k = SHARDED_KILL_STEP
+    fault = f"kill:rank=3,step={k},phase=exchange"
+    out: dict[str, Any] = {}
+    for layout in ("hsdp", "dp-tp"):
+        probe = steady_step_s(run(layout, size, 20))
+        steps = k + max(40, int(15.0 / probe))
+        clean = run(layout, size, steps)
+        steady = steady_step_s(clean)
+        takeover_gaps: list[float] = []
+        shrink: list[float] = []
+        rows: list[dict[str, float | None]] = []
+        exact = True
+        for _ in range(kills):
+            t = run(layout, size, steps, faults=fault, standby=1)
+            gens: dict[int, list[tuple[int, int, float, float]]] = {}
+            for c in t.commits:
+                gens.setdefault(c[1], []).append(c)
+            takeover_gaps.append(_row_gap(gens[0][-1], gens[1][0]))
+            s = run(layout, size, steps, faults=fault, standby=0, replenish=True, wait_for_standbys=False,
+                    standby_wait_s=0.0)
+            gens = {}
+            for c in s.commits:
+                gens.setdefault(c[1], []).append(c)
+            grew = [e for e in s.events if e["event"] == "grew"]
+            shrunk_steps = [c[3] for c in gens[1][1:]]
+            shrink_gap = _row_gap(gens[0][-1], gens[1][0])
+            shrink.append(shrink_gap)
+            row: dict[str, float | None] = {"shrink_gap_s": shrink_gap,
+                   "shrunk_step_s": statistics.median(shrunk_steps) if shrunk_steps else None,
+                   "grow_stall_s": _row_gap(gens[1][-1], gens[2][0]) if 2 in gens else None,
+                   "grew_event_stall_s": grew[0]["stall_s"] if grew else None,
+                   "grow_group_s": grew[0].get("group_s") if grew else None,
+                   "grow_handoff_s": grew[0].get("handoff_s") if grew else None}
+            row["grow_stall_steps"] = None if row["grow_stall_s"] is None else row["grow_stall_s"] / steady
+            rows.append(row)
+            exact = exact and s.digest is not None and s.digest == clean.digest
+        grows = [g for r in rows if (g := r["grow_stall_s"]) is not None]
+        out[layout] = {
+            "steps": steps, "steady_step_s": steady, "each": rows,
+            "takeover_gap_s": spread(takeover_gaps), "shrink_gap_s": spread(shrink),
+            "shrink_vs_takeover": statistics.median(shrink) / statistics.median(takeover_gaps),
+            "shrunk_step_s": spread([r["shrunk_step_s"] for r in rows if r["shrunk_step_s"]]),
+            "grow_stall_s": spread(grows), "grow_stall_steps": spread([g / steady for g in grows]),
+            "grow_group_s": spread([r["grow_group_s"] for r in rows if r["grow_group_s"] is not None]),
+            "grow_handoff_s": spread([r["grow_handoff_s"] for r in rows if r["grow_handoff_s"] is not None]),
+            "grown_back": len(grows), "bitwise_identical": exact,
+        }
+    return out
+
+
+def format_sharded(r: dict[str, Any]) -> str:
+    lines = ["  sharded, by whole replica groups (rank 3 killed with no standby; group 1 left out, then grown back):"]
+    for layout, s in r.items():
+        g = s["grow_stall_s"]["median"]
+        grow = (f"grow stall {g:.3f} s = {s['grow_stall_steps']['median']:.2f} steps (new groups "
+                f"{s['grow_group_s']['median'] or 0:.3f} s, handoff {s['grow_handoff_s']['median'] or 0:.3f} s)"
+                if g is not None else "not grown back within the run")
+        lines.append(f"    {layout:<6} steady step {s['steady_step_s']:.3f} s; takeover gap "
+                     f"{s['takeover_gap_s']['median']:.3f} s, shrink gap {s['shrink_gap_s']['median']:.3f} s "
+                     f"(x{s['shrink_vs_takeover']:.2f}), shrunk step {s['shrunk_step_s']['median'] or 0:.3f} s; "
+                     f"{grow}; bit-exact: {s['bitwise_identical']}")
     return "\n".join(lines)

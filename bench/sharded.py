@@ -78,8 +78,8 @@ class Run:
 
 
 def run(layout: str, size: Size, steps: int, *, faults: str = "", standby: int = 0, nproc: int = 4,
-        extra: tuple[str, ...] = ()) -> Run:
-    """One job of the sharded worker; raises if it did not complete."""
+        extra: tuple[str, ...] = (), **settings: Any) -> Run:
+    """One job of the sharded worker (`settings`: more `LaunchConfig` fields); raises if it did not complete."""
     with tempfile.TemporaryDirectory(prefix="tm-bench-sharded-") as tmp:
         out = Path(tmp) / "rank0.json"
         saved = os.environ.get(OUT_ENV)
@@ -88,7 +88,8 @@ def run(layout: str, size: Size, steps: int, *, faults: str = "", standby: int =
             cfg = LaunchConfig(script=str(SCRIPT), args=("--layout", layout, "--steps", str(steps), *size.args(),
                                                          *extra),
                                nproc=nproc, standby=standby, faults=faults, num_threads=1, quiet=True,
-                               replenish=False, wait_for_standbys=True, events_path=str(Path(tmp) / "events.jsonl"))
+                               events_path=str(Path(tmp) / "events.jsonl"),
+                               **{"replenish": False, "wait_for_standbys": True, **settings})
             t0 = time.perf_counter()
             result = launch(cfg)
             wall = time.perf_counter() - t0

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from runtime.config import KNOBS, ShrinkMode
 from runtime.control.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control.decisions import MoveContext, move_refusal
-from runtime.control.elastic import PlannedChange, change_figures, resize_plan, standbys_needed
+from runtime.control.elastic import PlannedChange, change_figures, cover_plan, resize_plan
 from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
 from runtime.control.hosts import NoSlot
 from runtime.control.lease import Deposed, Lease
@@ -311,7 +311,7 @@ class Coordinator:
                                     pool.free_slots, lambda: store.add(keys.k_standby_names(), 1) - 1)
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
-        self._homes: list[list[int]] | None = None
+        self._state_homes: StateHomes | None = None
         """`StateHomes` once read (None: none yet; a data-parallel job has none: every rank holds every state)."""
         self.recoveries = Recoveries(self.records, events)
         self.failed_seen_at: float | None = None
@@ -941,8 +941,12 @@ class Coordinator:
         refusal = None
         if self.s.shrink == "off":
             refusal = "the job was started with --shrink off: it runs at its full width only"
-        elif self._sharded():
-            refusal = "a sharded job runs at its full width only (resizing is for data-parallel jobs)"
+        elif (unit := self._shrink_unit()) == 0:
+            refusal = ("this sharded job runs at its full width only: it has one replica group, or keeps buddy "
+                       "copies (a sharded job resizes by whole replica groups of HSDP or DP x TP)")
+        elif request.width % unit:
+            refusal = (f"a sharded job resizes by whole replica groups of {unit} ranks: ask for a multiple of "
+                       f"{unit}")
         elif not request.width <= logical:
             refusal = f"width {request.width} is more than the job's {logical} logical ranks (--nproc)"
         if refusal is not None:
@@ -1131,38 +1135,48 @@ class Coordinator:
         settle_s = self.pool.settle_s
         if settle_s > 0 and self.wall() - max(d.declared_at for d in deaths) < settle_s:
             return  # across hosts, hosts failing together (a rack, a switch) are seen within ms: one generation
-        survivors = self.gen.world_size - len(deaths)
+        lost = [d.rank for d in deaths]
+        world = self.gen.world_size
+        unit = self._shrink_unit()
         # The lowest lost ranks get standbys (a rank given to one keeps its number); as many as the width target
-        # needs: all of them at full width.
-        needed = standbys_needed(len(deaths), self.gen.world_size, self.width_target)
+        # needs: all of them at full width. A sharded job keeps or leaves out whole replica groups.
+        want, _ = cover_plan(lost, world, self.width_target, unit=unit or 1)
         shrinking = False
-        if len(ready) < needed:
+        if len(ready) < len(want):
             if self.s.replenish:
-                self.standbys.cover(needed)
+                self.standbys.cover(len(want))
             assert self.waiting_since is not None
             if now - self.waiting_since <= self.s.standby_wait_s:
                 return
-            if not self._can_shrink(survivors):
+            if not self._can_shrink(lost):
                 self._no_standby(deaths)
-            needed, shrinking = len(ready), True
-        covered, left_out = deaths[:needed], deaths[needed:]
+            shrinking = True
+        covered_ranks, dropped = cover_plan(lost, world, self.width_target, len(ready) if shrinking else None,
+                                            unit=unit or 1)
+        covered = [d for d in deaths if d.rank in covered_ranks]
+        released = [r for r in dropped if r not in lost]
         assignment = self._assign(covered, ready)
         reason = "; ".join(f"{d.proc} {d.cause}" for d in deaths)
-        if left_out:
+        if dropped:
             self._resize_cause = "a standby is ready"  # what grows the job back, unless a resize asks otherwise
             why = (f"no standby ready within {self.s.standby_wait_s:.0f} s" if shrinking
                    else f"the width target is {self.width_target}")
-            reason += f"; {len(left_out)} rank(s) left out ({why}): {survivors + len(covered)} of " \
+            reason += f"; {len(dropped)} rank(s) left out ({why}): {world - len(dropped)} of " \
                       f"{self.gen.logical_width} members"
-        width_before = self.gen.world_size
-        new = self.gen.change(reason, assign=assignment, drop=[d.rank for d in left_out])
+            if released:
+                reason += f"; {', '.join(self.gen.members[r] for r in released)} released with its replica group"
+        for r in released:  # alive, the rest of a replica group left out: it exits, as a resize's would
+            self.procs[self.gen.members[r]].released = True
+        width_before = world
+        left_out = [self.gen.members[r] for r in dropped]
+        new = self.gen.change(reason, assign=assignment, drop=dropped, released=released)
         declared_at = self.wall()
         self.records.put(keys.k_recovery(new.gen), RecoveryOpened(
             tuple((d.rank, d.proc, d.pid, d.cause, d.failure_at, d.declared_at) for d in deaths), declared_at))
         self.standbys.promote(list(assignment.values()), new.gen)
         self._publish(new, assign=list(assignment.values()))
-        self.recoveries.open(new, deaths, declared_at, left_out=[d.proc for d in left_out],
-                             width_before=width_before, mode=self.s.shrink)
+        self.recoveries.open(new, deaths, declared_at, left_out=left_out, width_before=width_before,
+                             mode=self.s.shrink)
         self._emit_generation(new)
         self.pending_deaths.clear()
         self.waiting_since = None
@@ -1183,9 +1197,20 @@ class Coordinator:
         )
 
     # -- elastic width (runtime.control.elastic) -------------------------------------------------------------
+    def _homes_record(self) -> StateHomes | None:
+        """A sharded job's `StateHomes` (its rank 0 publishes it before the first step), once read."""
+        if self._state_homes is None:
+            self._state_homes = self.records.get_record(keys.k_state_homes(), StateHomes)
+        return self._state_homes
+
     def _sharded(self) -> bool:
-        """A sharded job (its rank 0 published where each shard's copies live) runs at its full width only."""
-        return self._homes is not None or self.records.get_record(keys.k_state_homes(), StateHomes) is not None
+        return self._homes_record() is not None
+
+    def _shrink_unit(self) -> int:
+        """The ranks a job shrinks and grows by: 1 (a data-parallel job), a replica group (a sharded job with
+        groups to spare, `StateHomes.replica_size`), or 0 (a sharded job that runs at its full width only)."""
+        homes = self._homes_record()
+        return 1 if homes is None else homes.replica_size
 
     def _committed(self) -> bool:
         """Whether a step was committed (the members' heartbeats publish it): by then a sharded job's rank 0 has
@@ -1196,8 +1221,12 @@ class Coordinator:
     def _data_parallel(self) -> bool:
         return self._committed() and not self._sharded()
 
-    def _can_shrink(self, survivors: int) -> bool:
-        return self.s.shrink != "off" and survivors >= 1 and not self._sharded()
+    def _can_shrink(self, lost: list[int]) -> bool:
+        """Whether the job can go on without the ranks no standby takes: a group of its shrink unit untouched by
+        the loss is left, to hold every state class."""
+        unit = self._shrink_unit()
+        return (self.s.shrink != "off" and unit > 0
+                and len({r // unit for r in lost}) < self.gen.world_size // unit)
 
     def _resize(self) -> None:
         """With nothing lost pending: move the job towards its width target (a planned generation), growing back
@@ -1205,10 +1234,11 @@ class Coordinator:
         if (not self.started or self.completing_since is not None or self._change is not None or self.recoveries
                 or self.s.shrink == "off" or self.gen.world_size == self.width_target):
             return
-        if not self._data_parallel():
-            return  # a sharded job never (its resize was refused); or no step committed yet: the next tick
+        unit = self._shrink_unit() if self._committed() else 0
+        if unit == 0:
+            return  # a sharded job at full width only (its resize was refused); or no step committed yet: next tick
         old = self.gen
-        drop, add = resize_plan(old.world_size, self.width_target, self.standbys.ready())
+        drop, add = resize_plan(old.world_size, self.width_target, self.standbys.ready(), unit)
         if not drop and not add:
             if self.s.replenish:
                 self.standbys.cover(self.width_target - old.world_size)  # new instances, to grow onto
@@ -1283,15 +1313,19 @@ class Coordinator:
         """A ready standby for each lost rank: for a sharded job, one on a host where no surviving copy of that
         rank's state lives (`StateHomes`), where there is one, so that a host lost later cannot take both homes of
         a shard; otherwise in the order the standbys became ready."""
-        if self._homes is None:
-            record = self.records.get_record(keys.k_state_homes(), StateHomes)
-            if record is not None and len(record.homes) == len(self.gen.members):
-                self._homes = record.homes
+        record = self._homes_record()
+        world = len(self.gen.members)
+        every: list[list[int]] = []
+        if record is not None and len(record.homes) == world:
+            every = record.homes
+        elif record is not None and record.replica_size:  # fewer (or more) replica groups than at the start
+            unit = record.replica_size
+            every = [[r % unit + k * unit for k in range(world // unit) if k != r // unit] for r in range(world)]
         lost = {d.rank for d in deaths}
         free = list(ready)
         out: dict[int, str] = {}
         for d in deaths:
-            homes = self._homes[d.rank] if self._homes else []
+            homes = every[d.rank] if every else []
             avoid = {self.pool.host_of(self.gen.members[r]) for r in homes if r not in lost} - {None}
             pick = next((p for p in free if self.pool.host_of(p) not in avoid), free[0])
             free.remove(pick)

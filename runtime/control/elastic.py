@@ -1,9 +1,12 @@
 """The coordinator's side of elastic width: when a job shrinks or grows, and what a change cost.
 
-- After a loss, `standbys_needed` says how many of the lost ranks get standbys: as many as the width target needs
-  (all of them, at full width), the lowest ranks first, so that a rank given to a standby keeps its number. With
-  too few standbys ready the coordinator waits up to the standby wait, then leaves the rest out (`--shrink`), or
-  stops (`--shrink off`, or a sharded job).
+- After a loss, `cover_plan` says which lost ranks get standbys: as many as the width target needs (all of them, at
+  full width), the lowest ranks first, so that a rank given to a standby keeps its number. With too few standbys
+  ready the coordinator waits up to the standby wait, then leaves the rest out (`--shrink`), or stops (`--shrink
+  off`, or a sharded job with no replica group to spare).
+- A data-parallel job changes width by single members; a sharded job with replica groups (HSDP, DP x TP) by whole
+  replica groups (`unit` ranks: shard x tp): a group that lost a rank no standby takes is left out whole, its live
+  members released, and every state class still has a home in the groups kept.
 - With no loss pending, `resize_plan` moves a running job towards its width target (the logical width, or what a
   resize request set): a planned shrink leaves out the highest ranks; a planned grow adds the standbys that are
   ready. Both are planned generations (`Generation.planned`): the members switch at a step boundary they agree on,
@@ -14,23 +17,45 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.wire.protocol import Generation, RecoveryReport
 
 
-def standbys_needed(lost: int, world: int, width_target: int) -> int:
-    """How many of `lost` ranks of a generation of `world` members need standbys for the job to run at
-    `width_target` members (every one of them at full width; the lowest ranks get them)."""
-    return max(0, min(lost, width_target - (world - lost)))
+def cover_plan(lost: Iterable[int], world: int, width_target: int, ready: int | None = None,
+               unit: int = 1) -> tuple[list[int], list[int]]:
+    """(lost ranks that get standbys, ranks left out) after losing `lost` of a generation of `world` members, for
+    the job to run at up to `width_target` members with `ready` standbys (None: as many as needed).
+
+    Ranks go in groups of `unit` (a sharded job's replica groups; 1 for a data-parallel job): a group whose lost
+    ranks all get standbys is kept, the lowest groups first; any other group that lost a rank is left out whole."""
+    lost = sorted(set(lost))
+    by_group: dict[int, list[int]] = {}
+    for r in lost:
+        by_group.setdefault(r // unit, []).append(r)
+    intact = world // unit - len(by_group)
+    room = max(0, width_target // unit - intact)
+    budget = len(lost) if ready is None else ready
+    covered: list[int] = []
+    left_out: list[int] = []
+    for g, ranks in sorted(by_group.items()):
+        if room > 0 and len(ranks) <= budget:
+            covered += ranks
+            budget -= len(ranks)
+            room -= 1
+        else:
+            left_out += range(g * unit, (g + 1) * unit)
+    return covered, left_out
 
 
-def resize_plan(world: int, width_target: int, ready: Sequence[str]) -> tuple[list[int], list[str]]:
-    """(ranks to leave out, standbys to add) that move a generation of `world` members towards `width_target`."""
+def resize_plan(world: int, width_target: int, ready: Sequence[str], unit: int = 1) -> tuple[list[int], list[str]]:
+    """(ranks to leave out, standbys to add) that move a generation of `world` members towards `width_target`
+    (a multiple of `unit`: whole replica groups of a sharded job)."""
     if world > width_target:
         return list(range(width_target, world)), []
-    return [], list(ready[: max(0, width_target - world)])
+    groups = min(len(ready) // unit, max(0, width_target - world) // unit)
+    return [], list(ready[: groups * unit])
 
 
 @dataclass

@@ -19,7 +19,8 @@ A sharded job (`runtime.training.sharded`) talks over three kinds of group, none
 published when it joined): a group that a member does not hold (a standby that took a lost rank holds none), a
 group cut while it drained (below), and a group whose members issued different numbers of collectives on it (one
 of them entered a collective its peers never will: kept, that collective would pair with the next generation's
-first). The other mesh groups keep their communicators; nothing is exchanged on them to rebuild.
+first), and a group whose ranks it no longer has all of (a job that shrank or grew by a replica group: its
+replicate groups change size). The other mesh groups keep their communicators; nothing is exchanged on them to rebuild.
 
 **Draining** when a newer generation forms (`GroupSet.drain`, from the heartbeat thread): the world group's
 sockets and those of the mesh groups that held a lost rank are shut (NCCL: those communicators aborted), which
@@ -90,6 +91,8 @@ class Held:
     """The generation that built it (every member of a group built it together)."""
     issued: int
     """Collectives issued on it so far; -1: cut while draining."""
+    size: int = 0
+    """Its number of ranks (0: not said)."""
 
 
 def plan_rebuild(groups: Mapping[str, tuple[int, ...]], held: Mapping[int, Mapping[str, Held]],
@@ -99,7 +102,8 @@ def plan_rebuild(groups: Mapping[str, tuple[int, ...]], held: Mapping[int, Mappi
     out = set()
     for key, ranks in groups.items():
         views = [held.get(r, {}).get(key) for r in ranks]
-        if full or any(v is None or v.issued < 0 for v in views) or len(set(views)) != 1:
+        if full or any(v is None or v.issued < 0 or v.size not in (0, len(ranks)) for v in views) \
+                or len(set(views)) != 1:
             out.add(key)
     return frozenset(out)
 
@@ -154,12 +158,13 @@ class GroupSet:
         self._abandoned: list[dist.ProcessGroup] = []
 
     # -- what a member publishes when it joins ---------------------------------------------------------
-    def held(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(group -> generation that built it, group -> collectives issued on it, -1 when cut)."""
+    def held(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(group -> generation that built it, group -> collectives issued on it, -1 when cut, group -> its ranks)."""
         with self._lock:
             built = {k: g.built for k, g in self.mesh.items()}
             issued = {k: -1 if k in self._cut else _issued(g.pg) for k, g in self.mesh.items()}
-        return built, issued
+            sizes = {k: len(g.ranks) for k, g in self.mesh.items()}
+        return built, issued, sizes
 
     # -- entering and leaving a generation -------------------------------------------------------------
     def enter(self, g: int, rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
@@ -167,9 +172,12 @@ class GroupSet:
         """Join generation g's groups: keep the mesh groups `plan_rebuild` keeps, build the others this rank is
         in, and a new world group. Returns the mesh groups rebuilt (in the whole job)."""
         t0 = time.perf_counter()
+        # A new world size (a job that shrank or grew) remakes the identity, which destroys every group: each
+        # member of the last generation rebuilds them all; a new member holds none, so it agrees.
+        resized = self._identity is not None and self._identity[1] != world
         self._ensure_identity(rank, world)
         groups = mesh_groups(shape, names)
-        plan = plan_rebuild(groups, held, full=self.full)
+        plan = plan_rebuild(groups, held, full=self.full or resized)
         self.total = len(groups)
         self.for_new_members = sum(1 for k in plan if any(held.get(r, {}).get(k) is None for r in groups[k]))
         mine = {k: r for k, r in groups.items() if rank in r}

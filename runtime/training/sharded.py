@@ -44,11 +44,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # both caches, Python's and C++'s
 
 from runtime.training.backup import BackupSettings, BackupWriter, Shards, has_backup, is_remote
 from runtime.training.buddy import BuddyCopies, BuddyStatus, Snapshot, default_offset, plan_restore
 from runtime.training.comm import CommFailure, error_text
 from runtime.training.data import StepData, as_step_data, derive_seed
+from runtime.training.elastic import CURSOR_STATE, DataCursor, Layout
 from runtime.training.groups import GroupSet, Held
 from runtime.training.handoff import (
     GlooLinks,
@@ -61,7 +63,15 @@ from runtime.training.handoff import (
 )
 from runtime.training.job import Job, init
 from runtime.training.state import Stateful, TrainingState, local_shard
-from runtime.training.trainer import GenerationChanged, Joining, StepResult, Trainer, check_group, check_step_options
+from runtime.training.trainer import (
+    GenerationChanged,
+    Joining,
+    StepResult,
+    Trainer,
+    check_group,
+    check_step_options,
+    scaled_lr,
+)
 from runtime.wire import store as keys
 from runtime.wire.protocol import Generation, HoldsState, Joined, StandbyReady, StateHomes
 
@@ -114,6 +124,15 @@ class MeshSpec:
     def dp_world(self) -> int:
         """Ranks that read different batches (every rank of a tensor-parallel group reads the same one)."""
         return self.replicate * self.shard
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of one replica group (shard x tp): the unit a job shrinks and grows by."""
+        return self.shard * self.tp
+
+    def with_replicas(self, replicate: int) -> MeshSpec:
+        """The same mesh with `replicate` replica groups (a job shrunk, or grown back)."""
+        return MeshSpec(replicate=replicate, shard=self.shard, tp=self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank's coordinate along every dimension (size-1 dimensions at 0), row-major as `init_device_mesh`."""
@@ -294,7 +313,10 @@ class ShardedTrainer(Trainer):
         self.buddies = BuddyCopies(buddy_every, buddy_offset) if buddy_every else None
         self._buddy_group: dist.ProcessGroup | None = None
         self.build = build
+        self.full_mesh = mesh
+        """The job's mesh at its full width (`--nproc`)."""
         self.mesh_spec = mesh
+        """The generation's mesh: the full one, or fewer replica groups while the job runs shrunk."""
         self.device_mesh: DeviceMesh | None = None
         self.loss_fn = loss_fn
         self.data = as_step_data(data)
@@ -319,6 +341,11 @@ class ShardedTrainer(Trainer):
         self._pending: int | None = None
         self._pending_loss: float | None = None
         """The step whose gradients are complete but not yet applied (see the module's docstring)."""
+        self._place: tuple[int, int] | None = None
+        """(rank, world size) of the last model built: the coordinates its DTensor shardings were cached under."""
+        self._lr_factor = 1.0
+        self._units_per_step = 0
+        """The learning rate's scale and the units of data of the step computed last (applied with it)."""
         self._spec_checked = False
         self._device_type = "cuda" if self.job.cfg.backend == "nccl" else "cpu"
         cfg = self.job.cfg
@@ -329,6 +356,11 @@ class ShardedTrainer(Trainer):
         self._record: Generation | None = None
         self._init_membership(torch.device(self._device_type, torch.cuda.current_device())
                               if self._device_type == "cuda" else torch.device("cpu"))
+        if cfg.shrink in ("lr-linear", "lr-sqrt"):
+            # How far into the data the job is depends on the widths it ran at: part of the state (elastic.py).
+            cursor = DataCursor()
+            self._extras[CURSOR_STATE] = cursor
+            self.cursor = cursor
 
     # -- public --------------------------------------------------------------------------------------
     def register_state(self, name: str, obj: Stateful) -> None:
@@ -348,7 +380,14 @@ class ShardedTrainer(Trainer):
     def _build(self) -> TrainingState:
         """Build this generation's mesh and a fresh model on it (under the build seed: the same in every process)."""
         assert self.rank is not None
-        device_mesh = self.groups.device_mesh(self._device_type, self.rank, self.mesh_spec.shape, self.mesh_spec.names)
+        place = (self.rank, self.world_size)
+        if self._place is not None and place != self._place:
+            # DTensor caches its sharding decisions by mesh, and a mesh is equal to another of the same shape
+            # whatever groups it names: a member whose coordinates changed (a shrink renumbered it, or the world
+            # changed size) would find its old groups' names there.
+            _clear_sharding_prop_cache()
+        self._place = place
+        device_mesh = self.groups.device_mesh(self._device_type, self.rank, *self._dims())
         if self.buddies is not None:
             # Buddy copies travel in host memory, over the generation's (lazily connected) Gloo world group.
             self._buddy_group = self.groups.host_world
@@ -387,18 +426,36 @@ class ShardedTrainer(Trainer):
                 t.copy_(source[key])
         new.apply_meta(meta)
 
+    def _dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The generation's mesh shape, under the job's dimension names: a shrunk job keeps its `replicate`
+        dimension (of fewer groups, one even), so that `build(mesh)` sees the same names in every generation."""
+        names = self.full_mesh.names
+        return tuple(getattr(self.mesh_spec, n) for n in names), names
+
+    def _replica_size(self) -> int:
+        """`StateHomes.replica_size`: the ranks of one replica group when the job can run with fewer of them
+        (replica groups to spare, every rank's state in them: no buddy copies), else 0."""
+        full = self.full_mesh
+        if full.replicate < 2 or self.buddies is not None or self.job.cfg.shrink == "off":
+            return 0
+        return full.group_size
+
     # -- the generation's groups: delta reconfiguration (runtime.training.groups) ---------------------
     def _joined_record(self) -> Joined:
-        built, issued = self.groups.held()
-        return Joined(built, issued)
+        built, issued, sizes = self.groups.held()
+        return Joined(built, issued, sizes)
 
     def _form_groups(self, g: int, rank: int, record: Generation, joined: dict[int, Joined]) -> float:
         """Keep the mesh groups no loss touched, build the others and a new world group; every new group's
         peers prove they belong to the job before anything else is exchanged on it."""
         cfg = self.job.cfg
-        held = {r: {k: Held(j.built[k], j.issued.get(k, -1)) for k in j.built} for r, j in joined.items()}
-        self.groups.enter(g, rank, record.world_size, self.mesh_spec.shape, self.mesh_spec.names, held,
-                          cfg.connect_timeout_s)
+        unit = self.full_mesh.group_size
+        if record.world_size % unit:
+            raise CommFailure(f"generation {g} has {record.world_size} members, not whole replica groups of {unit}")
+        self.mesh_spec = self.full_mesh.with_replicas(record.world_size // unit)
+        held = {r: {k: Held(j.built[k], j.issued.get(k, -1), j.sizes.get(k, 0)) for k in j.built}
+                for r, j in joined.items()}
+        self.groups.enter(g, rank, record.world_size, *self._dims(), held, cfg.connect_timeout_s)
         self.comm.gen = g
         self._record = record
         check_group(self.comm, cfg.job_token, cfg.job_id, record, rank, group=self.groups.world)
@@ -424,10 +481,10 @@ class ShardedTrainer(Trainer):
         if current is None or current.gen >= latest_gen:
             return
         newer = records.get_record(keys.k_gen(latest_gen), Generation)
-        if newer is None or newer.world_size != current.world_size:
+        if newer is None:
             lost = set(range(current.world_size))
-        else:
-            lost = {r for r in range(current.world_size) if newer.members[r] != current.members[r]}
+        else:  # a rank whose process is gone from it, or holds another rank in it (a shrink renumbers)
+            lost = {r for r, p in enumerate(current.members) if r >= newer.world_size or newer.members[r] != p}
         peers = sorted({r for group in self.groups.mesh.values() for r in group.ranks} - lost - {self.rank})
 
         def joined() -> dict[int, dict[str, Held]]:
@@ -435,7 +492,7 @@ class ShardedTrainer(Trainer):
             for r in peers:
                 j = records.get_record(keys.k_joined(latest_gen, r), Joined)
                 if j is not None:
-                    out[r] = {k: Held(b, j.issued.get(k, -1)) for k, b in j.built.items()}
+                    out[r] = {k: Held(b, j.issued.get(k, -1), j.sizes.get(k, 0)) for k, b in j.built.items()}
             return out
 
         self.groups.drain(latest_gen, lost, joined)
@@ -514,7 +571,7 @@ class ShardedTrainer(Trainer):
         if g == 0:
             self._enter_generation_0(rank)
             if rank == 0:
-                records.put(keys.k_state_homes(), StateHomes(self._state_homes()))
+                records.put(keys.k_state_homes(), StateHomes(self._state_homes(), self._replica_size()))
             self._refresh_copies(self.committed)
             return
         plan = plans[self.mesh_spec.state_class(rank)]
@@ -532,8 +589,7 @@ class ShardedTrainer(Trainer):
         self.committed = target
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
-        if any(p.receivers for p in plans.values()):
-            self._start_report(joining, stats, target, failure_seen)
+        self._start_report(joining, stats, target, failure_seen)
         self._refresh_copies(self.committed)
 
     # -- persistent backups (runtime.training.backup) ------------------------------------------------------
@@ -570,8 +626,8 @@ class ShardedTrainer(Trainer):
             cfg = self.job.cfg
             check_group(self.comm, cfg.job_token, cfg.job_id, self._record, self.rank, group=group)
             self._backup_proven = self.gen
-        return Shards(self.rank, group, f"g{self.gen}",
-                      {"shape": list(self.mesh_spec.shape), "names": list(self.mesh_spec.names)})
+        shape, names = self._dims()
+        return Shards(self.rank, group, f"g{self.gen}", {"shape": list(shape), "names": list(names)})
 
     def _backup(self, step: int) -> None:
         """Every rank, every `--backup-every` steps: its shards of step `step` to the backup, through torch's
@@ -738,26 +794,45 @@ class ShardedTrainer(Trainer):
         self._pending = None
         faults = self.job.faults
         self.optimizer.zero_grad(set_to_none=True)
-        dp_rank, dp_world = self.dp_rank, self.mesh_spec.dp_world
-        losses = []
-        for micro in range(self.accumulation_steps):
-            for module in self._fsdp:
-                module.set_requires_gradient_sync(micro == self.accumulation_steps - 1, recurse=False)
-            losses.append(self._collective(
-                lambda m=micro: self._forward_backward(step, m, dp_rank, dp_world, seed_rank=dp_rank),  # type: ignore[misc]
-                "forward/backward"))
-        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        # This member's units of data (runtime.training.elastic): one, its own data-parallel rank's batch, at full
+        # width; several when the job runs with fewer replica groups and accumulates.
+        width = self.full_mesh.dp_world
+        layout = Layout(width, self.mesh_spec.dp_world, self.dp_rank, self.job.cfg.shrink)
+        units = layout.units(step, self.cursor)
+        unit_losses = []
+        for i, (data_step, logical) in enumerate(units):
+            losses = []
+            for micro in range(self.accumulation_steps):
+                last = i == len(units) - 1 and micro == self.accumulation_steps - 1
+                for module in self._fsdp:  # the gradients are exchanged once, in the last backward
+                    module.set_requires_gradient_sync(last, recurse=False)
+                losses.append(self._collective(
+                    lambda s=data_step, m=micro, r=logical: self._forward_backward(  # type: ignore[misc]
+                        s, m, r, width, seed_rank=r),
+                    "forward/backward"))
+            unit_losses.append(torch.stack(losses).mean() if len(losses) > 1 else losses[0])
+        loss = torch.stack(unit_losses).mean() if len(unit_losses) > 1 else unit_losses[0]
         faults.at("before_exchange", step=step, rank=self.rank, gen=self.gen)
         if self.job.heartbeat.latest_gen > self.gen:
             raise GenerationChanged(f"generation {self.job.heartbeat.latest_gen} formed during step {step}")
         if self._sync_replicas:
             self._all_reduce_replicas()
+        n_units = layout.units_per_step()
+        if n_units != layout.world_size:
+            # The exchange averaged over the members: the gradient of the step is the sum over its units / W.
+            with torch.no_grad():
+                for g in self._grads():
+                    local_shard(g).mul_(layout.world_size / n_units)
         faults.at("exchange", step=step, rank=self.rank, gen=self.gen)
         self._clip()
         world = self.groups.world
-        global_loss = self.comm.mean_scalar(float(loss), self.world_size, world) if self._plateau else None
+        # The mean over every unit of the step (each tensor-parallel rank of a unit holds its loss).
+        units_loss = float(torch.stack(unit_losses).sum()) if len(unit_losses) > 1 else float(loss)
+        n = n_units * (self.world_size // layout.world_size)
+        global_loss = self.comm.mean_scalar(units_loss, n, world) if self._plateau else None
         self._pending, self._pending_loss = step, global_loss
-        barrier = self.comm.mean_scalar(float(loss), self.world_size, world)  # the commit barrier
+        self._lr_factor, self._units_per_step = layout.lr_factor(), n_units
+        barrier = self.comm.mean_scalar(units_loss, n, world)  # the commit barrier
         global_loss = barrier if global_loss is None else global_loss
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
         if self.buddies is not None:
@@ -824,8 +899,13 @@ class ShardedTrainer(Trainer):
                     local_shard(g).clamp_(-self.clip_grad_value, self.clip_grad_value)
 
     def _apply_step(self, global_loss: float | None) -> None:
+        """The optimizer's and the scheduler's step (at the commit, or while the next generation forms for a
+        pending step), the learning rate scaled for the step's width in an lr-* shrink mode."""
         assert self.optimizer is not None
-        self.optimizer.step()
+        with scaled_lr(self.optimizer, self._lr_factor):
+            self.optimizer.step()
+        if self.cursor is not None:
+            self.cursor.units += self._units_per_step
         if self.scheduler is not None:
             if self._plateau:
                 self.scheduler.step(global_loss)

@@ -129,6 +129,23 @@ def check_step_options(clip_grad_norm: float | None, clip_grad_value: float | No
         raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
 
 
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every parameter group's learning rate times `factor` inside the block (a shrunk job's step in an lr-* mode,
+    runtime.training.elastic); the rates the scheduler set are put back after it."""
+    if factor == 1.0:
+        yield
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+
+
 @dataclass(frozen=True, slots=True)
 class Joining:
     """What a member learned while joining a generation (`Trainer._join`), with the times of each phase."""
@@ -584,14 +601,8 @@ class Trainer:
         `lr_factor`: the learning rate's scale for this step (a shrunk job in an lr-* mode); the rates the
         scheduler set are put back after it."""
         if lr_factor != 1.0:
-            rates = [group["lr"] for group in self.optimizer.param_groups]
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * lr_factor
-            try:
+            with scaled_lr(self.optimizer, lr_factor):
                 self._optimizer_step()
-            finally:
-                for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
-                    group["lr"] = lr
             return
         if self.scaler is not None and (self.clip_grad_norm is not None or self.clip_grad_value is not None):
             self.scaler.unscale_(self.optimizer)
@@ -662,9 +673,10 @@ class Trainer:
                                       what=f"the record of generation {g}")[keys.k_gen(g)]
         rank = record.rank_of(cfg.proc)
         if rank is None:
-            if record.planned:  # a resize or a move released this member: the job goes on without it
-                sys.stderr.write(f"[trainmover] {cfg.proc} left the job at a step boundary (generation {g}: its rank "
-                                 "moved, or the job was resized); exiting\n")
+            if record.planned or cfg.proc in record.released:  # a resize, a move or a shrink released this member
+                why = ("its replica group was left out after a loss" if cfg.proc in record.released else
+                       "at a step boundary: its rank moved, or the job was resized")
+                sys.stderr.write(f"[trainmover] {cfg.proc} left the job in generation {g} ({why}); exiting\n")
                 self._close_groups()
                 self.job.close()
                 # At once, as a process the job no longer needs: the interpreter's finalization after a group's

@@ -578,6 +578,9 @@ class Generation(StoreRecord):
     planned: bool = False
     """The members switch to this generation at a step boundary they agree on (a grow, a requested shrink), instead
     of abandoning the step in flight as after a failure."""
+    released: tuple[str, ...] = ()
+    """Live members of the previous generation left out of this one (the rest of a sharded job's replica group
+    whose other member was lost): they exit cleanly instead of as fenced members."""
 
     @property
     def world_size(self) -> int:
@@ -595,9 +598,10 @@ class Generation(StoreRecord):
         return self.change(reason, assign=rank_to_proc)
 
     def change(self, reason: str, *, assign: Mapping[int, str] | None = None, drop: Iterable[int] = (),
-               add: Sequence[str] = (), planned: bool = False) -> Generation:
+               add: Sequence[str] = (), planned: bool = False, released: Iterable[int] = ()) -> Generation:
         """The next generation: the ranks in `assign` given to new processes, the ranks in `drop` left out (the
-        survivors keep their order, so their ranks shift down), the processes in `add` appended as new ranks.
+        survivors keep their order, so their ranks shift down), the processes in `add` appended as new ranks;
+        `released`: those of `drop` whose processes are alive and leave (`Generation.released`).
         Its logical width is this one's (written 0 at full width); no member, or more members than logical ranks, is a
         ValueError."""
         assign = dict(assign or {})
@@ -616,7 +620,8 @@ class Generation(StoreRecord):
         if not 1 <= len(members) <= width:
             raise ValueError(f"a generation of {len(members)} members for a job of {width} logical ranks")
         return Generation(self.gen + 1, tuple(members), reason, tuple(replaced),
-                          logical=0 if len(members) == width else width, planned=planned)
+                          logical=0 if len(members) == width else width, planned=planned,
+                          released=tuple(self.members[r] for r in sorted(set(released))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -792,6 +797,9 @@ class StateHomes(StoreRecord):
     where none of them lives, where it can (a host lost later must not take both homes of a shard)."""
 
     homes: list[list[int]]
+    replica_size: int = 0
+    """Ranks per replica group when the job can run with fewer replica groups (HSDP or DP x TP with more than one,
+    no buddy copies): it shrinks and grows by whole groups of this many ranks. 0: it runs at its full width only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -816,6 +824,8 @@ class Joined(StoreRecord):
 
     built: dict[str, int] = field(default_factory=dict)
     issued: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Each group's number of ranks (a group kept into a generation of another shape must still have them all)."""
 
 
 @dataclass(frozen=True, slots=True)

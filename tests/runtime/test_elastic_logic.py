@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from runtime.control.elastic import change_figures, resize_plan, standbys_needed
+from runtime.control.elastic import change_figures, cover_plan, resize_plan
 from runtime.training.elastic import DataCursor, Layout
 from runtime.wire import store as keys
 from runtime.wire.control import ControlValueError, parse_resize
@@ -101,12 +101,42 @@ def test_a_generation_leaves_ranks_out_and_adds_members_keeping_the_survivors_or
 
 
 def test_plans_cover_what_the_width_target_needs() -> None:
-    assert standbys_needed(2, world=4, width_target=4) == 2
-    assert standbys_needed(2, world=4, width_target=3) == 1
-    assert standbys_needed(1, world=4, width_target=2) == 0
+    assert cover_plan([1, 3], world=4, width_target=4) == ([1, 3], [])
+    assert cover_plan([3, 1], world=4, width_target=3) == ([1], [3]), "the lowest lost rank keeps its number"
+    assert cover_plan([2], world=4, width_target=2) == ([], [2])
+    assert cover_plan([0, 2, 3], world=4, width_target=4, ready=1) == ([0], [2, 3])
     assert resize_plan(4, 2, ["s0"]) == ([2, 3], [])
     assert resize_plan(2, 4, ["s0", "s1", "s2"]) == ([], ["s0", "s1"])
     assert resize_plan(2, 4, []) == ([], [])
+
+
+def test_a_sharded_job_keeps_or_leaves_out_whole_replica_groups() -> None:
+    """HSDP 3 x 2 (replica groups {0, 1}, {2, 3}, {4, 5}): a group whose lost ranks all get standbys is kept, the
+    lowest first; any other group that lost a rank is left out whole (its live member with it)."""
+    assert cover_plan([3], world=6, width_target=6, unit=2) == ([3], [])
+    assert cover_plan([3], world=6, width_target=6, ready=0, unit=2) == ([], [2, 3])
+    # One standby: group 1 lost two ranks and cannot be filled, group 2 lost one and is.
+    assert cover_plan([2, 3, 5], world=6, width_target=6, ready=1, unit=2) == ([5], [2, 3])
+    assert cover_plan([0, 5], world=6, width_target=6, ready=2, unit=2) == ([0, 5], [])
+    # A width target of two groups: the loss of a rank of group 0 leaves it out, since two groups are intact.
+    assert cover_plan([1], world=6, width_target=4, unit=2) == ([], [0, 1])
+    assert resize_plan(2, 6, ["s0", "s1", "s2"], unit=2) == ([], ["s0", "s1"]), "one whole group of two"
+    assert resize_plan(2, 6, ["s0"], unit=2) == ([], []), "half a group is no group"
+    assert resize_plan(6, 2, [], unit=2) == ([2, 3, 4, 5], [])
+
+
+def test_a_group_kept_into_a_generation_of_another_shape_is_rebuilt_when_it_lost_ranks() -> None:
+    """HSDP 3 x 2 shrunk to 2 x 2 at a step boundary: the replicate groups {0, 2, 4} and {1, 3, 5} become {0, 2}
+    and {1, 3}, held by the same processes, built in the same generation, with the same collectives issued: only
+    their size says that a member is gone. The shard groups {0, 1} and {2, 3} are whole and kept."""
+    from runtime.training.groups import Held, mesh_groups, plan_rebuild
+
+    groups = mesh_groups((2, 2), ("replicate", "shard"))
+    held = {r: {"replicate0" if r % 2 == 0 else "replicate1": Held(0, 7, 3), f"shard{r // 2}": Held(0, 9, 2)}
+            for r in range(4)}
+    assert plan_rebuild(groups, held) == {"replicate0", "replicate1"}
+    unsaid = {r: {k: Held(h.built, h.issued) for k, h in v.items()} for r, v in held.items()}
+    assert plan_rebuild(groups, unsaid) == set(), "a size not said (an older member) changes nothing"
 
 
 def _report(rank: int, role: str, seen: float, end: float, first: float | None = 0.1,
@@ -189,12 +219,36 @@ def test_no_standby_within_the_wait_shrinks_the_job_and_a_standby_warm_later_gro
 
 
 @pytest.mark.timeout(20)
-def test_a_sharded_job_is_never_shrunk_it_stops_after_the_standby_wait() -> None:
+def test_a_sharded_job_without_a_replica_group_to_spare_stops_after_the_standby_wait() -> None:
     scene = Scene(lambda name, role: Script(exit_at=1.0) if name == "w1" else Script(), standby=0, standby_wait_s=2.0)
     scene.member.put(keys.k_state_homes(), StateHomes([[1], [0]]))
     result = scene.c.run()
     assert result.exit_code == 1 and "no standby became ready within 2 s" in result.message
     assert "--shrink" not in result.message, "no advice that cannot apply"
+
+
+@pytest.mark.timeout(20)
+def test_hsdp_loses_a_rank_with_no_standby_and_goes_on_without_its_replica_group() -> None:
+    """HSDP 2 x 2 (replica groups {w0, w1} and {w2, w3}): w3 dies and no standby comes within the wait. The job
+    goes on with replica group 0; w2, alive, is released with its group and leaves without counting as a failure.
+    A resize to a width that is not whole replica groups is refused, naming the unit."""
+    scene = Scene(lambda name, role: Script(exit_at=1.0) if name == "w3" else
+                  Script(exit_at=4.0, exit_code=0) if name == "w2" else Script(), nproc=4, standby=0,
+                  standby_wait_s=2.0, replenish=False)
+    scene.member.put(keys.k_state_homes(), StateHomes([[2], [3], [0], [1]], replica_size=2))
+    _start(scene)
+    scene.until(lambda: scene.c.gen.gen == 1, 6.0)
+    g1 = scene.member.get_record(keys.k_gen(1), Generation)
+    assert g1 == scene.c.gen and g1.members == ("w0", "w1") and g1.logical == 4 and g1.released == ("w2",)
+    assert "2 rank(s) left out (no standby ready within 2 s): 2 of 4 members" in g1.reason
+    assert scene.c.procs["w2"].released
+    _report_all(scene, g1)
+    scene.until(lambda: bool(scene.events(Shrunk)) and scene.now > 4.0 + TICK, 6.0)
+    (shrunk,) = scene.events(Shrunk)
+    assert (shrunk.width_from, shrunk.width_to, [r["proc"] for r in shrunk.ranks]) == (4, 2, ["w3"])
+    assert scene.c.gen.gen == 1 and not scene.c.stop_sent, "w2's exit is no failure"
+    assert _resize(scene, 1, 3) == MoveResult(1, False, "a sharded job resizes by whole replica groups of 2 ranks: "
+                                                        "ask for a multiple of 2")
 
 
 def _resize(scene: Scene, seq: int, width: int) -> MoveResult:
