@@ -29,6 +29,7 @@ import logging
 import os
 import select
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -97,6 +98,11 @@ HELD_OUTPUT = 1 << 20
 """Most output (characters) held for the next coordinator while none holds the job."""
 
 
+ORPHAN_COMMAND = "systemctl poweroff"
+ORPHANED_EXIT = 5
+"""The agent's exit status after its dead-man's switch fired (the bootstrap's unit does not restart on it)."""
+
+
 class AgentError(RuntimeError):
     """A setting the user got wrong, or a coordinator that could not be joined; the message says what to do."""
 
@@ -123,6 +129,13 @@ class AgentConfig:
     rejoin: bool = field(default=True, metadata=flag(
         "--rejoin", "after being fenced, come back as a new host (a standby host) instead of exiting"))
     fork_server: bool = field(default=KNOBS.fork_server, metadata={"flag": FORK_SERVER})
+    orphan_timeout_s: float = field(default=0.0, metadata=flag(
+        "--orphan-timeout", "a dead-man's switch: when no coordinator of its job has been reachable for this long, "
+        "stop every process and run --orphan-command (a cloud host powers itself off, and stops billing, when its "
+        "orchestrator died); 0: never (default %(default)s)", metavar="S"))
+    orphan_command: str = field(default=ORPHAN_COMMAND, metadata=flag(
+        "--orphan-command", "what an orphaned host runs (default: %(default)r; on AWS the launch makes a shutdown "
+        "terminate the instance)", metavar="CMD"))
     notices: NoticeWatch | None = None
     """This host's cloud notices (spot interruption, eviction, maintenance), forwarded to the coordinator, which
     moves the host's ranks to standbys before the cloud acts."""
@@ -268,6 +281,10 @@ class Agent:
     def __init__(self, cfg: AgentConfig, zygote_env: dict[str, str] | None = None) -> None:
         if cfg.slots < 1:
             raise AgentError(f"--slots must be 1 or more (the host's GPUs, or processes on CPU), got {cfg.slots}")
+        if not cfg.orphan_timeout_s >= 0:
+            raise AgentError(f"--orphan-timeout must be 0 (off) or a number of seconds, got {cfg.orphan_timeout_s}")
+        if cfg.orphan_timeout_s and not shlex.split(cfg.orphan_command):
+            raise AgentError("--orphan-command is empty: give the command that powers this host off")
         cfg.endpoint()
         self.cfg = cfg
         self.children: dict[str, Child] = {}
@@ -276,6 +293,8 @@ class Agent:
         """The one job this agent serves: --job-id, else the first job it is admitted to (a coordinator of another
         job, started later at the same address with the same secret, refuses it)."""
         self.exit_code = 0
+        self._contact = time.monotonic()
+        """When (monotonic) this agent last had a live link to a coordinator (its start, before the first)."""
         self.fenced = 0
         """Times this agent fenced itself or was fenced."""
         self._beat_dir = tempfile.mkdtemp(prefix="trainmover-beats-")  # mode 700: this user's processes only
@@ -331,10 +350,13 @@ class Agent:
         reattach = False
         while True:
             if sock is None:
+                if self.cfg.orphan_timeout_s:
+                    return self._orphaned()
                 log.error("agent %s: no coordinator at %s within %.0f s; exiting", self.cfg.name, self.cfg.coordinator,
                           self.cfg.connect_timeout_s)
                 return 4
             try:
+                self._contact = time.monotonic()
                 outcome = self._serve(sock, reattach)
             except (ProtocolError, OSError) as exc:
                 log.error("agent %s: the link to the coordinator failed: %s", self.cfg.name, exc)
@@ -345,6 +367,7 @@ class Agent:
                 log.error("agent %s: %s", self.cfg.name, exc)  # a coordinator that would not adopt its processes
                 outcome = "fenced"
             finally:
+                self._contact = time.monotonic()  # the link was alive until now
                 with contextlib.suppress(OSError):
                     sock.close()
             reattach = False
@@ -355,6 +378,13 @@ class Agent:
                     continue  # re-attach to the coordinator that took the job over: the processes train on
             self._kill_all()
             if outcome == "stop":
+                if self.cfg.orphan_timeout_s:
+                    # The job is over and this host serves no other: its orchestrator releases it, or, if that
+                    # died too, the dead-man's switch does once the timeout passes.
+                    log.warning("agent %s: the job is over; powering this host off in %.0f s unless it is released "
+                                "first", self.cfg.name, self.cfg.orphan_timeout_s)
+                    threading.Event().wait(max(0.0, self._contact + self.cfg.orphan_timeout_s - time.monotonic()))
+                    return self._orphaned()
                 return self.exit_code
             self.fenced += 1
             if not self.cfg.rejoin:
@@ -363,6 +393,24 @@ class Agent:
             log.warning("agent %s: fenced (%s); every process it started is gone; coming back as incarnation %s",
                         self.cfg.name, outcome, self.incarnation)
             sock = self._connect()
+
+    def _orphaned(self) -> int:
+        """The dead-man's switch: no coordinator for `--orphan-timeout`. Nothing of the job runs here any more (its
+        processes are killed) and the host is powered off, so that a host whose orchestrator died stops billing."""
+        self._kill_all()
+        silent = time.monotonic() - self._contact
+        command = shlex.split(self.cfg.orphan_command)
+        log.error("agent %s: no coordinator of its job reachable for %.0f s (--orphan-timeout %.0f s): every process "
+                  "stopped; running %r", self.cfg.name, silent, self.cfg.orphan_timeout_s, self.cfg.orphan_command)
+        try:
+            done = subprocess.run(command, timeout=60, check=False, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.error("agent %s: the orphan command failed (%s): power the host off by hand", self.cfg.name, exc)
+            return ORPHANED_EXIT
+        if done.returncode != 0:
+            log.error("agent %s: the orphan command exited %d: power the host off by hand", self.cfg.name,
+                      done.returncode)
+        return ORPHANED_EXIT
 
     def _live(self) -> list[Child]:
         return [c for c in self.children.values() if c.poll() is None]
@@ -468,6 +516,8 @@ class Agent:
     def _connect(self) -> socket.socket | None:
         host, port = endpoint(self._address) if self._address else self.cfg.endpoint()
         deadline = time.monotonic() + self.cfg.connect_timeout_s
+        if self.cfg.orphan_timeout_s:  # keep trying until the dead-man's switch, however long that is
+            deadline = max(deadline, self._contact + self.cfg.orphan_timeout_s)
         while True:
             try:
                 return socket.create_connection((host, port), timeout=min(2.0, self.cfg.connect_timeout_s))

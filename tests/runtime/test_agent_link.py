@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import textwrap
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import TypeVar
 import pytest
 
 from runtime.control.hosts import HostPool, NoSlot
-from runtime.host.agent import Agent, AgentConfig, AgentError
+from runtime.host.agent import ORPHANED_EXIT, Agent, AgentConfig, AgentError
 from runtime.wire.auth import new_token
 from runtime.wire.event_records import AgentRefused, Event, HostLost
 from runtime.wire.events import of_type
@@ -428,3 +429,54 @@ def test_two_machines_with_one_hostname_are_told_apart_by_address(pool: tuple[Ho
     finally:
         for s in socks:
             s.close()
+
+
+def test_an_agent_whose_coordinator_vanished_stops_its_processes_and_powers_the_host_off(tmp_path: Path) -> None:
+    """The dead-man's switch (`--orphan-timeout`): a coordinator starts a process on the host, then vanishes with its
+    port (an orchestrator that died). The agent fences, keeps trying to reach a coordinator, and once none has been
+    reachable for the timeout it kills what it started and runs the orphan command (here: one that leaves a mark,
+    in place of `systemctl poweroff`); it exits with its own status, on which the host's unit does not restart."""
+    token = new_token()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    mark = tmp_path / "powered-off"
+    command = f"{sys.executable} -c \"open('{mark}', 'w').write('off')\""
+    agent = Agent(AgentConfig(coordinator=f"127.0.0.1:{port}", slots=1, secret=token, name="hx", fork_server=False,
+                              connect_timeout_s=0.2, orphan_timeout_s=1.5, orphan_command=command))
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(agent.run()), daemon=True)
+    thread.start()
+    listener.settimeout(10)
+    conn, _ = listener.accept()
+    link = Link(conn, "coordinator")
+    hello, _ = link.recv(5)
+    assert isinstance(hello, Hello)
+    nonce = new_nonce()
+    link.key = session_key(token, hello.nonce, nonce)
+    link.send(Welcome(0.05, 0.3), {"cn": nonce})
+    link.send(Spawn("w0", "worker", 0, ["-c", "import time; time.sleep(60)"], {}))
+    conn.settimeout(5)
+    got: list[object] = []
+    while not any(isinstance(m, Started) for m in got):
+        data = conn.recv(65536)
+        assert data, "the agent hung up instead of starting the process"
+        got += [m for m, _ in link.feed(data)]
+    pid = next(m.pid for m in got if isinstance(m, Started))
+    t0 = time.monotonic()
+    conn.close()
+    listener.close()  # the coordinator is gone, its port with it
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert time.monotonic() - t0 >= 1.0, "not before the timeout"
+    assert mark.read_text() == "off"
+    assert status == [ORPHANED_EXIT]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped before the host went off
+
+
+def test_an_orphan_timeout_without_a_command_is_refused() -> None:
+    with pytest.raises(AgentError, match="--orphan-command is empty"):
+        Agent(AgentConfig(coordinator="127.0.0.1:1", secret=new_token(), orphan_timeout_s=60, orphan_command=" ",
+                          fork_server=False))
