@@ -1,0 +1,223 @@
+"""The job's code on its hosts, from a source the job controls.
+
+A host must not install TrainMover by name from a public index (a name anyone could claim would run as root on every
+host), and the training script must not have to be baked into the image. So the orchestrator builds the wheel of
+the TrainMover it runs itself (`build_wheel`), stages it with the training script where only the job's credentials
+can write (`stage`: the job's S3 prefix, its Azure Blob container, or a directory every local host reads), and puts
+each file's SHA-256 into the host's bootstrap beside a time-limited URL (an S3 presigned URL, a blob SAS URL, or
+`file://`). The host fetches each file, retrying, and refuses it unless its digest matches, before anything of it
+runs (`render_fetch`). The installer then installs the wheel from that file, without any index.
+
+`Artifact` is the record the bootstrap carries; URLs are signed for `URL_TTL_S` (a host fetches at its first boot;
+a replacement launched later gets a bootstrap signed then).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from cloud.base import InvalidRequestError, validate_job_id
+
+URL_TTL_S = 12 * 3600
+"""How long a staged file's URL works: long enough for a launch's slowest boot, short enough to be worthless later."""
+FETCH_ATTEMPTS = 5
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """One file a host fetches: its name there, where from, and the digest it must have."""
+
+    name: str
+    """File name on the host (a wheel keeps its own: pip reads the version from it)."""
+    url: str
+    """https (presigned or SAS), http (a local mirror) or file:// (hosts sharing this machine's file system)."""
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _FILE_NAME.fullmatch(self.name) or self.name in (".", ".."):
+            raise InvalidRequestError(f"invalid artifact name {self.name!r}: give a plain file name",
+                                      code="InvalidArtifact")
+        scheme = urlparse(self.url).scheme if isinstance(self.url, str) else ""
+        if scheme not in ("https", "http", "file") or any(c in self.url for c in "\0\n\r"):
+            raise InvalidRequestError(f"invalid URL for {self.name}: give an https, http or file URL",
+                                      code="InvalidArtifact")
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise InvalidRequestError(f"invalid SHA-256 for {self.name}: give 64 lowercase hex digits",
+                                      code="InvalidArtifact")
+
+    def __repr__(self) -> str:  # a signed URL is a credential for a while: never shown whole
+        return f"Artifact({self.name!r}, {urlparse(self.url).scheme}://..., sha256={self.sha256[:12]}...)"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_wheel(out_dir: Path, project: Path = PROJECT_ROOT) -> Path:
+    """The wheel of the TrainMover source at `project` (this one by default), built without network access (the
+    build backend is the environment's own) and without dependencies."""
+    if not (project / "pyproject.toml").is_file():
+        raise InvalidRequestError(f"{project} holds no pyproject.toml: give the TrainMover source tree to build, or a "
+                                  "wheel", code="InvalidArtifact")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tm-wheel-") as tmp:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-input", "-q",
+             "--disable-pip-version-check", "-w", tmp, str(project)],
+            capture_output=True, text=True, timeout=600, check=False)
+        wheels = sorted(Path(tmp).glob("trainmover-*.whl"))
+        if done.returncode != 0 or len(wheels) != 1:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise InvalidRequestError(f"building the TrainMover wheel from {project} failed: {' / '.join(tail)}",
+                                      code="WheelBuildFailed")
+        target = out_dir / wheels[0].name
+        target.write_bytes(wheels[0].read_bytes())
+    return target
+
+
+def _checked(files: Iterable[Path]) -> list[Path]:
+    out = []
+    for f in files:
+        if not f.is_file():
+            raise InvalidRequestError(f"{f} is not a file: nothing to stage", code="InvalidArtifact")
+        if not _FILE_NAME.fullmatch(f.name):
+            raise InvalidRequestError(f"{f.name!r}: a staged file needs a plain name (letters, digits, . _ + -)",
+                                      code="InvalidArtifact")
+        out.append(f)
+    if len({f.name for f in out}) != len(out):
+        raise InvalidRequestError("two staged files have the same name", code="InvalidArtifact")
+    return out
+
+
+def stage_local(files: Sequence[Path], directory: Path) -> list[Artifact]:
+    """Copy `files` into `directory` (mode 0644 files in a 0755 directory) and give their `file://` artifacts: for
+    hosts that share this machine's file system (local processes, network-namespace hosts)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in _checked(files):
+        target = directory / f.name
+        target.write_bytes(f.read_bytes())
+        target.chmod(0o644)
+        out.append(Artifact(f.name, target.resolve().as_uri(), sha256_of(target)))
+    return out
+
+
+def s3_key(prefix: str, job_id: str, name: str) -> str:
+    return "/".join(p for p in (prefix.strip("/"), job_id, name) if p)
+
+
+def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = "trainmover-jobs",
+             client: Any, ttl_s: int = URL_TTL_S) -> list[Artifact]:
+    """Upload `files` under `s3://bucket/prefix/job_id/` and give presigned GET URLs (`ttl_s`): a host fetches them
+    with no AWS credentials of its own. `client`: a boto3 S3 client (the job's credentials)."""
+    validate_job_id(job_id)
+    out = []
+    for f in _checked(files):
+        key = s3_key(prefix, job_id, f.name)
+        digest = sha256_of(f)
+        with open(f, "rb") as body:
+            client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": digest})
+        url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=ttl_s)
+        out.append(Artifact(f.name, url, digest))
+    return out
+
+
+def delete_s3(*, job_id: str, bucket: str, prefix: str = "trainmover-jobs", client: Any) -> int:
+    """Delete every staged file of `job_id`; returns how many."""
+    validate_job_id(job_id)
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=s3_key(prefix, job_id, "") + "/")
+    keys = [o["Key"] for o in listing.get("Contents", [])]
+    for key in keys:
+        client.delete_object(Bucket=bucket, Key=key)
+    return len(keys)
+
+
+def render_fetch(artifacts: Sequence[Artifact], directory: str, *, attempts: int = FETCH_ATTEMPTS,
+                 backoff_s: int = 5) -> list[str]:
+    """Bash lines that fetch each artifact into `directory`, up to `attempts` times each (waiting `backoff_s` x the
+    attempt between them), and refuse a file whose SHA-256 differs (it is deleted, never run or installed). Under
+    `set -e` the script stops at the first file that could not be fetched intact, saying so."""
+    lines = [
+        f"mkdir -p {shlex.quote(directory)}",
+        "tm_fetch() {  # URL SHA256 DEST",
+        "  local attempt got",
+        f"  for attempt in $(seq 1 {attempts}); do",
+        '    rm -f "$3.part"',
+        '    if curl -fsSL --connect-timeout 10 --max-time 600 -o "$3.part" "$1"; then',
+        "      got=\"$(sha256sum \"$3.part\" | cut -d' ' -f1)\"",
+        '      if [ "$got" = "$2" ]; then mv "$3.part" "$3"; return 0; fi',
+        '      echo "trainmover: $(basename "$3") has SHA-256 $got, the job expects $2: refused" >&2',
+        "    fi",
+        '    rm -f "$3.part"',
+        f'    if [ "$attempt" -lt {attempts} ]; then sleep $((attempt * {backoff_s})); fi',
+        "  done",
+        f'  echo "trainmover: could not fetch $(basename "$3") intact in {attempts} attempts" >&2',
+        "  return 1",
+        "}",
+    ]
+    for a in artifacts:
+        lines.append(f"tm_fetch {shlex.quote(a.url)} {a.sha256} {shlex.quote(directory + '/' + a.name)}")
+    return lines
+
+
+PYTHONS = ("/opt/conda/envs/pytorch/bin/python", "/opt/conda/bin/python",
+           "/anaconda/envs/azureml_py310_sdkv2/bin/python", "python3.13", "python3.12", "python3.11", "python3")
+"""Where the image's Python is looked for, first found first: the Deep Learning AMI's conda environment (torch
+lives there), a conda base, the Azure DSVM's, then the system's."""
+
+
+def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, int] = (3, 11)) -> list[str]:
+    """Bash lines that set `tm_python` to the first of `pythons` that exists, is at least `minimum` and imports
+    torch, or exit 1 naming what each candidate lacked."""
+    want = f"{minimum[0]}.{minimum[1]}"
+    check = (f"import sys; assert sys.version_info >= {minimum!r}, sys.version.split()[0]; "
+             "import torch  # noqa")
+    lines = [
+        'tm_python=""',
+        'tm_tried=""',
+        f"for candidate in {' '.join(shlex.quote(p) for p in pythons)}; do",
+        '  command -v "$candidate" >/dev/null 2>&1 || continue',
+        f'  if why="$("$candidate" -c {shlex.quote(check)} 2>&1)"; then',
+        '    tm_python="$(command -v "$candidate")"',
+        "    break",
+        "  fi",
+        '  tm_tried="$tm_tried $candidate ($(echo "$why" | tail -n 1))"',
+        "done",
+        'if [ -z "$tm_python" ]; then',
+        f'  echo "trainmover: this image has no Python {want}+ with torch installed '
+        f'(tried:${{tm_tried:- none found}}): use an image with one (docs/cloud-bootstrap.md, the image contract)" >&2',
+        "  exit 1",
+        "fi",
+    ]
+    return lines
+
+
+__all__ = [
+    "PYTHONS",
+    "URL_TTL_S",
+    "Artifact",
+    "build_wheel",
+    "delete_s3",
+    "render_fetch",
+    "render_python_select",
+    "sha256_of",
+    "stage_local",
+    "stage_s3",
+]
