@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,9 +79,14 @@ def build_wheel(out_dir: Path, project: Path = PROJECT_ROOT) -> Path:
                                   "wheel", code="InvalidArtifact")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tm-wheel-") as tmp:
+        # From a clean copy: setuptools builds in the tree it is given, and a build/ left there from an older
+        # version would ship modules deleted since.
+        source = Path(tmp) / "src"
+        shutil.copytree(project, source, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "node_modules", ".*_cache", ".pytest-tiers"))
         done = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-input", "-q",
-             "--disable-pip-version-check", "-w", tmp, str(project)],
+             "--disable-pip-version-check", "-w", tmp, str(source)],
             capture_output=True, text=True, timeout=600, check=False)
         wheels = sorted(Path(tmp).glob("trainmover-*.whl"))
         if done.returncode != 0 or len(wheels) != 1:
