@@ -116,19 +116,22 @@ def test_chunks_cover_every_element_once() -> None:
     assert covered[2] == [(0, 3)]
 
 
-def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_step_and_index() -> None:
-    from runtime.training.handoff import _bytes_of
+def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_receiver_step_and_index() -> None:
+    from runtime.training.handoff import TAG_BYTES, _bytes_of
 
     key = b"k" * 32
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
         t = (torch.arange(1000) % 7).to(dtype)
         damaged = t.clone()
         damaged.view(torch.uint8)[13] ^= 4
-        assert chunk_mac(key, 5, 0, _bytes_of(t)) == chunk_mac(key, 5, 0, _bytes_of(t.clone()))
-        assert chunk_mac(key, 5, 0, _bytes_of(damaged)) != chunk_mac(key, 5, 0, _bytes_of(t))
-        assert chunk_mac(key, 5, 1, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "index is bound"
-        assert chunk_mac(key, 6, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "step is bound"
-        assert chunk_mac(b"x" * 32, 5, 0, _bytes_of(t)) != chunk_mac(key, 5, 0, _bytes_of(t)), "keyed"
+        tag = chunk_mac(key, 1, 5, 0, _bytes_of(t))
+        assert len(tag) == TAG_BYTES
+        assert chunk_mac(key, 1, 5, 0, _bytes_of(t.clone())) == tag
+        assert chunk_mac(key, 1, 5, 0, _bytes_of(damaged)) != tag
+        assert chunk_mac(key, 1, 5, 1, _bytes_of(t)) != tag, "index is bound"
+        assert chunk_mac(key, 1, 6, 0, _bytes_of(t)) != tag, "step is bound"
+        assert chunk_mac(key, 2, 5, 0, _bytes_of(t)) != tag, "receiver is bound (a one-time key per message)"
+        assert chunk_mac(b"x" * 32, 1, 5, 0, _bytes_of(t)) != tag, "keyed"
 
 
 @pytest.mark.untimed
