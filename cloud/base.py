@@ -16,8 +16,11 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # for the annotation only: at run time base imports nothing of cloud
+    from cloud.accelerators import Accelerators
 
 Role = Literal["worker", "standby"]
 Market = Literal["on-demand", "spot"]
@@ -453,6 +456,90 @@ def with_retries(
             sleep(delay)
 
 
+# ---------------------------------------------------------------------------------------------------------- release
+
+
+@dataclass(frozen=True, slots=True)
+class JobRelease:
+    """What `Provider.release_all` did for one job. Each resource is named "<kind> <name>" (`security group
+    sg-0123...`, `SQS queue trainmover-notices-llm-7b`); secret values never appear."""
+
+    provider: str
+    job_id: str
+    instances: tuple[str, ...] = ()
+    """The instances terminated by this call."""
+    deleted: tuple[str, ...] = ()
+    """Every other resource this call deleted."""
+    failed: tuple[str, ...] = ()
+    """Each deletion that failed, with why ("<kind> <name> (<error>)"); the others still ran."""
+    not_looked_for: tuple[str, ...] = ()
+    """What this provider could not look for, with why (an Azure provider given no Key Vault)."""
+
+    @property
+    def complete(self) -> bool:
+        """True when no deletion failed (a resource that was already gone is no failure)."""
+        return not self.failed
+
+    def summary(self) -> str:
+        """One line: what was deleted, or that nothing was left."""
+        where = f"{self.provider}: job {self.job_id}"
+        if not self.instances and not self.deleted:
+            done = "nothing to release (no resource of the job was left)" if self.complete else "nothing released"
+        else:
+            done = f"terminated {len(self.instances)} instance(s) and deleted {len(self.deleted)} other resource(s)"
+        return f"{where}: {done}"
+
+    def failure(self) -> str:
+        """One line naming every deletion that failed, and what to do; "" when none did."""
+        if self.complete:
+            return ""
+        return (
+            f"{self.provider}: job {self.job_id}: could not delete {len(self.failed)} resource(s): "
+            f"{'; '.join(self.failed)}. Everything else was released; fix the cause and run the release again "
+            "(it deletes only what is left)"
+        )
+
+
+class ReleaseSteps:
+    """The deletions of one release, run one after another: a step returns True when it deleted something and
+    False when there was nothing to delete; a `CloudError` is recorded with the step's name and the next step still
+    runs (a programming error still raises)."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+        self.failed: list[str] = []
+        self.not_looked_for: list[str] = []
+
+    def run(self, what: str, delete: Callable[[], bool], *, if_denied: str | None = None) -> bool:
+        """Run one deletion of `what` ("<kind> <name>"); True when it deleted it. With `if_denied` (why these
+        credentials may lack the permission, e.g. "an administrator manages it"), a PermissionDeniedError records
+        `what` as not looked for, not as a failure."""
+        try:
+            done = delete()
+        except PermissionDeniedError as err:
+            if if_denied is None:
+                self.fail(what, err)
+            else:
+                self.skip(what, f"not allowed ({err.code}): {if_denied}")
+            return False
+        except CloudError as err:
+            self.fail(what, err)
+            return False
+        if done:
+            self.deleted.append(what)
+        return done
+
+    def fail(self, what: str, why: CloudError | str) -> None:
+        self.failed.append(f"{what} ({' '.join(str(why).split())})")
+
+    def skip(self, what: str, why: str) -> None:
+        self.not_looked_for.append(f"{what}: {why}")
+
+    def report(self, provider: str, job_id: str, instances: Sequence[str]) -> JobRelease:
+        return JobRelease(provider, job_id, tuple(instances), tuple(self.deleted), tuple(self.failed),
+                          tuple(self.not_looked_for))
+
+
 # ---------------------------------------------------------------------------------------------------------- provider
 
 
@@ -500,6 +587,12 @@ class Provider(abc.ABC):
         """The hourly price of one instance (list price; the spot price where the cloud publishes one)."""
 
     @abc.abstractmethod
+    def accelerators(self, instance_type: str) -> Accelerators:
+        """What one instance of `instance_type` has for training (`cloud.accelerators`): its GPUs, their kind, its
+        fabric (EFA, InfiniBand), from the provider's own instance-type data, looked up once per type. A type
+        without a GPU has count 0 (one CPU slot). InvalidRequestError for a type the provider does not know."""
+
+    @abc.abstractmethod
     def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
         """Fleet-wide notices seen since the last call (AWS: EventBridge via SQS; Azure: none fleet-wide, the
         per-VM Scheduled Events watcher delivers them). Waits at most `timeout_s` for the first one."""
@@ -532,7 +625,11 @@ class Provider(abc.ABC):
             sleep(poll_s)
 
     def release_job(self, job_id: str) -> list[str]:
-        """Terminate every instance tagged with `job_id`; returns their ids. The flows call it in `finally`."""
+        """Terminate every instance tagged with `job_id` (and, where the provider made one, delete the job's
+        network); returns the instances' ids. The flows call it in `finally`. `release_all` deletes the rest too."""
+        return self._terminate_job_instances(job_id)
+
+    def _terminate_job_instances(self, job_id: str) -> list[str]:
         validate_job_id(job_id, provider=self.name)
         # The provider filtered by tag already; checking the tag again here means no filter quirk of a cloud can
         # ever turn one job's release into another job's outage.
@@ -544,6 +641,27 @@ class Provider(abc.ABC):
         if ids:
             self.terminate(ids)
         return ids
+
+    def release_all(self, job_id: str) -> JobRelease:
+        """Delete every resource of the job: its instances, then whatever else its launches and the flows made in
+        this cloud (`release_resources`: network, notice queue, secret). Idempotent: a second call deletes nothing
+        and its `JobRelease` says so. A resource already gone is no error; a deletion that fails is recorded in
+        `JobRelease.failed` and the others still run. What `trainmover cloud release` and the sweep flow call."""
+        validate_job_id(job_id, provider=self.name)
+        steps = ReleaseSteps()
+        instances: list[str] = []
+        try:
+            instances = self._terminate_job_instances(job_id)
+        except CloudError as err:
+            steps.fail("the job's instances", err)
+        self.release_resources(job_id, steps, instances_terminated=not steps.failed)
+        return steps.report(self.name, job_id, instances)
+
+    def release_resources(self, job_id: str, steps: ReleaseSteps, *, instances_terminated: bool) -> None:
+        """Delete what the job has in this cloud besides its instances, recording each deletion in `steps`.
+        `instances_terminated` is False when terminating them failed (what they still use must then stay).
+        Nothing by default: a provider that makes more for a job overrides it."""
+        return None
 
 
 class NoticeSource(abc.ABC):

@@ -223,7 +223,8 @@ class AgentBootstrap(HostBootstrap):
     agent_port: int
     """The coordinator's `--agent-port`."""
     slots: int
-    """Processes this host runs, one per GPU: 1-64."""
+    """Processes this host runs, one per GPU (`Provider.accelerators(instance_type).slots`, 1 on a CPU type): 1-64.
+    The agent gives each its own `LOCAL_RANK` and, on NCCL, its own GPU (`CUDA_VISIBLE_DEVICES`)."""
     source: str
     """The pinned TrainMover source (`validate_pinned_source`)."""
     secret: SecretRef
@@ -432,6 +433,18 @@ EFA_ENVIRONMENT = ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1")
 """What the agent (and every process it starts) runs with on an EFA host: NCCL's aws-ofi-nccl plugin takes libfabric's
 EFA provider, with GPUDirect RDMA."""
 
+SLOTS_ENVIRONMENT = ("CUDA_DEVICE_ORDER=PCI_BUS_ID",)
+"""What the agent (and every process it starts) runs with on a host of several slots: the agent gives slot i
+`CUDA_VISIBLE_DEVICES=i`, and in PCI bus order i is the GPU that nvidia-smi and the instance type's topology (its
+NUMA nodes and NICs) call i, not the i-th of CUDA's default fastest-first order."""
+
+
+def agent_environment(spec: AgentBootstrap) -> tuple[str, ...]:
+    """The agent unit's `Environment=` values for `spec`'s host (`EFA_ENVIRONMENT`, `SLOTS_ENVIRONMENT`). Nothing
+    else is set: NCCL finds InfiniBand by itself, and the agent sets `NCCL_SOCKET_IFNAME` and `GLOO_SOCKET_IFNAME`
+    per process to the interface of the address it binds (runtime.host.agent)."""
+    return (EFA_ENVIRONMENT if spec.efa else ()) + (SLOTS_ENVIRONMENT if spec.slots > 1 else ())
+
 
 def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, environment: Sequence[str] = ()) -> str:
     return "\n".join([
@@ -461,7 +474,7 @@ def render_units(spec: AgentBootstrap) -> dict[str, str]:
     coordinator is not restarted (a new coordinator would be a new job: docs/multihost.md)."""
     units = {
         AGENT_UNIT: _unit(f"TrainMover agent of job {spec.job_id}", f"{PREFIX}/bin/agent-start", "trainmover-agent",
-                          restart=True, environment=EFA_ENVIRONMENT if spec.efa else ()),
+                          restart=True, environment=agent_environment(spec)),
     }
     if spec.head is not None:
         units[COORDINATOR_UNIT] = _unit(

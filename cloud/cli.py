@@ -2,12 +2,13 @@
 
     trainmover cloud check --provider aws --region eu-west-1     # what would fail, before a job finds out
     trainmover cloud describe --provider azure --resource-group rg --location eastus --job JOB
-    trainmover cloud release --provider aws --job JOB            # terminate everything tagged with JOB
+    trainmover cloud release --provider aws --job JOB            # delete every resource of JOB, and say what
     trainmover cloud policy --provider aws --job JOB --region us-east-1 --image ami-... --instance-type p5.48xlarge
 
 The dispatcher calls `add_cloud_parser(subparsers)` and then `cloud_command(namespace)`. Exit codes: 0 success
-(every check passed), 1 some check failed, 2 a `CloudError` (missing credentials, unknown region, missing SDK),
-printed as one line on stderr without a traceback.
+(every check passed, every resource of a released job deleted), 1 some check failed or some deletion of a release
+failed (the others still ran), 2 a `CloudError` (missing credentials, unknown region, missing SDK), printed as one
+line on stderr without a traceback.
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     describe = actions.add_parser("describe", help="list the instances tagged with a job")
     _add_provider_options(describe)
     describe.add_argument("--job", required=True, help=job_help)
-    release = actions.add_parser("release", help="terminate every instance tagged with a job; prints their ids")
+    release = actions.add_parser(
+        "release", help="delete every resource of a job (instances, network, notice queue, secret); prints each"
+    )
     _add_provider_options(release)
     release.add_argument("--job", required=True, help=job_help)
+    release.add_argument(
+        "--key-vault-url", metavar="URL",
+        help="Azure: the vault of the job's secret, deleted too (default: $AZURE_KEY_VAULT_URL)",
+    )
     policy = actions.add_parser(
         "policy", help="print the least-privilege IAM policy (AWS) or custom role (Azure) for one job, as JSON"
     )
@@ -111,8 +118,14 @@ def provider_options(ns: argparse.Namespace) -> dict[str, Any]:
         missing.append("--location (or AZURE_LOCATION)")
     if missing:
         raise InvalidRequestError(f"the azure provider needs {', '.join(missing)}", provider="azure")
-    return _given(subscription_id=subscription, resource_group=resource_group, location=location,
-                  base_url=ns.endpoint_url, image=ns.image)
+    options = _given(subscription_id=subscription, resource_group=resource_group, location=location,
+                     base_url=ns.endpoint_url, image=ns.image)
+    key_vault_url = getattr(ns, "key_vault_url", None) or _env("AZURE_KEY_VAULT_URL")
+    if key_vault_url is not None:
+        from cloud.azure.secrets import AzureKeyVaultStore
+
+        options["key_vault"] = AzureKeyVaultStore(key_vault_url)
+    return options
 
 
 def _given(**options: Any) -> dict[str, Any]:
@@ -184,11 +197,25 @@ def _describe(ns: argparse.Namespace) -> int:
 
 def _release(ns: argparse.Namespace) -> int:
     validate_job_id(ns.job, provider=ns.provider)
-    provider = _provider(ns)
-    released = provider.release_job(ns.job)
-    for instance_id in released:
-        print(instance_id)
-    print(f"{provider.name}: terminated {len(released)} instance(s) of job {ns.job}", file=sys.stderr)
+    return release_job_resources(_provider(ns), ns.job)
+
+
+def release_job_resources(provider: Provider, job_id: str) -> int:
+    """`trainmover cloud release` once the provider is made: `provider.release_all(job_id)`, then one line on
+    stdout per deleted resource ("instance i-0123...", "security group sg-...", "SQS queue ..."), and on stderr
+    the summary, what could not be looked for, and one line naming every deletion that failed. 0 when nothing
+    failed (nothing left to delete included), 1 otherwise."""
+    report = provider.release_all(job_id)
+    for instance_id in report.instances:
+        print(f"instance {instance_id}")
+    for resource in report.deleted:
+        print(resource)
+    print(report.summary(), file=sys.stderr)
+    for note in report.not_looked_for:
+        print(f"{provider.name}: job {job_id}: not looked for: {note}", file=sys.stderr)
+    if not report.complete:
+        print(f"trainmover cloud release: error: {report.failure()}", file=sys.stderr)
+        return _EXIT_FAILED_CHECK
     return 0
 
 

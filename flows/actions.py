@@ -83,8 +83,11 @@ def pool_change(plan: StandbyPlan, limits: StandbyLimits, pool: Pool) -> PoolCha
     )
 
 
-def notice_moves(notices: Iterable[Notice], workers: Mapping[int, str]) -> list[tuple[int, Notice]]:
-    """The ranks to move to standbys ahead of their instance's reclaim: (rank, its notice), in notice order; a
-    notice for an instance that holds no rank (a standby, or one already released) moves nothing."""
-    rank_of = {instance: rank for rank, instance in workers.items()}
-    return [(rank_of[n.instance_id], n) for n in notices if n.instance_id in rank_of]
+def notice_moves(notices: Iterable[Notice], workers: Mapping[int, str]) -> list[tuple[list[int], Notice]]:
+    """The ranks to move to standbys ahead of their instance's reclaim: (every rank the instance holds, in order,
+    and its notice), in notice order, so that a host of several slots moves whole in one request; a notice for an
+    instance that holds no rank (a standby, or one already released) moves nothing."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, instance in sorted(workers.items()):
+        ranks_of.setdefault(instance, []).append(rank)
+    return [(ranks_of[n.instance_id], n) for n in notices if n.instance_id in ranks_of]

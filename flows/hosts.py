@@ -8,7 +8,10 @@ alone (`trainmover coordinator`), and every instance the job launches boots `tra
 - the address the coordinator listens on, which the hosts reach: `TrainingRun.coordinator_address` in the cloud,
   the local hosts' own (127.0.0.1, or the namespaces' bridge);
 - the pinned TrainMover source the hosts install, and (AWS) the job's own security group and cluster placement
-  group (`cloud.base.JobNetwork`).
+  group (`cloud.base.JobNetwork`);
+- how many training processes each host runs (`slots`): one per accelerator of the run's instance type, as its
+  provider describes the type (`Provider.accelerators`, cloud.accelerators), 1 on a CPU type. A run of `workers`
+  ranks then needs `hosts_for(workers, slots)` worker hosts, and each standby host holds `slots` standbys.
 
 `JobHosts.prepare` stores the secret and fixes the ports; `launch_options` is what every `LaunchRequest` of the job
 then carries (the bootstrap, the network); `placement` is where the coordinator waits for them; `close` deletes
@@ -20,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloud.base import CloudError, JobNetwork, Provider
-from cloud.bootstrap import AgentBootstrap
+from cloud.base import CloudError, InvalidRequestError, JobNetwork, Provider
+from cloud.bootstrap import MAX_SLOTS, AgentBootstrap
 from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts
 from cloud.secrets import JobSecretStore, LocalFileStore, SecretRef
 from flows.models import TrainingRun
@@ -51,6 +55,39 @@ def free_port(address: str) -> int:
         return int(s.getsockname()[1])
 
 
+def host_slots(run: TrainingRun, provider: Provider) -> int:
+    """Training processes per host of `run`: one per accelerator of `run.instance_type` (the provider's own
+    instance-type data), 1 on a CPU type. Every host of a job boots with the same `--slots`, so each of
+    `run.fallback_instance_types` must have as many; InvalidRequestError, before anything launches, otherwise."""
+    found = provider.accelerators(run.instance_type)
+    if found.slots > MAX_SLOTS:
+        raise InvalidRequestError(
+            f"{run.instance_type} has {found.count} accelerators per instance; a host runs at most {MAX_SLOTS} "
+            "processes: pick a smaller type", provider=provider.name, code="InvalidSlots",
+        )
+    for other in run.fallback_instance_types:
+        theirs = provider.accelerators(other)
+        if theirs.slots != found.slots:
+            raise InvalidRequestError(
+                f"fallback instance type {other} has {theirs.count} accelerator(s) per instance and "
+                f"{run.instance_type} {found.count}: every host of a job runs as many training processes "
+                "(`trainmover agent --slots`), so list fallback types with the same accelerators",
+                provider=provider.name, code="InvalidFallback",
+            )
+    if run.provider == "aws" and found.efa and not run.efa:
+        log.warning("%s takes Elastic Fabric Adapters but run.efa is off: NCCL between its hosts runs over TCP; "
+                    "set efa: true (and a subnet) for GPUDirect RDMA", run.instance_type)
+    return found.slots
+
+
+def hosts_for(ranks: int, slots: int) -> int:
+    """Hosts of `slots` slots each that hold `ranks` processes: a run of 16 ranks on 8-GPU hosts needs 2, of 12
+    needs 2 as well (the last host's 4 free slots stay free unless the standby hosts are full)."""
+    if ranks < 0 or slots < 1:
+        raise ValueError(f"hosts_for needs ranks >= 0 and slots >= 1, got {ranks} and {slots}")
+    return math.ceil(ranks / slots)
+
+
 @dataclass(slots=True)
 class JobHosts:
     """What makes a job's instances its hosts (see the module docstring)."""
@@ -60,6 +97,8 @@ class JobHosts:
     source: str
     job_network: bool = False
     local_hosts: LocalHosts | None = None
+    slots: int = 1
+    """Training processes per host (`host_slots`): every instance boots `trainmover agent --slots` this."""
     secret_ref: SecretRef | None = None
     store_port: int = 0
     agent_port: int = 0
@@ -75,7 +114,7 @@ class JobHosts:
             job_id=run.job_id,
             coordinator_host=self.coordinator_host,
             agent_port=self.agent_port,
-            slots=1,
+            slots=self.slots,
             source=self.source,
             secret=self.secret_ref,
             script=str(script.resolve()),
@@ -115,10 +154,12 @@ class JobHosts:
 def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_options: dict[str, Any] | None = None
               ) -> JobHosts | None:
     """The run's `JobHosts`, or None when the job runs on the flow's machine (`hosts='orchestrator'`). For local
-    hosts it attaches them to the provider (which then boots every bootstrapped instance into one)."""
+    hosts it attaches them to the provider (which then boots every bootstrapped instance into one). Every host runs
+    `host_slots(run, provider)` training processes."""
     if not run.on_instances:
         return None
     options = provider_options or {}
+    slots = host_slots(run, provider)  # before anything is made: a type the provider refuses stops the run here
     if run.provider == "local":
         from cloud.local import LocalProvider
 
@@ -127,7 +168,7 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
         hosts: LocalHosts = NamespaceHosts(logs) if run.hosts == "namespaces" else ProcessHosts(logs)
         provider.attach_hosts(hosts)
         return JobHosts(LocalFileStore(Path(workdir) / "secrets"), hosts.coordinator_host,
-                        run.trainmover_source or installed_source(), local_hosts=hosts)
+                        run.trainmover_source or installed_source(), local_hosts=hosts, slots=slots)
     assert run.coordinator_address is not None  # TrainingRun checks it for the clouds
     source = run.trainmover_source or installed_source()
     if run.provider == "aws":
@@ -135,7 +176,7 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
 
         assert run.region is not None
         store: JobSecretStore = AwsParameterStore(run.region, session=options.get("session"))
-        return JobHosts(store, run.coordinator_address, source, job_network=True)
+        return JobHosts(store, run.coordinator_address, source, job_network=True, slots=slots)
     from cloud.secrets import AzureKeyVaultStore
 
     assert run.key_vault_url is not None
@@ -145,7 +186,7 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
 
         credential = DefaultAzureCredential()
     return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source,
-                    job_network=True)
+                    job_network=True, slots=slots)
 
 
 @dataclass(slots=True)
@@ -186,4 +227,5 @@ def notice_wiring(run: TrainingRun, provider: Provider, provider_options: dict[s
     return NoticeWiring(run.job_id, run.region, session)
 
 
-__all__ = ["JobHosts", "NoticeWiring", "free_port", "installed_source", "job_hosts", "notice_wiring"]
+__all__ = ["JobHosts", "NoticeWiring", "free_port", "host_slots", "hosts_for", "installed_source", "job_hosts",
+           "notice_wiring"]

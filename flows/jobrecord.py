@@ -28,6 +28,8 @@ PREFIX = "trainmover-job-"
 HEARTBEAT_S = 30.0
 """How often a supervising run refreshes its record's `supervised_at`."""
 RECORD_VERSION = 1
+SECRET_FILE = "job.secret"
+"""The job's secret, in its work directory on the orchestrator (`write_secret`); the sweep deletes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +139,7 @@ def write_secret(workdir: Path, secret: str) -> Path:
     """The job's secret in a file only its owner can read, in the job's work directory (for a re-attaching run)."""
     from runtime.wire.auth import write_secret_file
 
-    path = Path(workdir) / "job.secret"
+    path = Path(workdir) / SECRET_FILE
     write_secret_file(str(path), secret)
     return path
 

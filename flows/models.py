@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 from policy.costs import LEAD_TIME_H, NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 from runtime.fault_grammar import PLAN_PATTERN as FAULT_PLAN_PATTERN
+from runtime.fault_grammar import plan_mistake
 
 BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"  # Prefect's block-name slug rule
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,38}[a-z0-9]$")
@@ -62,13 +63,15 @@ class TrainingRun(BaseModel):
         default="p5.48xlarge", min_length=1, description="Instance type / VM size of workers and standbys."
     )
     market: Literal["on-demand", "spot"] = Field(default="on-demand", description="On-demand or spot workers.")
-    workers: int = Field(default=2, ge=1, le=4096, description="Data-parallel workers (one per instance).")
+    workers: int = Field(default=2, ge=1, le=4096, description="Training ranks, one process each: on instances that "
+                         "run the job, one per accelerator, so they take ceil(workers / accelerators per instance) "
+                         "instances.")
     job_nodes: int | None = Field(
         default=None,
         ge=1,
         le=100_000,
-        description="Price the job as this many nodes (default: workers); a drill on a few local processes can "
-        "stand for a large job so the policy weighs real stakes.",
+        description="Price the job as this many nodes (default: its worker instances); a drill on a few local "
+        "processes can stand for a large job so the policy weighs real stakes.",
     )
     standby: StandbyLimits = Field(default_factory=StandbyLimits, description="Standby limits per tier.")
     script: str = Field(
@@ -201,7 +204,11 @@ class TrainingRun(BaseModel):
     def _faults(cls, v: str | None) -> str | None:
         if v is None or not v.strip():
             return None
-        # The runtime's parser, so a plan the job would refuse 60 s later is refused here, before any launch.
+        # The grammar's own sentence first (the wrong item and part, and a plan written right), rather than the
+        # parser's first stumble (a bare int() error); then the runtime's parser for its cross-checks, so a plan the
+        # job would refuse 60 s later is refused here, before any launch.
+        if (mistake := plan_mistake(v)) is not None:
+            raise ValueError(mistake)
         # Imported here: runtime.faults pulls in torch, which a run without faults never needs.
         from runtime.faults import parse_plan
 
@@ -241,8 +248,6 @@ class TrainingRun(BaseModel):
                 validate_pinned_source(self.trainmover_source)
             except CloudError as exc:
                 raise ValueError(f"trainmover_source: {exc}") from None
-        if self.job_nodes is not None and self.job_nodes < self.workers:
-            raise ValueError(f"job_nodes={self.job_nodes} is below workers={self.workers}; leave it unset or raise it")
         if self.faults is not None:
             from runtime.faults import parse_plan
 
@@ -287,8 +292,9 @@ class TrainingRun(BaseModel):
         """USD per hour of one standby in each tier, for this run's instances (offered or not: for the bill)."""
         return {t: c.price_usd_per_h for t, c in default_tiers(self.node_price_usd_per_h).items()}
 
-    def costs(self) -> StandbyCosts:
-        """The policy's prices for this job: the whole job costs workers x the node price per hour."""
+    def costs(self, nodes: int | None = None) -> StandbyCosts:
+        """The policy's prices for this job: the whole job costs its nodes x the node price per hour (`job_nodes`,
+        else `nodes`: the worker instances the job takes, else one per worker)."""
         tiers = default_tiers(self.node_price_usd_per_h)
         offered = {
             t: c
@@ -296,7 +302,7 @@ class TrainingRun(BaseModel):
             if {"stopped": self.standby.max_stopped, "warm": self.standby.max_warm, "hot": self.standby.max_hot}[t] > 0
         } or {"warm": tiers["warm"]}
         return StandbyCosts(
-            job_price_usd_per_h=(self.job_nodes or self.workers) * self.node_price_usd_per_h,
+            job_price_usd_per_h=(self.job_nodes or nodes or self.workers) * self.node_price_usd_per_h,
             restart_downtime_s=self.restart_downtime_s,
             lead_time_h=self.lead_time_h,
             tiers=offered,

@@ -17,7 +17,12 @@ lease runs out. A new run of the job does not wait for that when the record name
 server says that run is over (Crashed, Failed, Cancelled, Completed): it releases that lease and takes the job
 over (then re-attaches to its job, `flows.training`). A killed run that had not recorded its lease yet (it died
 before its job started) holds its job until the lease runs out. A failed renewal (a server blip) logs and lets
-the job go on, rather than stopping a training run for a bookkeeping error.
+the job go on, rather than stopping a training run for a bookkeeping error. The sweep (`flows.sweep`), which stops
+a job nobody supervises, gives its dead owner's lease back too (`release_lease`), so a new run can start at once.
+
+A refusal names the flow run that holds the job (from the job's record, else from the job's flow runs on the
+server) and says what to do: cancel a live holder, or, for one that died before it recorded its lease, when that
+lease lapses.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
 from uuid import UUID
 
 log = logging.getLogger("trainmover.flows")
@@ -64,34 +72,71 @@ def _ensure_limit(job_id: str) -> None:
         client.upsert_global_concurrency_limit_by_name(limit_name(job_id), limit=1)
 
 
-def _owner_of(job_id: str, me: UUID) -> str:
-    """The running flow run that holds the job, for the refusal message (best effort: '' when not found)."""
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The flow run that holds a job, as the server shows it (for the refusal)."""
+
+    flow_run_id: UUID
+    name: str
+    state: str
+    """Its state's name: Running, Crashed, ..."""
+    over: bool
+    """Whether it is in a final state: then nobody renews its lease any more."""
+    since: datetime | None
+    """When it entered that state."""
+
+    @classmethod
+    def of(cls, flow_run: Any) -> Holder:
+        state = flow_run.state
+        return cls(flow_run.id, flow_run.name, state.name if state is not None else "unknown",
+                   state is not None and state.is_final(), state.timestamp if state is not None else None)
+
+
+def _holder(job_id: str, me: UUID) -> Holder | None:
+    """Who holds the job (best effort, None when not found), among the flow run its record names and the job's flow
+    runs (named after it): a live one, else the recorded one, else the last one that crashed (a run that ends in its
+    own process gives its slot back), else the last one that ended."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterName,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows import jobrecord
+    from flows.endings import job_id_of
+
+    recorded: list[Any] = []
+    try:
+        record = jobrecord.read(job_id)
+        with get_client(sync_client=True) as client:
+            if record is not None and record.flow_run_id not in (None, str(me)):
+                with suppress(Exception):  # a run the server no longer has: the job's runs may still tell
+                    recorded.append(client.read_flow_run(UUID(record.flow_run_id)))
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{job_id}-")),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                limit=50,
+            )
+    except Exception as exc:
+        log.warning("could not tell which flow run holds job %s: %s", job_id, exc)
+        return None
+    found = [fr for fr in [*recorded, *runs] if fr.id != me and fr.state is not None
+             and (fr in recorded or job_id_of(fr.parameters or {}) == job_id)]
+    ranked = ([fr for fr in found if not fr.state.is_final()] + recorded
+              + [fr for fr in found if fr.state.is_crashed()] + found)
+    return Holder.of(ranked[0]) if ranked else None
+
+
+def release_lease(lease_id: UUID | str) -> bool:
+    """Give back the slot held under `lease_id` (one that is gone already is no error); False when the server could
+    not be told (the lease then lapses by itself within OWNER_LEASE_S of its last renewal)."""
+    from prefect import get_client
 
     try:
         with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    name=FlowRunFilterName(like_=f"{job_id}-"),  # flow-run names start with the job id
-                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
-                ),
-                limit=20,
-            )
-    except Exception:
-        return ""
-    for fr in runs:
-        run = fr.parameters.get("run")
-        held = run.get("job_id") if isinstance(run, dict) else getattr(run, "job_id", None)
-        if fr.id != me and held == job_id:
-            return f" (flow run {fr.name!r}, id {fr.id})"
-    return ""
+            client.release_concurrency_slots_with_lease(UUID(str(lease_id)))
+    except Exception as exc:
+        log.warning("could not release the job's ownership lease %s: %s", lease_id, exc)
+        return False
+    return True
 
 
 class OwnerLease:
@@ -115,15 +160,9 @@ class OwnerLease:
                 log.warning("could not renew the job's ownership lease %s: %s", self.lease_id, exc)
 
     def release(self) -> None:
-        from prefect import get_client
-
         self._stop.set()
         self._renewer.join(timeout=30)
-        try:
-            with get_client(sync_client=True) as client:
-                client.release_concurrency_slots_with_lease(self.lease_id)
-        except Exception as exc:  # it lapses by itself within OWNER_LEASE_S
-            log.warning("could not release the job's ownership lease %s: %s", self.lease_id, exc)
+        release_lease(self.lease_id)
 
 
 def _take(job_id: str, flow_run_id: UUID) -> UUID:
@@ -162,11 +201,27 @@ def _lapsed_owner(job_id: str, me: UUID) -> tuple[str, UUID] | None:
 
 
 def _refusal(job_id: str, me: UUID) -> JobAlreadyRunning:
+    """Who holds the job and what to do about it: stop a live holder, or wait for a dead one's lease to lapse."""
+    holder = _holder(job_id, me)
+    other = "or give this run another run.job_id."
+    if holder is None:
+        return JobAlreadyRunning(
+            f"job {job_id!r} is held by a flow run that this server no longer shows (deleted?); its hold lapses by "
+            f"itself within {OWNER_LEASE_S:.0f} s of its last renewal: start this run again then, {other}"
+        )
+    run = f"flow run {holder.name!r} (id {holder.flow_run_id}, {holder.state})"
+    if not holder.over:
+        return JobAlreadyRunning(
+            f"job {job_id!r} is already running under another flow run: {run}; a second run would launch a second "
+            f"fleet under the same tag. To stop that run and its job, cancel it (Cancel on its page in the UI, or "
+            f"`prefect flow-run cancel {holder.flow_run_id}`) and start this run again; or let it end, {other}"
+        )
+    by = f" by {(holder.since + timedelta(seconds=OWNER_LEASE_S)).astimezone(UTC):%H:%M:%S} UTC at the latest" \
+        if holder.since is not None else ""
     return JobAlreadyRunning(
-        f"job {job_id!r} is already running under another flow run{_owner_of(job_id, me)}; a second run would "
-        "launch a second fleet under the same tag. Wait for that run to end or cancel it, or give this run another "
-        f"run.job_id. (A run whose process was killed before its job started holds the job for up to "
-        f"{OWNER_LEASE_S:.0f} s.)"
+        f"job {job_id!r} is still held by {run}, which ended without giving the job back and recorded no hold that "
+        f"a new run could take over (its process was killed before its job started): that hold lapses by itself{by} "
+        f"({OWNER_LEASE_S:.0f} s after that run ended). Start this run again then, {other}"
     )
 
 
@@ -174,8 +229,6 @@ def _refusal(job_id: str, me: UUID) -> JobAlreadyRunning:
 def owning(job_id: str, flow_run_id: UUID) -> Iterator[UUID]:
     """Hold `job_id` for the block (yields the lease's id, for the job's record); `JobAlreadyRunning` at once when
     another live flow run holds it. A holder that is over is relieved of its slot (see the module docstring)."""
-    from prefect import get_client
-
     _ensure_limit(job_id)
     try:
         lease_id = _take(job_id, flow_run_id)
@@ -186,8 +239,7 @@ def owning(job_id: str, flow_run_id: UUID) -> Iterator[UUID]:
         if lapsed is None:
             raise _refusal(job_id, flow_run_id) from None
         previous, stale = lapsed
-        with get_client(sync_client=True) as client, suppress(Exception):
-            client.release_concurrency_slots_with_lease(stale)
+        release_lease(stale)
         log.warning("job %s was held by %s, which is over: its hold released, this run takes the job over",
                     job_id, previous)
         try:

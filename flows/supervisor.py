@@ -2,8 +2,9 @@
 
 A `Supervisor` owns one job's life, in the order the flow calls it:
 
-1. `provision`: launch one instance per worker and the standby instances the limits ask for (tagged by job and
-   role, through any `cloud.base.Provider`).
+1. `provision`: launch one instance per `slots` workers (one per accelerator of the type, `flows.hosts`; 1 when
+   the instances are bookkeeping) and the standby instances the limits ask for (tagged by job and role, through
+   any `cloud.base.Provider`).
 2. `start`: start the job through the runtime's client (`runtime.client.RuntimeJob`): its coordinator owns
    membership and recovery; the supervisor reads its events and steers it through that client only.
 3. `tick`, until `done`: read the coordinator's new events (failures, promotions), feed telemetry to the policy
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,7 +38,7 @@ from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provi
 from cloud.capacity import launch_with_fallback, wake_or_replace
 from flows.actions import Pool, PoolChange, notice_moves, pool_change
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
-from flows.hosts import JobHosts, free_port
+from flows.hosts import JobHosts, free_port, hosts_for
 from flows.jobrecord import JobRecord, write_secret
 from flows.models import TrainingRun
 from flows.timeline import Timeline
@@ -154,7 +156,9 @@ class Supervisor:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.workdir / "events.jsonl"
         self.feed = feed
-        self.costs = run.costs()
+        self.nodes = hosts_for(run.workers, self.slots)
+        """The job's worker instances: what its downtime is priced at (unless `run.job_nodes` says otherwise)."""
+        self.costs = run.costs(self.nodes)
         # A failure counts as predicted when its node alone made a running standby worth its price.
         offered: list[TierName] = list(self.costs.tiers)
         self._predicted_bar = min(self.costs.threshold(t) for t in ([t for t in offered if t != "stopped"] or offered))
@@ -189,6 +193,14 @@ class Supervisor:
         self._remember()
 
     # -- provisioning --------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """Training processes per instance: the hosts' `--slots` when the instances run the job (one per accelerator
+        of the type, flows.hosts), else 1 (an instance per process, bookkeeping). `run.workers` ranks take
+        `hosts_for(workers, slots)` worker instances. Standbys count whole instances (the limits, the policy's
+        plans, `warm_target`), since a host fails whole: the coordinator's standby target is `slots` times that."""
+        return self.hosts.slots if self.hosts is not None else 1
+
     def provision(self, script: Path | None = None) -> list[Happening]:
         """Launch the workers' and the warm standbys' instances. On instances (`hosts`), the job's secret is stored
         for them first and every instance boots `script`'s job agent."""
@@ -201,8 +213,10 @@ class Supervisor:
                 raise ValueError("a job that runs on its instances needs its script at provisioning")
             self._secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer
             self.hosts.prepare(run, self._secret, script)
-        workers = self._launch("worker", run.workers)
-        self.workers = {rank: inst.instance_id for rank, inst in enumerate(workers)}
+        slots = self.slots
+        workers = self._launch("worker", hosts_for(run.workers, slots))
+        # Rank r on worker instance r // slots until the coordinator's placements say where it runs (hosts mode).
+        self.workers = {rank: workers[rank // slots].instance_id for rank in range(run.workers)}
         self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
         self.warm_target = run.standby.min_warm
         self._key_scorer()
@@ -210,9 +224,9 @@ class Supervisor:
             Happening(
                 f"{EVENT_PREFIX}.fleet.provisioned",
                 f"{EVENT_PREFIX}.job.{run.job_id}",
-                f"{run.provider}: {run.workers} worker instance(s) and {len(self.warm)} warm standby instance(s) "
-                f"of {run.instance_type} for job {run.job_id}",
-                {"workers": list(self.workers.values()), "standbys": list(self.warm)},
+                f"{run.provider}: {len(workers)} worker instance(s) for {run.workers} rank(s), {slots} per instance, "
+                f"and {len(self.warm)} warm standby instance(s) of {run.instance_type} for job {run.job_id}",
+                {"workers": [i.instance_id for i in workers], "standbys": list(self.warm), "slots": slots},
             )
         )
         self._remember()
@@ -237,11 +251,12 @@ class Supervisor:
     def _key_scorer(self) -> None:
         """Score the nodes that hold the ranks now (a scorer made before they existed, e.g. with a trained model,
         is re-keyed by them)."""
+        nodes = list(dict.fromkeys(self.workers.values()))  # a host of several slots holds several ranks
         if self.scorer is None:
-            self.scorer = OnlineScorer(self.workers.values())
+            self.scorer = OnlineScorer(nodes)
         else:
             self.scorer = OnlineScorer(
-                self.workers.values(), model=self.scorer.model, horizon_h=self.scorer.horizon_h,
+                nodes, model=self.scorer.model, horizon_h=self.scorer.horizon_h,
                 base_p_horizon=self.scorer.base_p_horizon, window_h=self.scorer.window_h,
             )
 
@@ -288,7 +303,8 @@ class Supervisor:
     def spec(self, script: Path) -> JobSpec:
         """The job as the runtime runs it."""
         run = self.run
-        return JobSpec(script=script, workers=run.workers, standby=self.warm_target, script_args=tuple(run.script_args),
+        return JobSpec(script=script, workers=run.workers, standby=self.warm_target * self.slots,
+                       script_args=tuple(run.script_args),
                        backend=run.backend, faults=run.faults, steps=run.steps)
 
     def start(self, script: Path) -> None:
@@ -314,8 +330,9 @@ class Supervisor:
         # On instances the job starts once every host joined (up to hosts_wait_s): `tick` connects then.
 
     def _set_standby_target(self, n: int) -> None:
+        """Keep `n` standby instances' worth of standby processes (`slots` each) in the coordinator."""
         if self.job is not None:
-            self.job.set_standby_target(n)
+            self.job.set_standby_target(n * self.slots)
 
     def committed_step(self) -> int | None:
         """The last step the job committed, as the runtime publishes it; None before the first or when unknown."""
@@ -364,7 +381,9 @@ class Supervisor:
         # Which instance holds which rank: from the placements in the events on instances; otherwise the worker
         # instances in launch order (as `provision` assigned them), or the ranks' own names for bookkeeping.
         workers = sorted(i.instance_id for i in instances if i.role == "worker")
-        self.workers = {r: workers[r] if r < len(workers) else f"rank-{r}" for r in range(self.run.workers)}
+        slots = self.slots
+        self.workers = {r: workers[r // slots] if r // slots < len(workers) else f"rank-{r}"
+                        for r in range(self.run.workers)}
         self.warm = sorted(i.instance_id for i in instances if i.role == "standby" and i.state != "stopped")
         self.parked = sorted(i.instance_id for i in instances if i.role == "standby" and i.state == "stopped")
         self.warm_target = len(self.warm)
@@ -517,9 +536,11 @@ class Supervisor:
                     {"rank": rank, "old": old, "new": new, "lost_time_s": lost, "step": ev.step},
                 )
             )
-            if self._woken.pop(rank, None) is not None and self.hosts is not None:
-                # The woken host's standby was the one more the target counted for this rank: back to the policy's
-                # target (simulated instances keep theirs until the policy's next decision releases the spare).
+            woken = self._woken.pop(rank, None)
+            if woken is not None and self.hosts is not None and woken not in self._woken.values():
+                # The woken host's standbys were the one host more the target counted for its ranks, all recovered
+                # now: back to the policy's target (simulated instances keep theirs until the policy's next decision
+                # releases the spare).
                 self.warm_target = max(0, self.warm_target - 1)
                 self._set_standby_target(self.warm_target)
         return out
@@ -561,6 +582,10 @@ class Supervisor:
 
     def _wake_parked(self, rank: int) -> list[Happening]:
         """No warm standby is left for `rank`: wake a parked one (its process starts cold on the woken node)."""
+        spare = next((i for i, n in Counter(self._woken.values()).items() if n < self.slots), None)
+        if spare is not None:  # a host woken for other ranks of the same loss has a slot for this one too
+            self._woken[rank] = spare
+            return []
         if not self.parked:
             return []
         parked = self.parked.pop(0)
@@ -666,15 +691,16 @@ class Supervisor:
         except CloudError as exc:
             log.warning("notices: %s", exc)
             return out
-        for rank, n in notice_moves(notices, self.workers):
+        for ranks, n in notice_moves(notices, self.workers):
             if self.job is not None:
-                self.job.move([rank], n.kind)
+                self.job.move(ranks, n.kind)
             out.append(
                 Happening(
                     f"{EVENT_PREFIX}.node.notice",
                     f"{EVENT_PREFIX}.node.{n.instance_id}",
-                    f"{n.kind} for {n.instance_id} (rank {rank}, {n.lead_s or 0:.0f} s ahead): moving it to a standby",
-                    {"rank": rank, "kind": n.kind, "lead_s": n.lead_s},
+                    f"{n.kind} for {n.instance_id} (rank(s) {', '.join(map(str, ranks))}, {n.lead_s or 0:.0f} s "
+                    "ahead): moving them to standbys",
+                    {"ranks": ranks, "kind": n.kind, "lead_s": n.lead_s},
                 )
             )
         return out
@@ -688,14 +714,14 @@ class Supervisor:
         plan = decide_standby(hazards, self.costs, self.fleet, now_s=now_h * 3600.0)
         held = set(self._woken.values())  # woken for a rank that waits for it: not the policy's to release
         pool = Pool(tuple(i for i in self.warm if i not in held), tuple(self.parked),
-                    max(0, self.warm_target - len(self._woken)))
+                    max(0, self.warm_target - len(held)))  # one woken host may hold several waiting ranks
         change = pool_change(plan, self.run.standby, pool)
         bar = self._predicted_bar
         self._hot_nodes = {n for n, p in zip(hazards.node_ids, hazards.p_fail, strict=True) if p > bar}
         if (change.warm_target, change.stopped_target) != (self.fleet.warm, self.fleet.stopped):
             self.fleet = FleetState(stopped=change.stopped_target, warm=change.warm_target,
                                     last_change_s=now_h * 3600.0)
-        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon), held=len(self._woken))
+        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon), held=len(held))
 
     def _apply(self, change: PoolChange, reasons: tuple[str, ...], worst: NodeScore, held: int = 0) -> list[Happening]:
         """Carry out a pool change (flows.actions.pool_change) and say what was done and why. `held` standbys, woken

@@ -135,7 +135,8 @@ def interruption_rows(report: RunReport) -> list[dict[str, Any]]:
     ]
 
 
-def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, ending: Ending | None = None) -> str:
+def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, ending: Ending | None = None,
+                  nodes: int | None = None) -> str:
     n = len(report.interruptions)
     saved = report.restart_cost_usd - report.downtime_cost_usd
     scaled = time_scale != 1.0
@@ -150,7 +151,7 @@ def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, 
         ]
     lines += [
         f"{run.workers} workers on {run.provider} ({run.instance_type}), priced as "
-        f"{run.job_nodes or run.workers} nodes at {run.node_price_usd_per_h:.2f} USD/h.",
+        f"{run.job_nodes or nodes or run.workers} nodes at {run.node_price_usd_per_h:.2f} USD/h.",
         "",
         "| | TrainMover | checkpoint-restart |",
         "| --- | ---: | ---: |",
@@ -231,7 +232,7 @@ def supervise(
 @task(name="report", cache_policy=NO_CACHE)
 def publish_report(report: RunReport, run: TrainingRun, time_scale: float, sup: Supervisor | None = None) -> None:
     """The interruptions table, the cost report and the run's plot, as artifacts of the run."""
-    publish_artifacts(report, run, time_scale)
+    publish_artifacts(report, run, time_scale, nodes=sup.nodes if sup is not None else None)
     if sup is not None:
         publish_timeline(sup)
 
@@ -253,14 +254,15 @@ def publish_timeline(sup: Supervisor) -> None:
         )
 
 
-def publish_artifacts(report: RunReport, run: TrainingRun, time_scale: float, ending: Ending | None = None) -> None:
+def publish_artifacts(report: RunReport, run: TrainingRun, time_scale: float, ending: Ending | None = None,
+                      nodes: int | None = None) -> None:
     create_table_artifact(
         interruption_rows(report) or [{"cause": "none", "lost_time_s": 0.0}],
         key=f"{run.job_id}-interruptions",
         description="Every interruption: what failed, which tier covered it, and what it cost in seconds",
     )
     create_markdown_artifact(
-        cost_markdown(report, run, time_scale, ending),
+        cost_markdown(report, run, time_scale, ending, nodes),
         key=f"{run.job_id}-cost-report",
         description="Standby cost against downtime avoided"
         + (" (scaled clock)" if time_scale != 1.0 else "")
@@ -276,7 +278,7 @@ def conclude(sup: Supervisor, run: TrainingRun, ending: Ending, time_scale: floa
     try:
         report = replace(sup.report(), message=ending.reason)
         if not published:
-            publish_artifacts(report, run, time_scale, ending)
+            publish_artifacts(report, run, time_scale, ending, sup.nodes)
             publish_timeline(sup)
         # The job's own failure was announced as it happened (the coordinator's job_failed), with its reason.
         if not (ending.kind == "failed" and any(isinstance(e, JobFailed) for e in sup.events)):
@@ -360,9 +362,9 @@ def resilient_training(
             run.provider 'local', 2 or more workers, run.standby.min_warm 0 and max_warm 1 or more, and a clock
             fast enough for its stages (the demo's time_scale 3600 and policy_every_s 0.5); other settings are
             refused before anything launches, with what to change.
-        time_scale: Telemetry seconds per wall second, 0 to 86400: the policy's clock, and the standby hours
-            and ETTR of the cost report, run this much faster (the demo: 3600, a wall second stands for an hour).
-            1 for a real job.
+        time_scale: Telemetry seconds per wall second, 0 to 86400, for the drill: the policy's clock, and the
+            standby hours and ETTR of the cost report, run this much faster (the demo: 3600, a wall second stands
+            for an hour). A run that is not a drill runs and is billed on the wall clock (1), whatever this says.
         policy_every_s: Wall seconds between standby-policy decisions, 0.2 to 86400.
         max_wall_s: Wall-clock limit of the run in seconds, up to 365 days; past it the job is stopped, the run
             fails and every instance is released.
@@ -373,6 +375,10 @@ def resilient_training(
     """
     logger = get_run_logger()
     script = Path(check_run(run, drill, time_scale, policy_every_s))
+    if not drill and time_scale != 1.0:  # e.g. drill turned off on the drill's deployment, which sets 3600
+        logger.warning("time_scale=%g is the drill's clock; this run is not a drill, so its policy and its cost "
+                       "report run on the wall clock", time_scale)
+        time_scale = 1.0  # else a few minutes of one standby would be billed as hundreds of hours
     scorer = load_scorer(run)  # a model file that this version cannot use is refused before anything launches
     # In the flow body, not a task: the values are no task's input; a missing block is refused before any launch.
     credentials = load_credentials(credentials_block, run.provider) if credentials_block else None

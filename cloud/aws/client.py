@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from cloud.base import (
     RetryBudget,
     ServiceUnavailableError,
     ThrottledError,
+    UnsupportedError,
     validate_endpoint_url,
     with_retries,
 )
@@ -87,6 +89,10 @@ _INVALID = frozenset(
     {"Unsupported", "UnsupportedOperation", "MissingParameter", "ValidationError", "IncorrectInstanceState"}
 )
 _UNAVAILABLE = frozenset({"InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"})
+_NOT_IMPLEMENTED = frozenset({"NotImplemented", "InvalidAction"})
+# The title of a server's own error page for HTTP 500 or 501 (werkzeug, nginx, Apache), quoted by botocore's
+# ResponseParserError when such a page arrives instead of an AWS error document.
+_SERVER_ERROR_PAGE = re.compile(r"<title>\s*50[01] (?:Internal Server Error|Not Implemented)\s*</title>", re.IGNORECASE)
 
 
 # The secret stores' error codes (Secrets Manager, SSM).
@@ -225,6 +231,17 @@ class ProviderErrors:
             message = str(error.get("Message", "")).split(" Encoded authorization failure message:")[0]
             status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             return self.from_code(code, message, status, action, where)
+        if isinstance(err, self.parser_error) and _SERVER_ERROR_PAGE.search(str(err)):
+            # A web page titled "500 Internal Server Error" / "501 Not Implemented" instead of an AWS error document:
+            # an AWS-compatible endpoint (moto, another cloud's EC2 API) that lacks the call, or fails on it every
+            # time. Not retried: the next attempt meets the same server. (A gateway's 502/503/504 page still is.)
+            return self.cloud_error(
+                UnsupportedError,
+                where,
+                f"this endpoint does not implement {action} (it answered an HTTP 500/501 page, not an AWS error): use "
+                "an endpoint that has it, or leave out what needs it",
+                "NotImplemented",
+            )
         if isinstance(err, exc.ConnectionError | exc.HTTPClientError | self.parser_error):
             return self.cloud_error(
                 ServiceUnavailableError,
@@ -271,6 +288,15 @@ class ProviderErrors:
                 PermissionDeniedError,
                 f"the credentials are not allowed to call {action} ({code}). Grant it: see {POLICY_DOC} "
                 "(`aws sts decode-authorization-message` explains an encoded denial).",
+            )
+        if code in _NOT_IMPLEMENTED or (code == str(status) and status in (500, 501)):
+            # AWS's own 5xx answers carry an error code; a bare HTTP 500/501 without one (botocore then uses the
+            # status as the code) is an AWS-compatible endpoint that lacks the call (moto, another cloud's EC2 API).
+            # Retrying would only wait: the call is as missing on the next attempt.
+            return error(
+                UnsupportedError,
+                f"this endpoint does not implement {action}{said}: use an endpoint that has it, or leave out what "
+                "needs it",
             )
         if code.endswith("NotFound") or code in _NOT_FOUND:
             return error(NotFoundError, f"not found{said}.")

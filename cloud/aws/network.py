@@ -22,7 +22,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cloud.base import JOB_TAG, CloudError, InvalidRequestError, JobNetwork, RetryBudget, validate_job_id
+from cloud.base import (
+    JOB_TAG,
+    CloudError,
+    InvalidRequestError,
+    JobNetwork,
+    ReleaseSteps,
+    RetryBudget,
+    UnsupportedError,
+    validate_job_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +108,11 @@ def rule_atoms(permissions: Sequence[Mapping[str, Any]]) -> set[_Atom]:
     return atoms
 
 
+def _unsupported(err: CloudError) -> bool:
+    """The endpoint does not implement the call at all (`cloud.aws.client` makes that an UnsupportedError)."""
+    return isinstance(err, UnsupportedError)
+
+
 def _tags_of(raw: Mapping[str, Any]) -> dict[str, str]:
     return {str(t.get("Key")): str(t.get("Value")) for t in raw.get("Tags") or []}
 
@@ -129,8 +143,22 @@ class AwsJobNetwork:
         `network.cluster_placement`, its placement group; each created when the job has none yet."""
         with self._lock:
             vpc_id = self._vpc_of(subnet) if subnet else None
-            group_id = self._security_group(job_id, network, vpc_id)
-            placement = self._placement_group(job_id) if network.cluster_placement else None
+            group_id, created = self._security_group(job_id, network, vpc_id)
+            try:
+                placement = self._placement_group(job_id) if network.cluster_placement else None
+            except CloudError as err:
+                if created:
+                    # The launch fails: a group made by it alone would be left with nothing in it.
+                    self._groups.pop((job_id, vpc_id or ""), None)
+                    self._delete_group_now(group_id)
+                if _unsupported(err):
+                    raise UnsupportedError(
+                        f"aws: this endpoint has no cluster placement groups ({err.code}): launch with "
+                        "JobNetwork(cluster_placement=False), or use an endpoint that has them"
+                        + (f"; the security group {group_id} made for this launch was deleted" if created else ""),
+                        provider="aws", code=err.code,
+                    ) from err
+                raise
         return JobPlacement(group_id, placement)
 
     def _vpc_of(self, subnet: str) -> str:
@@ -138,8 +166,10 @@ class AwsJobNetwork:
         [found] = self._api.call("ec2", "describe_subnets", self.describe_budget, SubnetIds=[subnet])["Subnets"]
         return str(found["VpcId"])
 
-    def _security_group(self, job_id: str, network: JobNetwork, vpc_id: str | None) -> str:
+    def _security_group(self, job_id: str, network: JobNetwork, vpc_id: str | None) -> tuple[str, bool]:
+        """The job's group id, and whether this call created it."""
         key = (job_id, vpc_id or "")
+        created = False
         cached = self._groups.get(key)
         if cached is not None:
             group_id, checked = cached
@@ -154,9 +184,9 @@ class AwsJobNetwork:
                 group_id = str(existing[0]["GroupId"])
                 self._reconcile(group_id, network, existing[0].get("IpPermissions") or [])
             else:
-                group_id = self._create_group(job_id, network, vpc_id)
+                group_id, created = self._create_group(job_id, network, vpc_id), True
         self._groups[key] = (group_id, network)
-        return group_id
+        return group_id, created
 
     def _find_groups(self, job_id: str, vpc_id: str | None) -> list[dict[str, Any]]:
         filters = _job_filter(job_id)
@@ -257,48 +287,77 @@ class AwsJobNetwork:
         timeout_s: float,
         poll_s: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
+        steps: ReleaseSteps | None = None,
     ) -> list[str]:
-        """Delete the job's security groups and placement group once `instances_gone()`; returns what is left
-        (empty when everything was deleted) after `timeout_s`. Nothing of another job is ever touched."""
+        """Delete the job's security groups and placement group once `instances_gone()`, each recorded in `steps`
+        ("security group sg-...", "placement group trainmover-..."); returns what could not be deleted (empty when
+        everything was, or nothing was there). A group still in use after `timeout_s` is one of those. Nothing of
+        another job is ever touched."""
+        steps = steps if steps is not None else ReleaseSteps()
+        left: list[str] = []
         with self._lock:
             self._groups = {k: v for k, v in self._groups.items() if k[0] != job_id}
             self._placements.pop(job_id, None)
-        groups = [str(g["GroupId"]) for g in self._find_groups(job_id, None)]
-        placements = self._find_placement_groups(job_id)
-        if not groups and not placements:
-            return []
-        deadline = time.monotonic() + timeout_s
-        while not instances_gone():
-            if time.monotonic() >= deadline:
-                return groups + placements
-            sleep(poll_s)
-        deletions = [("delete_security_group", "GroupId", g) for g in groups]
-        deletions += [("delete_placement_group", "GroupName", n) for n in placements]
-        return [
-            name
-            for operation, key, name in deletions
-            if not self._delete_when_free(operation, {key: name}, deadline, poll_s, sleep)
-        ]
+        groups: list[str] = []
+        placements: list[str] = []
+        try:
+            groups = [str(g["GroupId"]) for g in self._find_groups(job_id, None)]
+        except CloudError as err:
+            steps.fail("the job's security groups", err)
+            left.append("security groups")
+        try:
+            placements = self._find_placement_groups(job_id)
+        except CloudError as err:
+            if not _unsupported(err):  # an endpoint without placement groups: the job cannot have one
+                steps.fail("the job's placement group", err)
+                left.append("placement group")
+        deletions = [(f"security group {g}", "delete_security_group", "GroupId", g) for g in groups]
+        deletions += [(f"placement group {n}", "delete_placement_group", "GroupName", n) for n in placements]
+        if deletions:
+            deadline = time.monotonic() + timeout_s
+            try:
+                while not instances_gone():
+                    if time.monotonic() >= deadline:
+                        raise CloudError(f"aws: still in use after {timeout_s:.0f} s: EC2 still lists the job's "
+                                         "instances", provider="aws", code="DependencyViolation")
+                    sleep(poll_s)
+            except CloudError as err:
+                for what, *_ in deletions:
+                    steps.fail(what, err)
+                return left + [name for *_, name in deletions]
+            for what, operation, key, name in deletions:
+                failed = len(steps.failed)
+                steps.run(what, lambda operation=operation, key=key, name=name: self._delete_when_free(  # type: ignore[misc]
+                    operation, {key: name}, deadline, timeout_s, poll_s, sleep))
+                if len(steps.failed) > failed:
+                    left.append(name)
+        return left
 
     def _delete_when_free(
         self,
         operation: str,
         params: dict[str, Any],
         deadline: float,
+        timeout_s: float,
         poll_s: float,
         sleep: Callable[[float], None],
     ) -> bool:
+        """True when deleted, False when already gone; a CloudError when EC2 refuses (still in use at the
+        deadline)."""
         while True:
             try:
                 self._api.call("ec2", operation, self.mutate_budget, **params)
                 return True
             except CloudError as err:
                 if err.code in _ALREADY_GONE or (err.code or "").endswith("NotFound"):
-                    return True
+                    return False
                 if err.code not in _STILL_IN_USE:
                     raise
                 if time.monotonic() >= deadline:
-                    return False
+                    raise CloudError(
+                        f"aws: still in use after {timeout_s:.0f} s ({err.code}): EC2 has not let go of the job's "
+                        "instances yet", provider="aws", code=err.code,
+                    ) from err
             sleep(poll_s)
 
     def _delete_group_now(self, group_id: str) -> None:

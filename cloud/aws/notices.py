@@ -34,9 +34,11 @@ from cloud.aws.client import AwsApi
 from cloud.base import (
     JOB_TAG,
     MUTATE,
+    CloudError,
     NotFoundError,
     Notice,
     NoticeSource,
+    ReleaseSteps,
     RetryBudget,
     ServiceUnavailableError,
     UnsupportedError,
@@ -485,18 +487,40 @@ class NoticeQueue:
         return queue_url
 
     def delete(self) -> None:
-        """Remove the queue and rules; what is already gone is not an error."""
+        """Remove the queue and rules; what is already gone is not an error. A CloudError names every deletion that
+        failed (the others still happened)."""
+        steps = ReleaseSteps()
+        self.release(steps, denied_is_failure=True)
+        if steps.failed:
+            raise CloudError(f"aws: could not delete {'; '.join(steps.failed)}", provider="aws")
+
+    def release(self, steps: ReleaseSteps, *, denied_is_failure: bool = False) -> None:
+        """Delete the rules, then the queue, each recorded in `steps` ("EventBridge rule NAME", "SQS queue NAME").
+        A permission denied is recorded as not looked for unless `denied_is_failure`: the per-job policy made with
+        --no-notice-wiring lets the job's credentials read the queue only, since an administrator manages it."""
+        denied = None if denied_is_failure else "an administrator manages the job's notice queue and rules"
         for rule_name in self.rule_names.values():
-            try:
-                self.api.call("events", "remove_targets", self.budget, Rule=rule_name, Ids=[_TARGET_ID])
-                self.api.call("events", "delete_rule", self.budget, Name=rule_name)
-            except NotFoundError:
-                pass
+            steps.run(f"EventBridge rule {rule_name}", lambda rule_name=rule_name: self._delete_rule(rule_name),  # type: ignore[misc]
+                      if_denied=denied)
+        steps.run(f"SQS queue {self.queue_name}", self._delete_queue, if_denied=denied)
+
+    def _delete_rule(self, rule_name: str) -> bool:
+        try:
+            # EventBridge deletes only a rule without targets; RemoveTargets also tells a rule that is not there
+            # (DeleteRule succeeds either way).
+            self.api.call("events", "remove_targets", self.budget, Rule=rule_name, Ids=[_TARGET_ID])
+        except NotFoundError:
+            return False
+        self.api.call("events", "delete_rule", self.budget, Name=rule_name)
+        return True
+
+    def _delete_queue(self) -> bool:
         try:
             queue_url = self.api.call("sqs", "get_queue_url", self.budget, QueueName=self.queue_name)["QueueUrl"]
             self.api.call("sqs", "delete_queue", self.budget, QueueUrl=queue_url)
         except NotFoundError:
-            pass
+            return False
+        return True
 
 
 def ensure_notice_queue(job_id: str, **where: Unpack[QueueWhere]) -> str:

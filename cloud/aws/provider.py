@@ -18,14 +18,17 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from cloud.accelerators import Accelerators, from_ec2_instance_type, table_for
 from cloud.aws.client import AwsApi, api_name, did_you_mean
 from cloud.aws.network import AwsJobNetwork
 from cloud.aws.notices import (
     NoticeEvent,
+    NoticeQueue,
     Refusal,
     event_refusal,
     parse_event,
 )
+from cloud.aws.secrets import delete_job_secrets
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
@@ -44,6 +47,7 @@ from cloud.base import (
     Notice,
     PermissionDeniedError,
     Provider,
+    ReleaseSteps,
     RetryBudget,
     Role,
     TagLimits,
@@ -177,6 +181,7 @@ class AwsProvider(Provider):
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
         self._api = AwsApi(region, session, endpoint_url)
+        self._session, self._endpoint_url = session, endpoint_url  # for the job's notice queue and secret
         self._network = AwsJobNetwork(self._api, mutate_budget=mutate_budget, describe_budget=describe_budget)
         self._known_types: dict[str, int] = {}  # type -> EFA interfaces it takes (0: no EFA)
         self._seen_events: deque[str] = deque(maxlen=4096)
@@ -428,22 +433,35 @@ class AwsProvider(Provider):
     def release_job(self, job_id: str) -> list[str]:
         """Terminate the job's instances, then delete its security group and placement group (`LaunchRequest.network`)
         once EC2 shows none of its instances (EC2 refuses to delete a group still in use): waits at most
-        `network_release_timeout_s`; what is still there then is logged, and a later `release_job` deletes it."""
-        ids = super().release_job(job_id)
-        left = self._network.release(
+        `network_release_timeout_s`; what is still there then is logged, and a later `release_job` deletes it.
+        `release_all` also deletes the job's notice queue, rules and secret."""
+        ids = self._terminate_job_instances(job_id)
+        left = self._release_network(job_id, ReleaseSteps())
+        if left:
+            log.warning("aws: job %s: could not delete %s yet; run release again to delete them", job_id,
+                        ", ".join(left))
+        return ids
+
+    def release_resources(self, job_id: str, steps: ReleaseSteps, *, instances_terminated: bool) -> None:
+        """After the instances: the job's security group and placement group; its EventBridge rules and SQS notice
+        queue (`ensure_notice_queue`); its secret (`cloud.aws.secrets.delete_job_secrets`: the SSM parameter and
+        the Secrets Manager secret under their default names)."""
+        if instances_terminated:
+            self._release_network(job_id, steps)
+        else:
+            steps.fail("the job's security group and placement group", "kept: its instances were not terminated")
+        NoticeQueue(job_id, region=self.region, session=self._session, endpoint_url=self._endpoint_url,
+                    budget=self.mutate_budget).release(steps)
+        delete_job_secrets(job_id, steps, region=self.region, session=self._session,
+                           endpoint_url=self._endpoint_url, budget=self.mutate_budget)
+
+    def _release_network(self, job_id: str, steps: ReleaseSteps) -> list[str]:
+        return self._network.release(
             job_id,
             instances_gone=lambda: not self.describe(job_id=job_id),
             timeout_s=self.network_release_timeout_s,
+            steps=steps,
         )
-        if left:
-            log.warning(
-                "aws: job %s: %s still in use after %.0f s (EC2 has not let go of its instances yet); run release "
-                "again to delete them",
-                job_id,
-                ", ".join(left),
-                self.network_release_timeout_s,
-            )
-        return ids
 
     def _terminate(self, ids: list[str]) -> None:
         if not ids:
@@ -519,6 +537,31 @@ class AwsProvider(Provider):
             private_ip=raw.get("PrivateIpAddress"),
             launched_at=launched.timestamp() if isinstance(launched, datetime) else None,
         )
+
+    # accelerators -------------------------------------------------------------------------------------------
+
+    def accelerators(self, instance_type: str) -> Accelerators:
+        """The type's GPUs and EFA support from `DescribeInstanceTypes` (cloud.accelerators), once per type."""
+
+        def unknown(code: str | None) -> InvalidRequestError:
+            return InvalidRequestError(
+                f"aws {self.region}: unknown instance type {instance_type!r}: "
+                f"{did_you_mean(instance_type, ON_DEMAND_USD_PER_H)}GPU types include p5.48xlarge, p4d.24xlarge, "
+                "g6.12xlarge (`aws ec2 describe-instance-types` lists them)",
+                provider="aws", code=code,
+            )
+
+        def load(name: str) -> list[Accelerators]:
+            try:
+                found = self._api.call("ec2", "describe_instance_types", self.describe_budget, InstanceTypes=[name])
+            except InvalidRequestError as err:
+                raise unknown(err.code) from err
+            return [from_ec2_instance_type(described) for described in found.get("InstanceTypes", [])]
+
+        found = table_for(self).lookup(instance_type, load)
+        if found is None:
+            raise unknown("InvalidInstanceType")
+        return found
 
     # prices -------------------------------------------------------------------------------------------------
 

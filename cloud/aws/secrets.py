@@ -6,12 +6,12 @@
   is the instance role's identity policy (`instance_role_policy`).
 
 Every call goes through `cloud.aws.client.AwsApi` with its `SecretErrors`: no message quotes a parameter or a
-response body. `fetch_aws_secret` is what a host runs at boot (through `python -m cloud.secrets fetch`).
+response body. `fetch_aws_secret` is what a host runs at boot (through `python -m cloud.secrets fetch`);
+`delete_job_secrets` is what a job's release (`AwsProvider.release_all`) runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -19,12 +19,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cloud.aws.client import AwsApi
-from cloud.base import JOB_TAG, MUTATE, CloudError, InvalidRequestError, NotFoundError, RetryBudget, validate_job_id
+from cloud.base import (
+    JOB_TAG,
+    MUTATE,
+    CloudError,
+    InvalidRequestError,
+    NotFoundError,
+    ReleaseSteps,
+    RetryBudget,
+    validate_job_id,
+)
 from cloud.secret_store import (
     JobSecretStore,
     SecretKind,
     SecretRef,
     remember_secret,
+    secret_name_for,
 )
 
 log = logging.getLogger("cloud.secrets")  # the name users configure, as before the stores moved to cloud/aws/
@@ -150,8 +160,7 @@ class _AwsStore(JobSecretStore):
 
     def _delete(self, operation: str, **params: Any) -> None:
         """Delete a secret of this store by `operation`; one already gone is fine."""
-        with contextlib.suppress(NotFoundError):
-            self._call(operation, **params)
+        _deleted(self._api, self._budget, self.service, operation, **params)
 
     def _check_ref(self, ref: SecretRef) -> None:
         if ref.kind != self.kind or ref.region != self._api.region:
@@ -226,6 +235,48 @@ class AwsParameterStore(_AwsStore):
         self._delete("delete_parameter", Name=ref.name)
 
 
+def delete_job_secrets(
+    job_id: str,
+    steps: ReleaseSteps,
+    *,
+    region: str,
+    session: Any | None = None,
+    endpoint_url: str | None = None,
+    budget: RetryBudget = MUTATE,
+) -> None:
+    """Delete `job_id`'s secret under its default names (`secret_name_for`) in both AWS stores, each recorded in
+    `steps`: the SSM parameter (what the flows use) and the Secrets Manager secret. Credentials that may not use
+    Secrets Manager at all (the per-job policy of `cloud.aws.iam` grants only the SSM parameter) cannot have made a
+    secret there: that secret is then recorded as not looked for, not as a failure."""
+    validate_job_id(job_id, provider="aws")
+    api = AwsApi.for_secrets(region, session, endpoint_url)
+    parameter = secret_name_for(job_id, "aws-ssm")
+    steps.run(f"SSM parameter {parameter}", lambda: _deleted(api, budget, "ssm", "delete_parameter", Name=parameter))
+    secret = secret_name_for(job_id, "aws-secretsmanager")
+
+    def delete_secret() -> bool:
+        try:
+            # DeleteSecret with ForceDeleteWithoutRecovery succeeds for a name that does not exist: ask first, so
+            # that a second release says it deleted nothing.
+            api.call("secretsmanager", "describe_secret", budget, SecretId=secret)
+        except NotFoundError:
+            return False
+        return _deleted(api, budget, "secretsmanager", "delete_secret", SecretId=secret,
+                        ForceDeleteWithoutRecovery=True)
+
+    steps.run(f"Secrets Manager secret {secret}", delete_secret,
+              if_denied="these credentials may not use Secrets Manager, so they made no secret there")
+
+
+def _deleted(api: AwsApi, budget: RetryBudget, service: str, operation: str, **params: Any) -> bool:
+    """Delete one secret; True when it was there, False when it was already gone."""
+    try:
+        api.call(service, operation, budget, **params)
+    except NotFoundError:
+        return False
+    return True
+
+
 def fetch_aws_secret(
     ref: SecretRef, *, session: Any | None = None, endpoint_url: str | None = None, budget: RetryBudget = MUTATE
 ) -> str:
@@ -238,6 +289,7 @@ def fetch_aws_secret(
 __all__ = [
     "AwsParameterStore",
     "AwsSecretsManagerStore",
+    "delete_job_secrets",
     "fetch_aws_secret",
     "instance_role_policy",
     "secrets_manager_policy",

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cloud.base import JOB_TAG, CloudError, JobNetwork, NotFoundError
+from cloud.base import JOB_TAG, CloudError, JobNetwork, NotFoundError, ReleaseSteps
 
 log = logging.getLogger(__name__)
 
@@ -136,32 +136,49 @@ class AzureJobNetwork:
                  f" and proximity placement group {names['ppg']}" if ppg_id else "")
         return placement
 
-    def release(self, job_id: str) -> list[str]:
-        """Delete the job's boundary (after its VMs: ARM refuses to delete what a NIC references); returns what
-        could not be deleted, each with why. What does not exist is no error."""
+    def release(self, job_id: str, steps: ReleaseSteps | None = None) -> list[str]:
+        """Delete the job's NSG, ASG and proximity placement group (after its VMs: ARM refuses to delete what a NIC
+        references), each recorded in `steps`; returns what could not be deleted, each with why. Each is read
+        first: one that does not exist (a job launched without cluster placement has no proximity placement group)
+        is skipped quietly, and one whose tag names another job (two job ids can share a name) is left alone."""
+        steps = steps if steps is not None else ReleaseSteps()
         names = job_network_names(job_id)
-        left: list[str] = []
-        client = self._network()
-        steps: list[tuple[str, Callable[[], Any], bool]] = [
-            (names["nsg"], lambda: client.network_security_groups.begin_delete(self.resource_group, names["nsg"]),
-             True),
-            (names["asg"], lambda: client.application_security_groups.begin_delete(self.resource_group,
-                                                                                   names["asg"]), True),
-            (names["ppg"], lambda: self._compute.proximity_placement_groups.delete(self.resource_group,
-                                                                                   names["ppg"]), False),
+        try:
+            client = self._network()
+        except CloudError as err:  # azure-mgmt-network missing: no launch of this installation made a boundary
+            steps.skip("the job's NSG, ASG and proximity placement group", str(err))
+            return []
+        compute = self._compute
+        parts: list[tuple[str, str, Any, bool]] = [
+            ("network security group", names["nsg"], client.network_security_groups, True),
+            ("application security group", names["asg"], client.application_security_groups, True),
+            ("proximity placement group", names["ppg"], compute.proximity_placement_groups, False),
         ]
-        for name, delete, long_running in steps:
-            try:
-                result = self._call(f"delete {name}", delete)
-                if long_running:
-                    self._wait(result, f"delete {name}")
-            except NotFoundError:
-                continue
-            except CloudError as exc:
-                left.append(f"{name} ({exc})")
+        failed = len(steps.failed)
+        for kind, name, operations, long_running in parts:
+            steps.run(f"{kind} {name}", lambda name=name, operations=operations, long_running=long_running:  # type: ignore[misc]
+                      self._delete_if_the_jobs(job_id, name, operations, long_running))
+        left = steps.failed[failed:]
         if not left:
             self._made.pop(job_id, None)
-        return left
+        return list(left)
+
+    def _delete_if_the_jobs(self, job_id: str, name: str, operations: Any, long_running: bool) -> bool:
+        """Delete one resource of the job's boundary; False when there is none (or it is another job's)."""
+        try:
+            found = self._call(f"read {name}", lambda: operations.get(self.resource_group, name))
+        except NotFoundError:
+            return False
+        owner = (getattr(found, "tags", None) or {}).get(JOB_TAG)
+        if owner != job_id:
+            log.info("azure: %s is not job %s's (its %s tag is %r): left alone", name, job_id, JOB_TAG, owner)
+            return False
+        if long_running:
+            self._wait(self._call(f"delete {name}", lambda: operations.begin_delete(self.resource_group, name)),
+                       f"delete {name}")
+        else:
+            self._call(f"delete {name}", lambda: operations.delete(self.resource_group, name))
+        return True
 
 
 __all__ = ["AzureJobNetwork", "AzurePlacement", "job_network_names", "security_rules"]

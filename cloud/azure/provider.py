@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from cloud.accelerators import Accelerators, from_azure_sku, table_for
 from cloud.azure.client import (
     PROVIDER,
     ROLE_HINT,
     AzureApi,
 )
 from cloud.azure.network import AzureJobNetwork, AzurePlacement
+from cloud.azure.secrets import AzureKeyVaultStore
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
@@ -48,6 +50,7 @@ from cloud.base import (
     NotFoundError,
     Notice,
     Provider,
+    ReleaseSteps,
     RetryBudget,
     Role,
     TagLimits,
@@ -57,6 +60,7 @@ from cloud.base import (
     validate_tags,
 )
 from cloud.bootstrap import agent_bootstrap, azure_custom_data, render_cloud_init
+from cloud.secret_store import SecretRef, secret_name_for
 
 log = logging.getLogger("cloud.azure")  # the name users configure, as before the move to cloud/azure/
 
@@ -200,6 +204,7 @@ class AzureProvider(Provider):
         mutate_budget: RetryBudget = MUTATE,
         describe_budget: RetryBudget = DESCRIBE,
         lro_timeout_s: float = 900.0,
+        key_vault: AzureKeyVaultStore | None = None,
     ) -> None:
         for label, value in (
             ("subscription_id", subscription_id),
@@ -218,6 +223,8 @@ class AzureProvider(Provider):
         self.prices_usd_per_h = dict(prices_usd_per_h or {})
         self.mutate_budget = mutate_budget
         self.describe_budget = describe_budget
+        # The vault that holds the job's secret (the flows' TrainingRun.key_vault_url): `release_all` deletes it.
+        self.key_vault = key_vault
         self._sizes: frozenset[str] | None = None
         self._sizes_lock = threading.Lock()
         self._api = AzureApi(
@@ -462,12 +469,27 @@ class AzureProvider(Provider):
 
     def release_job(self, job_id: str) -> list[str]:
         """Delete the job's VMs (with their disks and NICs), then its NSG, ASG and proximity placement group
-        (`LaunchRequest.network`); what ARM would not delete yet is logged, and a later `release_job` deletes it."""
-        ids = super().release_job(job_id)
+        (`LaunchRequest.network`); what ARM would not delete yet is logged, and a later `release_job` deletes it.
+        `release_all` also deletes the job's Key Vault secret."""
+        ids = self._terminate_job_instances(job_id)
         left = self._job_network.release(job_id)
         if left:
-            log.warning("azure: job %s: could not delete %s yet; run release again", job_id, "; ".join(left))
+            log.warning("azure: job %s: could not delete %s; run release again", job_id, "; ".join(left))
         return ids
+
+    def release_resources(self, job_id: str, steps: ReleaseSteps, *, instances_terminated: bool) -> None:
+        """After the VMs (whose NICs and OS disks ARM deletes with them): the job's NSG, ASG and proximity placement
+        group, then its secret in `key_vault` (under its default name, `secret_name_for`)."""
+        if instances_terminated:
+            self._job_network.release(job_id, steps)
+        else:
+            steps.fail("the job's NSG, ASG and proximity placement group", "kept: its VMs were not deleted")
+        if self.key_vault is None:
+            steps.skip("Key Vault secret", "no Key Vault given (AzureProvider(key_vault=...), or --key-vault-url)")
+            return
+        vault = self.key_vault
+        ref = SecretRef("azure-keyvault", f"{vault.vault_url}/secrets/{secret_name_for(job_id, 'azure-keyvault')}")
+        steps.run(f"Key Vault secret {ref.name}", lambda: vault.delete_if_present(ref))
 
     def set_role(self, instance_id: str, role: Role) -> Instance:
         validate_role(role, provider=PROVIDER)
@@ -640,6 +662,33 @@ class AzureProvider(Provider):
             zone=vm.zones[0] if vm.zones else None,
             launched_at=created.timestamp() if created else None,
         )
+
+    def accelerators(self, instance_type: str) -> Accelerators:
+        """The size's GPUs and InfiniBand from the location's resource SKUs (cloud.accelerators): one list per
+        location, every VM size of it kept. Needs `Microsoft.Compute/skus/read`."""
+
+        def load(_: str) -> list[Accelerators]:
+            action = f"Microsoft.Compute/skus/read in {self.location!r}"
+
+            def vm_sizes() -> list[Accelerators]:
+                return [
+                    from_azure_sku(sku.name, {c.name: c.value or "" for c in sku.capabilities or () if c.name})
+                    for sku in self._client.resource_skus.list(filter=f"location eq '{self.location}'")
+                    if sku.name and (sku.resource_type or "").lower() == "virtualmachines"
+                    and any(loc.lower() == self.location.lower() for loc in sku.locations or ())
+                ]
+
+            return self._api.call(action, vm_sizes, self.describe_budget)
+
+        found = table_for(self).lookup(instance_type, load)
+        if found is None:
+            raise InvalidRequestError(
+                f"azure: VM size {instance_type!r} is not among the resource SKUs of {self.location!r} "
+                f"(`az vm list-skus -l {self.location} --resource-type virtualMachines`)",
+                provider=PROVIDER,
+                code="InvalidVmSize",
+            )
+        return found
 
     def hourly_price_usd(self, instance_type: str, market: Market = "on-demand") -> float:
         if market == "spot" and f"{instance_type}:spot" in self.prices_usd_per_h:

@@ -10,7 +10,6 @@ job's secret without the Azure SDK. `fetch_key_vault_secret` is what a host runs
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -177,10 +176,17 @@ class AzureKeyVaultStore(JobSecretStore):
         return value
 
     def delete(self, ref: SecretRef) -> None:
+        self.delete_if_present(ref)
+
+    def delete_if_present(self, ref: SecretRef) -> bool:
+        """Delete the secret; True when there was one, False when it was already gone (what a release reports)."""
         self._check_ref(ref)
-        with contextlib.suppress(NotFoundError):
+        try:
             # A soft delete: a vault with purge protection keeps it (unreadable) for its retention period.
             self._call("DELETE", ref.secret_name)
+        except NotFoundError:
+            return False
+        return True
 
     def _check_ref(self, ref: SecretRef) -> None:
         if ref.kind != self.kind or ref.vault_url != self.vault_url:

@@ -30,8 +30,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, get_args
 
+from cloud.accelerators import Accelerators
 from cloud.base import (
     JOB_TAG,
     ROLE_TAG,
@@ -309,6 +311,15 @@ class LocalProvider(Provider):
         if market == "spot":
             return self._prices.get(f"{instance_type}:spot", on_demand * LOCAL_SPOT_FACTOR)
         return on_demand
+
+    accelerator_counts: Mapping[str, int] = MappingProxyType({})
+    """GPUs per instance of each type, as `accelerators` reports them: none by default (this machine's instances
+    are one CPU slot each, whatever their type's name); set it to try multi-slot hosts here, e.g.
+    `cloud.accelerator_counts = {"p5.48xlarge": 2}`."""
+
+    def accelerators(self, instance_type: str) -> Accelerators:
+        # Nothing to ask of a cloud, so nothing to cache: a count set later applies to the next launch.
+        return Accelerators(instance_type, count=self.accelerator_counts.get(instance_type, 0))
 
     def poll_notices(self, timeout_s: float = 0.0) -> list[Notice]:
         wait_s = min(max(0.0, timeout_s), MAX_NOTICE_WAIT_S) if math.isfinite(timeout_s) else MAX_NOTICE_WAIT_S

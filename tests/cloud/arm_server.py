@@ -1,11 +1,14 @@
 """Local stand-ins for the Azure endpoints the provider talks to, so the real SDK runs against real HTTP.
 
 `ArmServer` speaks exactly the ARM REST routes `cloud.azure.AzureProvider` calls (VM PUT/GET/DELETE/list, tag
-updates (PATCH), start, deallocate, powerOff (only to prove it is never called), VM sizes, effective permissions) over
+updates (PATCH), start, deallocate, powerOff (only to prove it is never called), VM sizes, resource SKUs (GPU counts),
+effective permissions) over
 HTTPS with a throw-away CA, including real long-running-operation behaviour: 201/202 answers that carry
 `Azure-AsyncOperation` and `Location` headers, which the SDK polls until the operation reports Succeeded or Failed.
 Faults are injected per operation (`inject`). A VM created with a system-assigned identity gets a principal id, and
-customData is never returned, as on ARM. No Azure compute emulator exists, hence this server.
+customData is never returned, as on ARM. A VM's NICs and OS disk are stored as resources of their own, deleted with
+the VM when their deleteOption says so (`resources(kind)` lists them). No Azure compute emulator exists, hence this
+server.
 
 `ImdsServer` serves the instance metadata Scheduled Events document over plain http, as 169.254.169.254 does.
 
@@ -244,6 +247,8 @@ class ArmServer(MadeWithServer):
         m = re.fullmatch(rf"/subscriptions/{sub}/providers/Microsoft\.Compute/locations/([^/]+)/vmSizes", path, re.I)
         if m and method == "GET":
             return self._sizes(m.group(1))
+        if re.fullmatch(rf"/subscriptions/{sub}/providers/Microsoft\.Compute/skus", path, re.I) and method == "GET":
+            return self._skus(query.get("$filter"))
         m = re.fullmatch(
             rf"/subscriptions/{sub}/providers/Microsoft\.Compute/locations/[^/]+/(operations|operationResults)/([^/]+)",
             path,
@@ -358,6 +363,29 @@ class ArmServer(MadeWithServer):
             )
         return _Reply(200, {"value": [{"name": s, "numberOfCores": 8, "memoryInMB": 32768} for s in sizes]})
 
+    def _skus(self, filter_: str | None) -> _Reply:
+        """The compute resource SKUs: every VM size of each location (`VM_SKU_CAPABILITIES`, or a plain CPU size),
+        and a disk SKU, as ARM lists those too. ARM's only filter is `location eq '<name>'`; a location it does not
+        know lists nothing."""
+        fault = self._fault("skus")
+        if fault is not None:
+            return _fault_reply(fault)
+        wanted: str | None = None
+        if filter_ is not None:
+            m = re.fullmatch(r"\s*location\s+eq\s+'([^']+)'\s*", filter_, re.I)
+            if m is None:
+                return _error(400, "InvalidFilterInQueryString", f"unsupported $filter {filter_!r}: only location")
+            wanted = m.group(1).lower()
+        value: list[dict[str, Any]] = []
+        for location, sizes in self.locations.items():
+            if wanted not in (None, location):
+                continue
+            value += [_vm_sku(size, location) for size in sizes]
+            value.append({"resourceType": "disks", "name": "Premium_LRS", "tier": "Premium", "size": "P1",
+                          "locations": [location], "capabilities": [{"name": "MaxSizeGiB", "value": "4"}],
+                          "restrictions": []})
+        return _Reply(200, {"value": value})
+
     def _put(self, rg: str, name: str, body: Any) -> _Reply:
         fault = self._fault("create")
         if fault is not None and not fault.in_operation:
@@ -376,6 +404,7 @@ class ArmServer(MadeWithServer):
             return _Reply(200, self._vm_json(rg, existing, expand=False))
         vm = _Vm(name, location, dict(body.get("tags") or {}), body.get("zones"), props, _identity(body))
         self._vms[key] = vm
+        self._make_vm_parts(rg, vm)
         op = self._new_operation(name, "create", fault)
         return _Reply(201, self._vm_json(rg, vm, expand=False), self._lro_headers(location, op, with_location=False))
 
@@ -417,6 +446,30 @@ class ArmServer(MadeWithServer):
         vm.provisioning = "Deleting"
         op = self._new_operation(vm.name, "delete", fault)
         return _Reply(202, None, self._lro_headers(vm.location, op, with_location=True))
+
+    def _make_vm_parts(self, rg: str, vm: _Vm) -> None:
+        """The NICs (one per `networkInterfaceConfigurations` entry) and the OS disk that ARM creates with a VM,
+        stored as resources ("Microsoft.Network/networkInterfaces", "Microsoft.Compute/disks") with their
+        deleteOption, so that a test can list what a deleted VM left behind."""
+        configs = (vm.properties.get("networkProfile") or {}).get("networkInterfaceConfigurations") or []
+        os_disk = (vm.properties.get("storageProfile") or {}).get("osDisk") or {}
+        parts = [("Microsoft.Network/networkInterfaces", str(c.get("name")),
+                  (c.get("properties") or {}).get("deleteOption", "Detach")) for c in configs]
+        parts.append(("Microsoft.Compute/disks", str(os_disk.get("name") or f"{vm.name}_OsDisk_1_{uuid.uuid4().hex}"),
+                      os_disk.get("deleteOption", "Detach")))
+        for kind, name, delete_option in parts:
+            rid = f"/subscriptions/{self.subscription_id}/resourceGroups/{rg}/providers/{kind}/{name}"
+            self._resources[(rg, kind.lower(), name.lower())] = {
+                "id": rid, "name": name, "type": kind, "location": vm.location, "tags": {},
+                "properties": {"provisioningState": "Succeeded", "deleteOption": delete_option, "vm": vm.name},
+            }
+
+    def _drop_vm_parts(self, rg: str, vm: _Vm) -> None:
+        """What ARM deletes with a VM: its NICs and OS disk whose deleteOption is Delete (the others stay)."""
+        for key, resource in list(self._resources.items()):
+            props = resource["properties"]
+            if key[0] == rg and props.get("vm") == vm.name and props.get("deleteOption") == "Delete":
+                del self._resources[key]
 
     def _new_operation(self, vm_name: str, kind: str, fault: Fault | None) -> _Operation:
         error = {"code": fault.code, "message": fault.message} if fault is not None and fault.in_operation else None
@@ -465,6 +518,7 @@ class ArmServer(MadeWithServer):
             vm.power = "stopped"
         elif op.kind == "delete" and op.error is None:
             del self._vms[key]
+            self._drop_vm_parts(key[0], vm)
 
     def _vm_json(self, rg: str, vm: _Vm, *, expand: bool) -> dict[str, Any]:
         vm_id = (
@@ -516,6 +570,37 @@ class _Reply:
     status: int
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
+
+
+# Capabilities of a few GPU sizes as `az vm list-skus --resource-type virtualMachines` lists them (abridged): ARM
+# says `GPUs` for every GPU size and `RdmaEnabled` for the InfiniBand (ND) sizes, and never names the GPU model.
+# https://learn.microsoft.com/azure/virtual-machines/sizes/gpu-accelerated/nd-h100-v5-series and its siblings.
+VM_SKU_CAPABILITIES: Mapping[str, Mapping[str, str]] = {
+    "Standard_ND96isr_H100_v5": {"vCPUs": "96", "MemoryGB": "1900", "GPUs": "8", "RdmaEnabled": "True",
+                                 "MaxNetworkInterfaces": "8", "AcceleratedNetworkingEnabled": "True"},
+    "Standard_ND96amsr_A100_v4": {"vCPUs": "96", "MemoryGB": "1900", "GPUs": "8", "RdmaEnabled": "True",
+                                  "MaxNetworkInterfaces": "8", "AcceleratedNetworkingEnabled": "True"},
+    "Standard_ND96asr_v4": {"vCPUs": "96", "MemoryGB": "900", "GPUs": "8", "RdmaEnabled": "True",
+                            "MaxNetworkInterfaces": "8", "AcceleratedNetworkingEnabled": "True"},
+    "Standard_NC80adis_H100_v5": {"vCPUs": "80", "MemoryGB": "640", "GPUs": "2", "MaxNetworkInterfaces": "4",
+                                  "AcceleratedNetworkingEnabled": "True"},
+    "Standard_NC40ads_H100_v5": {"vCPUs": "40", "MemoryGB": "320", "GPUs": "1", "MaxNetworkInterfaces": "2",
+                                 "AcceleratedNetworkingEnabled": "True"},
+    "Standard_NC24ads_A100_v4": {"vCPUs": "24", "MemoryGB": "220", "GPUs": "1", "MaxNetworkInterfaces": "2",
+                                 "AcceleratedNetworkingEnabled": "True"},
+    "Standard_D2s_v5": {"vCPUs": "2", "MemoryGB": "8", "MaxNetworkInterfaces": "2",
+                        "AcceleratedNetworkingEnabled": "True"},
+}
+
+
+def _vm_sku(size: str, location: str) -> dict[str, Any]:
+    capabilities = VM_SKU_CAPABILITIES.get(size, {"vCPUs": "8", "MemoryGB": "32"})
+    return {
+        "resourceType": "virtualMachines", "name": size, "tier": "Standard", "size": size.removeprefix("Standard_"),
+        "locations": [location], "locationInfo": [{"location": location, "zones": ["1", "2", "3"]}],
+        "capabilities": [{"name": k, "value": v} for k, v in {**capabilities, "HyperVGenerations": "V2"}.items()],
+        "restrictions": [],
+    }
 
 
 def _error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> _Reply:

@@ -94,6 +94,11 @@ class KeyVaultServer(StartedOnDemand):
             versions = self._secrets.get(name)
             return (versions[-1][1], dict(versions[-1][2])) if versions else None
 
+    def secret_names(self) -> list[str]:
+        """The names of every secret the vault holds now (what Key Vault's List Secrets shows), sorted."""
+        with self._lock:
+            return sorted(name for name, versions in self._secrets.items() if versions)
+
     def start(self) -> None:
         vault = self
 

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import subprocess
 import sys
 import types
@@ -137,6 +138,28 @@ def test_the_agent_watches_its_clouds_notices_when_the_bootstrap_says_so() -> No
     assert "--notices aws" in render_agent_start(spec(notices="aws")).splitlines()[-1]
     assert "--notices azure" in render_agent_start(spec(notices="azure")).splitlines()[-1]
     assert "--notices" not in render_agent_start(spec())
+
+
+@pytest.mark.parametrize(("slots", "efa", "environment"), [
+    (8, False, ["CUDA_DEVICE_ORDER=PCI_BUS_ID"]),
+    (8, True, ["FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]),
+    (1, False, []),
+])
+def test_the_agent_runs_one_process_per_slot_with_the_hosts_gpus_in_pci_order(
+    slots: int, efa: bool, environment: list[str]
+) -> None:
+    """An 8-GPU host's agent starts with `--slots 8` (the agent parser reads it back), and its unit orders the
+    GPUs by PCI bus so that slot i's CUDA_VISIBLE_DEVICES=i is nvidia-smi's GPU i; EFA hosts add libfabric's."""
+    document = yaml.safe_load(render_cloud_init(spec(slots=slots, efa=efa)))
+    files = {f["path"]: f["content"] for f in document["write_files"]}
+    exec_line = files["/opt/trainmover/bin/agent-start"].splitlines()[-1]
+    assert f" --slots {slots} " in exec_line
+    parser = argparse.ArgumentParser()
+    add_agent_parser(parser.add_subparsers(dest="command"))
+    assert exec_line.startswith("exec trainmover agent ")
+    assert parser.parse_args(shlex.split(exec_line)[2:]).slots == slots
+    unit = files[f"/etc/systemd/system/{AGENT_UNIT}"].splitlines()
+    assert [line.removeprefix("Environment=") for line in unit if line.startswith("Environment=")] == environment
 
 
 def test_an_ipv6_coordinator_is_bracketed_as_the_agent_parses_it() -> None:

@@ -160,7 +160,8 @@ def test_describe_and_release_of_a_job_without_instances(capsys: pytest.CaptureF
     assert capsys.readouterr().out == "local: 0 instance(s) of job j1\n"
     assert main(["cloud", "release", "--provider", "local", "--job", "j1"]) == 0
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == "local: terminated 0 instance(s) of job j1\n"
+    assert captured.out == ""
+    assert captured.err == "local: job j1: nothing to release (no resource of the job was left)\n"
 
 
 def test_the_instance_table_and_the_check_verdict_read_well() -> None:
@@ -277,8 +278,8 @@ def test_aws_check_describe_and_release_through_the_cli(
 
         assert main(["cloud", "release", *aws, "--job", job]) == 0
         captured = capsys.readouterr()
-        assert sorted(captured.out.split()) == launched
-        assert captured.err.endswith(f"aws: terminated 2 instance(s) of job {job}\n")
+        assert sorted(captured.out.splitlines()) == [f"instance {i}" for i in launched]
+        assert captured.err == f"aws: job {job}: terminated 2 instance(s) and deleted 0 other resource(s)\n"
     finally:
         provider.release_job(job)
     assert provider.describe(job_id=job) == []

@@ -61,5 +61,8 @@ def test_notices_move_only_the_ranks_their_instance_holds() -> None:
         Notice("rebalance_recommendation", "i-a", now, "local"),
     ]
     moves = notice_moves(notices, {0: "i-a", 1: "i-b"})
-    assert [(rank, n.kind) for rank, n in moves] == [(1, "spot_interruption"), (0, "rebalance_recommendation")]
+    assert [(ranks, n.kind) for ranks, n in moves] == [([1], "spot_interruption"), ([0], "rebalance_recommendation")]
     assert notice_moves(notices, {}) == []
+    # A host of several slots moves whole, in one request.
+    eight = {r: "i-a" if r < 8 else "i-b" for r in range(16)}
+    assert [(ranks, n.instance_id) for ranks, n in notice_moves(notices[:1], eight)] == [(list(range(8, 16)), "i-b")]

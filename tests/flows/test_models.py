@@ -47,14 +47,38 @@ def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
         ({"policy_model": "/nonexistent/model.skops"}, "name a stored model ('latest' or its key)"),
         ({"hazard_multiplier": 0}, "hazard_multiplier"),
         ({"surprise": 1}, "surprise: Extra inputs are not permitted"),
-        ({"faults": "explode:rank=1"}, "faults: fault 'explode:rank=1': action must be one of kill"),
-        ({"faults": "kill:rank=1,step=soon"}, "faults: fault 'kill:rank=1,step=soon'"),
+        ({"faults": "explode:rank=1"}, "faults: fault 'explode:rank=1': 'explode' is not an action"),
+        ({"faults": "kill:rank=1,step=soon"}, "faults: fault 'kill:rank=1,step=soon': step takes a whole number"),
         ({"faults": "kill:rank=1;corrupt:phase=exchange"}, "corrupt applies to phase=handoff_send only"),
         ({"faults": "kill:rank=2,step=5"}, "faults name rank(s) [2], but the job has ranks 0-1 only"),
     ],
 )
 def test_bad_parameters_are_refused_with_the_field_named(fields: dict[str, object], needle: str) -> None:
     assert needle in refused(**fields)
+
+
+@pytest.mark.parametrize(
+    ("plan", "wrong"),
+    [
+        ("explode:rank=1", "fault 'explode:rank=1': 'explode' is not an action (the action must be one of kill, "),
+        ("kill:rank=one", "fault 'kill:rank=one': rank takes a whole number, not 'one'"),
+        ("kill:rank=1;stop:rank=0,phase=nowhere", "fault 'stop:rank=0,phase=nowhere': 'nowhere' is not a phase (one "
+         "of before_exchange, "),
+        ("kill:rank=1,color=red", "fault 'kill:rank=1,color=red': 'color' is not a key (keys: phase, step, "),
+        ("kill:rank", "fault 'kill:rank': 'rank' is not key=value"),
+        ("kill:role=", "fault 'kill:role=': role takes a name of letters, digits, '_', '.' and '-', not ''"),
+        ("kill:rank=1\nstop:rank=0", "fault 'kill:rank=1\\nstop:rank=0': rank takes a whole number, not "
+         "'1\\nstop:rank=0'"),  # a line break for a ';'; shown escaped, on one line
+    ],
+)
+def test_a_malformed_faults_plan_is_refused_in_one_sentence_with_the_wrong_part_and_a_plan_written_right(
+    plan: str, wrong: str
+) -> None:
+    message = refused(faults=plan)
+    assert message.startswith(f"faults: {wrong}"), message
+    assert message.endswith("; write faults as ACTION:key=value,... separated by ';', e.g. "
+                            "'kill:rank=1,step=8;stop:rank=0,step=20'"), message
+    assert "\n" not in message and len(message) < 300 and "[ \\t]" not in message, message  # no pattern dumped
 
 
 def test_a_faults_plan_the_runtime_accepts_is_kept_and_a_blank_one_is_none() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, timedelta
 from uuid import UUID
 
 import pytest
@@ -13,7 +14,7 @@ from prefect.states import Crashed, Running
 
 from flows import jobrecord
 from flows.jobrecord import JobRecord
-from flows.ownership import JobAlreadyRunning, _ensure_limit, _take, owning
+from flows.ownership import OWNER_LEASE_S, JobAlreadyRunning, _ensure_limit, _take, owning
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -23,10 +24,12 @@ def _probe() -> None:
     """Only a flow for the flow runs below to belong to."""
 
 
-def _flow_run(state: str) -> UUID:
+def _flow_run(state: str, job_id: str = "owner") -> UUID:
+    """A flow run of `job_id`, named and parametrised as the training flow's are."""
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow_from_name(_probe.name)
-        fr = client.create_flow_run(_probe, name=f"owner-{uuid.uuid4().hex[:6]}")
+        fr = client.create_flow_run(_probe, name=f"{job_id}-{uuid.uuid4().hex[:6]}",
+                                    parameters={"run": {"job_id": job_id}})
         assert fr.flow_id == flow_id
         client.set_flow_run_state(fr.id, Running(), force=True)
         if state == "crashed":
@@ -52,11 +55,19 @@ def job(request: pytest.FixtureRequest) -> Iterator[str]:
     jobrecord.forget(job_id)
 
 
-def test_a_live_owner_keeps_its_job(job: str) -> None:
-    _held_by(job, _flow_run("running"))
-    with pytest.raises(JobAlreadyRunning, match="is already running under another flow run"), \
-            owning(job, _flow_run("running")):
+def _name(flow_run_id: UUID) -> str:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).name
+
+
+def test_a_live_owner_keeps_its_job_and_the_refusal_names_it_and_how_to_stop_it(job: str) -> None:
+    owner = _flow_run("running", job)
+    _held_by(job, owner)
+    with pytest.raises(JobAlreadyRunning, match="is already running under another flow run") as info, \
+            owning(job, _flow_run("running", job)):
         pass
+    assert f"flow run {_name(owner)!r} (id {owner}, Running)" in str(info.value)
+    assert f"`prefect flow-run cancel {owner}`" in str(info.value)
 
 
 def test_an_owner_that_crashed_is_relieved_and_the_job_then_has_one_owner_again(job: str) -> None:
@@ -70,9 +81,19 @@ def test_an_owner_that_crashed_is_relieved_and_the_job_then_has_one_owner_again(
         pass
 
 
-def test_without_a_recorded_lease_a_crashed_owner_holds_the_job_until_its_lease_lapses(job: str) -> None:
-    dead = _flow_run("crashed")
+def test_without_a_recorded_lease_a_crashed_owner_holds_the_job_until_its_lease_lapses_which_the_refusal_says(
+    job: str,
+) -> None:
+    dead = _flow_run("crashed", job)
     _ensure_limit(job)
     _take(job, dead)  # killed before its job started: no record names the lease
-    with pytest.raises(JobAlreadyRunning, match=r"holds the job for up to 300 s"), owning(job, _flow_run("running")):
+    _flow_run("crashed", f"{job}-b")  # a later dead run of another job, whose name starts like this one's
+    with pytest.raises(JobAlreadyRunning) as info, owning(job, _flow_run("running", job)):
         pass
+    with get_client(sync_client=True) as client:
+        ended = client.read_flow_run(dead).state.timestamp  # type: ignore[union-attr]
+    lapse = (ended + timedelta(seconds=OWNER_LEASE_S)).astimezone(UTC)
+    message = str(info.value)
+    assert f"is still held by flow run {_name(dead)!r} (id {dead}, Crashed)" in message, message
+    assert f"lapses by itself by {lapse:%H:%M:%S} UTC at the latest" in message, message
+    assert "cancel" not in message  # nothing to cancel: the hint is when to run again

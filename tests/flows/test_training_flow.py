@@ -63,6 +63,29 @@ def test_a_missing_script_is_refused_before_anything_launches() -> None:
     assert "instance(s)" not in _logs(state)
 
 
+def test_a_run_that_is_not_a_drill_is_billed_on_the_wall_clock_whatever_its_time_scale() -> None:
+    """The drill's deployment sets time_scale 3600; a run there with the drill off must not bill each wall second of
+    its standbys as an hour."""
+    from flows.models import StandbyLimits, TrainingRun
+    from flows.training import resilient_training
+
+    run = TrainingRun(
+        job_id="flow-wall-clock", workers=1, script=str(TINY_JOB), script_args=("--steps", "40", "--step-ms", "20"),
+        standby=StandbyLimits(min_warm=1, max_warm=1, max_stopped=0),
+    )
+    state = resilient_training(run=run, drill=False, time_scale=3600.0, policy_every_s=0.5, max_wall_s=120.0,
+                               return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    # One warm standby for under 120 wall seconds: under 0.034 h (on the drill's clock: over a hundred hours).
+    assert 0 < summary["standby_hours"]["warm"] < 120 / 3600, summary["standby_hours"]
+    assert summary["standby_cost_usd"] < 120 / 3600 * run.tier_prices()["warm"] and summary["ettr"] <= 1.0, summary
+    report = str(_artifacts(state)["flow-wall-clock-cost-report"].data)
+    assert "Scaled clock" not in report and "(scaled clock)" not in report, report
+    poll("the run's note that it runs on the wall clock",
+         lambda: True if "is the drill's clock; this run is not a drill" in _logs(state) else None, 30.0)
+
+
 # -- one owner per job; a run that fails midway --------------------------------------------------------------
 
 
