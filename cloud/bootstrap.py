@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
+from cloud.artifacts import Artifact, render_fetch, render_python_select
 from cloud.base import HostBootstrap, InvalidRequestError, LaunchRequest, validate_job_id
 from cloud.secret_store import SecretRef
 
@@ -62,6 +63,18 @@ NONE = "none"
 
 PREFIX = "/opt/trainmover"
 VENV = f"{PREFIX}/venv"
+DIST = f"{PREFIX}/dist"
+"""Where the job's staged files land (the wheel, and the training script when it is staged)."""
+WORK = f"{PREFIX}/work"
+"""The agent's and its processes' working directory, the service user's."""
+SERVICE_USER = "trainmover"
+"""The unprivileged user the agent and every training process run as."""
+ORPHAN_TIMEOUT_S = 900.0
+"""The hosts' dead-man's switch: no coordinator of the job reachable for this long powers the host off."""
+INSTALL_ATTEMPTS = 3
+ORPHANED_EXIT = 5
+"""`runtime.host.agent.ORPHANED_EXIT`: the agent's status once its dead-man's switch fired (written twice: cloud
+imports nothing of the runtime; a test checks they agree)."""
 AGENT_UNIT = "trainmover-agent.service"
 COORDINATOR_UNIT = "trainmover-coordinator.service"
 SECRET_FILE_NAME = "job.secret"
@@ -246,6 +259,16 @@ class AgentBootstrap(HostBootstrap):
     notices: Literal["aws", "azure"] | None = None
     """The agent watches this cloud's instance metadata for the host's notices (`trainmover agent --notices`): a
     spot interruption, an eviction or maintenance moves the host's ranks to standbys before the cloud acts."""
+    wheel: Artifact | None = None
+    """The TrainMover wheel the orchestrator built and staged (cloud.artifacts): installed from that file, its
+    SHA-256 checked, no index asked. Without it, `source` is installed from the index (pinned)."""
+    script_file: Artifact | None = None
+    """The training script, staged the same way and fetched to `script` (whose file name it must have), so that
+    the image need not hold it."""
+    orphan_timeout_s: float = ORPHAN_TIMEOUT_S
+    """The agent's dead-man's switch (`trainmover agent --orphan-timeout`): with no coordinator of the job
+    reachable for this long (its orchestrator died, or it ended and nobody released the host), the host powers
+    off; on AWS the launch makes that a termination. 0: off."""
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -283,6 +306,17 @@ class AgentBootstrap(HostBootstrap):
             raise InvalidRequestError(
                 f"invalid interface {self.interface!r}: give a network interface name such as ens5", code="InvalidBind"
             )
+        if self.wheel is not None and not (isinstance(self.wheel, Artifact) and self.wheel.name.endswith(".whl")):
+            raise InvalidRequestError("wheel must be a cloud.artifacts.Artifact of a .whl file", code="InvalidArtifact")
+        if self.script_file is not None and (not isinstance(self.script_file, Artifact)
+                                             or self.script_file.name != self.script.rsplit("/", 1)[-1]):
+            raise InvalidRequestError(
+                f"the staged script must have the script's file name ({self.script.rsplit('/', 1)[-1]!r}): the host "
+                "fetches it to that path", code="InvalidArtifact")
+        if isinstance(self.orphan_timeout_s, bool) or not isinstance(self.orphan_timeout_s, (int, float)) \
+                or not 0 <= self.orphan_timeout_s <= 7 * 86400:
+            raise InvalidRequestError(f"invalid orphan_timeout_s {self.orphan_timeout_s!r}: give seconds, 0 (off) "
+                                      "to a week", code="InvalidBootstrap")
 
     def check_launch(self, request: LaunchRequest) -> None:
         """InvalidRequestError when `request` cannot launch hosts with this bootstrap: another job, user_data too, a
@@ -382,6 +416,9 @@ def render_agent_start(spec: AgentBootstrap) -> str:
         "trainmover", "agent", "--coordinator", _q(spec.coordinator), "--slots", str(spec.slots),
         "--secret-file", '"$secret_file"', "--job-id", _q(spec.job_id),
     ]
+    if spec.orphan_timeout_s:
+        # The agent runs unprivileged: it stops its processes and exits ORPHANED_EXIT; the unit powers off.
+        agent += ["--orphan-timeout", f"{spec.orphan_timeout_s:g}", "--orphan-command", "true"]
     if spec.notices is not None:
         agent += ["--notices", spec.notices]
     if spec.address is not None:
@@ -418,15 +455,50 @@ def render_coordinator_start(spec: AgentBootstrap) -> str:
 
 
 def render_install(spec: AgentBootstrap) -> str:
-    """The once-per-instance installer: a venv over the image's Python and the pinned source, no dependencies."""
-    return "\n".join([
+    """The once-per-instance installer: the job's service user, the image's Python (a Deep Learning AMI's or
+    DSVM's conda environment first; 3.11+ with torch, or one clear failure), a venv over it that sees its packages,
+    and TrainMover without dependencies: from the staged wheel (its digest checked, no index), else the pinned
+    source from the index, retried. The staged script, when there is one, is fetched to its path."""
+    pip = f"{VENV}/bin/python -m pip install --no-deps --no-input --disable-pip-version-check"
+    lines = [
         "#!/bin/bash",
-        f"# Rendered by cloud.bootstrap for job {spec.job_id}: install the pinned TrainMover source.",
+        f"# Rendered by cloud.bootstrap for job {spec.job_id}: install TrainMover and the job's files.",
         "set -euo pipefail",
         "umask 022",
-        f"python3 -m venv --system-site-packages {VENV}",
-        f"{VENV}/bin/python -m pip install --no-deps --no-input --disable-pip-version-check {_q(spec.source)}",
-    ]) + "\n"
+        f"id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --no-create-home --home-dir {WORK} "
+        f"--shell /usr/sbin/nologin {SERVICE_USER}",
+        f"mkdir -p {WORK} && chown {SERVICE_USER}: {WORK} && chmod 0750 {WORK}",
+        *render_python_select(),
+        f'"$tm_python" -m venv --system-site-packages {VENV}',
+        # A venv made from a venv (or a conda env) sees the base interpreter's packages only: point it at the
+        # image's environment itself, where torch is.
+        f"tm_site=\"$({VENV}/bin/python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\"",
+        "\"$tm_python\" -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])' "
+        '> "$tm_site/trainmover-image.pth"',
+    ]
+    staged = [a for a in (spec.wheel, spec.script_file) if a is not None]
+    if staged:
+        lines += render_fetch(staged, DIST)
+    if spec.wheel is not None:
+        # --ignore-installed: the image's environment may carry another TrainMover; the job's own goes here.
+        lines.append(f"{pip} --no-index --ignore-installed {_q(DIST + '/' + spec.wheel.name)}")
+    else:
+        lines += [
+            f"for attempt in $(seq 1 {INSTALL_ATTEMPTS}); do",
+            f"  if {pip} {_q(spec.source)}; then break; fi",
+            f'  if [ "$attempt" -eq {INSTALL_ATTEMPTS} ]; then',
+            f"    echo {_q(f'trainmover: installing {spec.source} failed {INSTALL_ATTEMPTS} times')} >&2",
+            "    exit 1",
+            "  fi",
+            "  sleep $((attempt * 10))",
+            "done",
+        ]
+    if spec.script_file is not None:
+        target = spec.script
+        lines += [f"mkdir -p {_q(target.rsplit('/', 1)[0] or '/')}",
+                  f"install -m 0644 {_q(DIST + '/' + spec.script_file.name)} {_q(target)}"]
+    lines.append(f'"{VENV}/bin/python" -c "import runtime, cloud"  # the install works, or the unit never starts')
+    return "\n".join(lines) + "\n"
 
 
 EFA_ENVIRONMENT = ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1")
@@ -446,7 +518,12 @@ def agent_environment(spec: AgentBootstrap) -> tuple[str, ...]:
     return (EFA_ENVIRONMENT if spec.efa else ()) + (SLOTS_ENVIRONMENT if spec.slots > 1 else ())
 
 
-def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, environment: Sequence[str] = ()) -> str:
+def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, environment: Sequence[str] = (),
+          orphan: bool = False) -> str:
+    stop = ([f"RestartPreventExitStatus={ORPHANED_EXIT}",
+             # `+`: with full privileges, where the agent has none. Its dead-man's switch fired: power the host off.
+             f"ExecStopPost=+/bin/sh -c 'if [ \"$EXIT_STATUS\" = {ORPHANED_EXIT} ]; then systemctl poweroff; fi'"]
+            if orphan else [])
     return "\n".join([
         "[Unit]",
         f"Description={description}",
@@ -456,10 +533,13 @@ def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, envi
         "",
         "[Service]",
         "Type=exec",
+        f"User={SERVICE_USER}",
+        f"WorkingDirectory={WORK}",
         *(f"Environment={value}" for value in environment),
         f"ExecStart={start}",
         f"Restart={'on-failure' if restart else 'no'}",
         "RestartSec=5",
+        *stop,
         f"RuntimeDirectory={runtime_dir}",
         "RuntimeDirectoryMode=0700",
         "UMask=0077",
@@ -474,7 +554,7 @@ def render_units(spec: AgentBootstrap) -> dict[str, str]:
     coordinator is not restarted (a new coordinator would be a new job: docs/multihost.md)."""
     units = {
         AGENT_UNIT: _unit(f"TrainMover agent of job {spec.job_id}", f"{PREFIX}/bin/agent-start", "trainmover-agent",
-                          restart=True, environment=agent_environment(spec)),
+                          restart=True, environment=agent_environment(spec), orphan=bool(spec.orphan_timeout_s)),
     }
     if spec.head is not None:
         units[COORDINATOR_UNIT] = _unit(
@@ -499,12 +579,12 @@ def render_cloud_init(spec: AgentBootstrap) -> str:
     `#cloud-config` header: valid YAML with every string escaped, so no value can change the document's shape."""
     files: list[Mapping[str, str]] = [
         {"path": f"{PREFIX}/bin/install", "permissions": "0755", "owner": "root:root", "content": render_install(spec)},
-        {"path": f"{PREFIX}/bin/agent-start", "permissions": "0700", "owner": "root:root",
+        {"path": f"{PREFIX}/bin/agent-start", "permissions": "0755", "owner": "root:root",
          "content": render_agent_start(spec)},
     ]
     runcmd: list[list[str]] = [[f"{PREFIX}/bin/install"], ["systemctl", "daemon-reload"]]
     if spec.head is not None:
-        files.append({"path": f"{PREFIX}/bin/coordinator-start", "permissions": "0700", "owner": "root:root",
+        files.append({"path": f"{PREFIX}/bin/coordinator-start", "permissions": "0755", "owner": "root:root",
                       "content": render_coordinator_start(spec)})
         runcmd.append(["systemctl", "start", COORDINATOR_UNIT])
     for name, unit in render_units(spec).items():

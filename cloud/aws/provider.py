@@ -288,6 +288,11 @@ class AwsProvider(Provider):
                 "MarketType": "spot",
                 "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
             }
+        spec = request.bootstrap
+        if spec is not None and getattr(spec, "orphan_timeout_s", 0):
+            # The host's dead-man's switch powers it off from inside (cloud.bootstrap): make that a termination, so
+            # an orphaned host stops billing instead of waiting, stopped, with its volume.
+            params["InstanceInitiatedShutdownBehavior"] = "terminate"
         if request.capacity_reservation:
             target = ("CapacityReservationResourceGroupArn" if request.capacity_reservation.startswith("arn:")
                       else "CapacityReservationId")

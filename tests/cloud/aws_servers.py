@@ -29,9 +29,9 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 
 @contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's server on a free port of 127.0.0.1, in this process; yields its URL and stops it afterwards."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+def moto_server(ip_address: str = "127.0.0.1") -> Iterator[str]:
+    """moto's server on a free port of `ip_address`, in this process; yields its URL and stops it afterwards."""
+    server = ThreadedMotoServer(ip_address=ip_address, port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()

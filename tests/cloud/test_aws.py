@@ -451,6 +451,10 @@ def test_a_bootstrapped_instance_holds_the_bootstrap_not_the_secret_and_keeps_it
         [run] = proxy.seen("RunInstances")
         assert run.params["IamInstanceProfile.Name"] == profile
         assert secret not in json.dumps(run.params)
+        # The host's dead-man's switch powers it off from inside: EC2 terminates it then (API stops still park it).
+        behaviour = ec2.describe_instance_attribute(InstanceId=standby.instance_id,
+                                                    Attribute="instanceInitiatedShutdownBehavior")
+        assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
 
         # Parked and woken: EC2 keeps the user-data. cloud-init does not run it again; the unit it enabled starts
         # the agent at every boot.

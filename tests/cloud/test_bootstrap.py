@@ -28,6 +28,7 @@ from cloud.base import InvalidRequestError, LaunchRequest, RetryBudget
 from cloud.bootstrap import (
     AGENT_UNIT,
     COORDINATOR_UNIT,
+    ORPHANED_EXIT,
     AgentBootstrap,
     HeadCoordinator,
     ImageMismatchError,
@@ -116,16 +117,22 @@ def test_the_document_is_cloud_config_with_scripts_that_parse_and_units_that_com
     for path in ("/opt/trainmover/bin/install", "/opt/trainmover/bin/agent-start",
                  "/opt/trainmover/bin/coordinator-start"):
         bash_syntax_ok(files[path]["content"])
-    assert files["/opt/trainmover/bin/agent-start"]["permissions"] == "0700"
+    # Run by the unprivileged service user; it holds no secret (it fetches it at every start).
+    assert files["/opt/trainmover/bin/agent-start"]["permissions"] == "0755"
     agent_unit = files[f"/etc/systemd/system/{AGENT_UNIT}"]["content"]
     for line in ("Restart=on-failure", "WantedBy=multi-user.target", "RuntimeDirectory=trainmover-agent",
-                 "RuntimeDirectoryMode=0700", "UMask=0077", "StartLimitIntervalSec=0"):
+                 "RuntimeDirectoryMode=0700", "UMask=0077", "StartLimitIntervalSec=0", "User=trainmover",
+                 "WorkingDirectory=/opt/trainmover/work", f"RestartPreventExitStatus={ORPHANED_EXIT}"):
         assert line in agent_unit.splitlines()
+    # The dead-man's switch: the agent (unprivileged) exits with its status, the unit powers the host off.
+    assert "ExecStopPost=+/bin/sh -c 'if [ \"$EXIT_STATUS\" = 5 ]; then systemctl poweroff; fi'" in agent_unit
     assert "Restart=no" in files[f"/etc/systemd/system/{COORDINATOR_UNIT}"]["content"].splitlines()
     assert parsed["runcmd"][0] == ["/opt/trainmover/bin/install"]
     assert parsed["runcmd"][-1] == ["systemctl", "enable", "--now", AGENT_UNIT]  # enabled: starts at every boot
     install = files["/opt/trainmover/bin/install"]["content"]
     assert "pip install --no-deps" in install and "'trainmover[aws]==0.1.0'" in install
+    assert "useradd --system" in install and "/opt/conda/envs/pytorch/bin/python" in install
+    assert "for attempt in $(seq 1 3)" in install, "an install from the index is retried"
     agent_start = files["/opt/trainmover/bin/agent-start"]["content"]
     assert 'export NO_PROXY="169.254.169.254' in agent_start
     assert "python -m cloud.bootstrap check-image --driver 550.90.07 --cuda 12.4" in agent_start
@@ -233,7 +240,7 @@ def test_the_agent_starts_with_the_secret_fetched_from_secrets_manager_into_a_ro
     received = json.loads(record.read_text())
     assert received["argv"] == [
         "agent", "--coordinator", "10.0.0.1:29401", "--slots", "2", "--secret-file", str(run_dir / "job.secret"),
-        "--job-id", "boot-job", "--address", "10.1.2.3",
+        "--job-id", "boot-job", "--orphan-timeout", "900", "--orphan-command", "true", "--address", "10.1.2.3",
     ]
     assert received["mode"] == 0o600 and received["dir_mode"] == 0o700
     assert received["sha256"] == hashlib.sha256(secret.encode()).hexdigest()
@@ -241,6 +248,7 @@ def test_the_agent_starts_with_the_secret_fetched_from_secrets_manager_into_a_ro
     add_agent_parser(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(received["argv"])
     assert (ns.coordinator, ns.slots, ns.job_id, ns.address) == ("10.0.0.1:29401", 2, "boot-job", "10.1.2.3")
+    assert (ns.orphan_timeout_s, ns.orphan_command) == (900.0, "true")
 
 
 def test_a_host_without_the_script_or_the_secret_does_not_start_its_agent(tmp_path: Path) -> None:
@@ -391,3 +399,26 @@ def test_a_launch_request_refuses_a_bootstrap_that_does_not_fit_it(changes: dict
         LaunchRequest(**{**fields, **changes})
     # One document fits any number of hosts without a fixed address.
     assert LaunchRequest(**{**fields, "count": 3}).bootstrap == spec()
+
+
+def test_the_units_dead_mans_switch_status_is_the_agents() -> None:
+    from runtime.host import agent
+
+    assert ORPHANED_EXIT == agent.ORPHANED_EXIT
+
+
+def test_a_staged_wheel_is_installed_from_its_checked_file_and_a_staged_script_lands_at_its_path() -> None:
+    from cloud.artifacts import Artifact
+
+    wheel = Artifact("trainmover-0.1.0-py3-none-any.whl", "https://bucket.s3/w?X-Amz-Signature=s", "a" * 64)
+    script = Artifact("train.py", "https://bucket.s3/t?X-Amz-Signature=s", "b" * 64)
+    install = render_cloud_init(spec(wheel=wheel, script_file=script, script="/opt/job/train.py"))
+    content = {f["path"]: f for f in yaml.safe_load(install)["write_files"]}["/opt/trainmover/bin/install"]["content"]
+    bash_syntax_ok(content)
+    assert f"tm_fetch 'https://bucket.s3/w?X-Amz-Signature=s' {'a' * 64}" in content
+    assert "--no-index --ignore-installed /opt/trainmover/dist/trainmover-0.1.0-py3-none-any.whl" in content
+    assert "'trainmover[aws]==0.1.0'" not in content, "nothing from an index"
+    assert "install -m 0644 /opt/trainmover/dist/train.py /opt/job/train.py" in content
+    with pytest.raises(InvalidRequestError, match="the script's file name"):
+        spec(script_file=Artifact("other.py", "https://b/o", "c" * 64))
+
