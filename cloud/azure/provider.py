@@ -97,6 +97,7 @@ REQUIRED_ACTIONS: tuple[str, ...] = (
     "Microsoft.Compute/virtualMachines/start/action",
     "Microsoft.Compute/virtualMachines/deallocate/action",
     "Microsoft.Compute/locations/vmSizes/read",
+    "Microsoft.Compute/skus/read",  # accelerators per VM size (`accelerators`: GPUs, RDMA)
     "Microsoft.Compute/disks/read",
     "Microsoft.Compute/disks/write",
     "Microsoft.Compute/disks/delete",

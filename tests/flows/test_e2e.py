@@ -304,8 +304,8 @@ def test_the_ui_shows_the_flow_run_and_its_interruption_table(
     assert "data:image/png;base64" in chromium(plot_page, tmp_path)
     (deployment,) = stack.api("POST", "/deployments/filter", {"deployments": {"name": {"any_": [LOCAL_DEPLOYMENT]}}})
     form_page = f"{stack.url}/deployments/deployment/{deployment['id']}/run"
-    form = rendered(form_page, tmp_path, "Data-parallel workers", "Failures to inject")
-    assert "Data-parallel workers" in form and "Failures to inject" in form, form[:3000]
+    form = rendered(form_page, tmp_path, "Training ranks, one process each", "Failures to inject")
+    assert "Training ranks, one process each" in form and "Failures to inject" in form, form[:3000]
 
     shots = {"e2e-flow-run.png": run_page, "e2e-interruptions.png": artifact_page, "e2e-timeline.png": plot_page,
              "e2e-run-form.png": form_page}
