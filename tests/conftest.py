@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# urllib3's first import probes IPv6 by binding a socket to ::1: done here, before any test, not inside whichever
+# test imports it first (a developer-tier test would then fail its tier check, depending on the order).
+import urllib3  # noqa: F401
+
 from tests.tiers import GROUPS, MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
 
 ROOT = Path(__file__).resolve().parent.parent
