@@ -278,6 +278,12 @@ class HostBootstrap(abc.ABC):
         """InvalidRequestError when `request` cannot launch hosts with this bootstrap (another job, user_data too,
         a different efa, one fixed address or head for several instances)."""
 
+    @property
+    def powers_off_when_orphaned(self) -> bool:
+        """Whether the host powers itself off when its job's coordinator is gone (a dead-man's switch): the
+        provider then makes an OS shutdown end the instance's bill."""
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class Instance:

@@ -347,6 +347,10 @@ class AgentBootstrap(HostBootstrap):
             )
 
     @property
+    def powers_off_when_orphaned(self) -> bool:
+        return bool(self.orphan_timeout_s)
+
+    @property
     def coordinator(self) -> str:
         """`HOST:PORT` as `trainmover agent --coordinator` parses it (IPv6 in brackets)."""
         host = f"[{self.coordinator_host}]" if ":" in self.coordinator_host else self.coordinator_host

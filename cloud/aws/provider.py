@@ -288,8 +288,7 @@ class AwsProvider(Provider):
                 "MarketType": "spot",
                 "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
             }
-        spec = request.bootstrap
-        if spec is not None and getattr(spec, "orphan_timeout_s", 0):
+        if request.bootstrap is not None and request.bootstrap.powers_off_when_orphaned:
             # The host's dead-man's switch powers it off from inside (cloud.bootstrap): make that a termination, so
             # an orphaned host stops billing instead of waiting, stopped, with its volume.
             params["InstanceInitiatedShutdownBehavior"] = "terminate"
