@@ -58,7 +58,7 @@ from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init, rende
 from cloud.capacity import Fallbacks, wake_or_replace
 from cloud.local import LocalProvider
 from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, SecretRef
-from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server, moto_server
+from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server
 
 REGION = "us-east-1"
 AMI = "ami-12c6146b"  # one of the AMIs moto ships
@@ -80,19 +80,6 @@ def session_with_instance_profile(moto_url: str, job: str) -> tuple[boto3.Sessio
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def placement_groups() -> PlacementGroups:
-    """The region's placement groups (moto has none), behind every proxy of this module."""
-    return PlacementGroups()
 
 
 @pytest.fixture(scope="module")

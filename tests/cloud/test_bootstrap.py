@@ -7,7 +7,6 @@ import argparse
 import base64
 import hashlib
 import json
-import logging
 import os
 import re
 import secrets
@@ -15,7 +14,6 @@ import shlex
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +42,6 @@ from cloud.bootstrap import (
 )
 from cloud.secrets import AwsSecretsManagerStore, SecretRef
 from runtime.cli import add_agent_parser, add_coordinator_parser
-from tests.cloud.aws_servers import moto_server
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -92,13 +89,6 @@ def fake_bin(directory: Path, record: Path) -> Path:
     for name in ("trainmover", "ip"):
         (directory / name).chmod(0o755)
     return directory
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    with moto_server() as url:
-        yield url
 
 
 # ------------------------------------------------------------------------------------------------ the document

@@ -26,7 +26,7 @@ from cloud.base import JOB_TAG, MUTATE, JobNetwork, LaunchRequest, UnsupportedEr
 from cloud.cli import release_job_resources
 from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, AzureKeyVaultStore, secret_name_for
 from tests.cloud.arm_server import ArmServer
-from tests.cloud.aws_servers import FaultProxy, PlacementGroups, fault_proxy, moto_server
+from tests.cloud.aws_servers import FaultProxy, PlacementGroups, fault_proxy
 from tests.cloud.keyvault_server import KeyVaultServer, key_vault
 from tests.cloud.test_azure import CPU, FAST, LOCATION, RG, SUBSCRIPTION, FakeVaultCredential, make_provider
 from trainmover.cli import main
@@ -47,16 +47,6 @@ PPGS = "Microsoft.Compute/proximityPlacementGroups"
 # ------------------------------------------------------------------------------------------------ AWS
 
 
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def placement_groups() -> PlacementGroups:
-    return PlacementGroups()
 
 
 @pytest.fixture
@@ -67,16 +57,6 @@ def proxy(moto_url: str, placement_groups: PlacementGroups) -> Iterator[FaultPro
         yield server
 
 
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Fake keys for the local server, as the CLI reads them; nothing of this machine's AWS setup leaks in."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def session() -> boto3.Session:

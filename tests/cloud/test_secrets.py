@@ -38,7 +38,6 @@ from cloud.secrets import (
     secrets_manager_policy,
     write_secret_file,
 )
-from tests.cloud.aws_servers import moto_server
 from tests.cloud.keyvault_server import KeyVaultServer, ManagedIdentityImds, TokenBook, key_vault
 
 REGION = "us-east-1"
@@ -54,13 +53,6 @@ def new_secret() -> str:
 
 def session() -> boto3.Session:
     return boto3.Session(aws_access_key_id="testing", aws_secret_access_key="not-a-real-key", region_name=REGION)
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    with moto_server() as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -222,6 +222,32 @@ def test_an_agent_refuses_an_impostor_coordinator(pool: tuple[HostPool, str]) ->
     assert not agent.children, "an impostor never gets a process started"
 
 
+def _welcome(listener: socket.socket, token: str) -> tuple[socket.socket, Link, Hello]:
+    """Accept an agent on `listener` as its coordinator would: its hello, then a welcome (beats every 0.05 s, a
+    0.3 s lease) under the session key."""
+    listener.settimeout(10)
+    conn, _ = listener.accept()
+    link = Link(conn, "coordinator")
+    hello, _ = link.recv(5)
+    assert isinstance(hello, Hello)
+    nonce = new_nonce()
+    link.key = session_key(token, hello.nonce, nonce)
+    link.send(Welcome(0.05, 0.3), {"cn": nonce})
+    return conn, link, hello
+
+
+def _start_sleeper(conn: socket.socket, link: Link) -> int:
+    """Order the agent to start a process that sleeps; its pid once the agent says it started."""
+    link.send(Spawn("w0", "worker", 0, ["-c", "import time; time.sleep(60)"], {}))
+    conn.settimeout(5)
+    got: list[object] = []
+    while not any(isinstance(m, Started) for m in got):
+        data = conn.recv(65536)
+        assert data, "the agent hung up instead of starting the process"
+        got += [m for m, _ in link.feed(data)]
+    return next(m.pid for m in got if isinstance(m, Started))
+
+
 def test_an_agent_fences_itself_when_its_lease_runs_out_and_comes_back_as_new(tmp_path: Path) -> None:
     token = new_token()
     listener = socket.socket()
@@ -231,24 +257,10 @@ def test_an_agent_fences_itself_when_its_lease_runs_out_and_comes_back_as_new(tm
     agent, thread = _agent(port, token, slots=1)
     incarnations = []
     for _ in range(2):
-        listener.settimeout(10)
-        conn, _ = listener.accept()
-        link = Link(conn, "coordinator")
-        hello, _ = link.recv(5)
-        assert isinstance(hello, Hello)
+        conn, link, hello = _welcome(listener, token)
         incarnations.append(hello.incarnation)
-        nonce = new_nonce()
-        link.key = session_key(token, hello.nonce, nonce)
-        link.send(Welcome(0.05, 0.3), {"cn": nonce})
         if len(incarnations) == 1:
-            link.send(Spawn("w0", "worker", 0, ["-c", "import time; time.sleep(60)"], {}))
-            conn.settimeout(5)
-            got: list[object] = []
-            while not any(isinstance(m, Started) for m in got):
-                data = conn.recv(65536)
-                assert data, "the agent hung up instead of starting the process"
-                got += [m for m, _ in link.feed(data)]
-            pid = next(m.pid for m in got if isinstance(m, Started))
+            pid = _start_sleeper(conn, link)
             # Silence from here on: the lease (0.3 s) runs out; the agent kills w0 and reconnects as new.
         else:
             listener.close()  # no third connection: after this fence the agent gives up
@@ -448,22 +460,8 @@ def test_an_agent_whose_coordinator_vanished_stops_its_processes_and_powers_the_
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(agent.run()), daemon=True)
     thread.start()
-    listener.settimeout(10)
-    conn, _ = listener.accept()
-    link = Link(conn, "coordinator")
-    hello, _ = link.recv(5)
-    assert isinstance(hello, Hello)
-    nonce = new_nonce()
-    link.key = session_key(token, hello.nonce, nonce)
-    link.send(Welcome(0.05, 0.3), {"cn": nonce})
-    link.send(Spawn("w0", "worker", 0, ["-c", "import time; time.sleep(60)"], {}))
-    conn.settimeout(5)
-    got: list[object] = []
-    while not any(isinstance(m, Started) for m in got):
-        data = conn.recv(65536)
-        assert data, "the agent hung up instead of starting the process"
-        got += [m for m, _ in link.feed(data)]
-    pid = next(m.pid for m in got if isinstance(m, Started))
+    conn, link, _ = _welcome(listener, token)
+    pid = _start_sleeper(conn, link)
     t0 = time.monotonic()
     conn.close()
     listener.close()  # the coordinator is gone, its port with it

@@ -1,0 +1,38 @@
+"""Fixtures the cloud tests share: moto's server, the placement groups moto lacks, and AWS settings that keep this
+machine's own AWS configuration out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cloud.aws_servers import PlacementGroups, moto_server
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    """moto's server over HTTP, one per test module."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def placement_groups() -> PlacementGroups:
+    """The region's placement groups (moto has none), behind every proxy of a module."""
+    return PlacementGroups()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fake keys for the local server, as the CLI reads them; nothing of this machine's AWS setup leaks in."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
