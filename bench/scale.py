@@ -7,10 +7,13 @@ orders answered, generations received), another plays every training process's p
 the warm record of a standby, a sealed heartbeat every 0.25 s, batched per beat; the reports of a recovery). No
 torch runs in a simulated process.
 
-A host "dies" the way a killed machine does for the coordinator: its link closes and its processes stop beating.
+A host "dies" in one of two ways, in alternate trials. **Closed**: as a killed machine's kernel does for its
+sockets, its link closes (a FIN or a reset reaches the coordinator) and its processes stop beating. **Silent**: as a
+machine that lost power or its network does, nothing more arrives from it and nothing closes: its link stays open,
+unread, and its processes' store heartbeats stop; only the missing beats (`--host-timeout`, default 3 s) tell.
 Measured per trial: the time from that moment to the new generation received by every surviving agent (and by
-the median one); per size: the coordinator process's CPU share (its loop, its link thread and its store server)
-at rest and the store requests per second its loop sends.
+the median one), per kind; per size: the coordinator process's CPU share (its loop, its link thread and its store
+server) at rest and the store requests per second its loop sends.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ class SimHosts:
         self.procs: dict[str, int] = {}
         """live simulated process -> host index."""
         self.dead: set[int] = set()
+        self.silent: set[int] = set()
+        """Dead hosts whose links stay open, unread (killed with `silent`)."""
         self.closed: set[int] = set()
         self.first_above: dict[int, dict[int, float]] = {}
         """generation g -> host -> when it first saw a generation above g."""
@@ -145,6 +150,9 @@ class SimHosts:
             for key, _ in self.sel.select(0.05 if len(self.links) == self.count else 0):
                 i = key.data
                 link = self.links[i]
+                if i in self.silent:
+                    self.sel.unregister(link.sock)  # a silent host reads nothing more, and closes nothing
+                    continue
                 try:
                     data = link.sock.recv(1 << 16)
                 except OSError:
@@ -200,13 +208,17 @@ class SimHosts:
             count += 1
             time.sleep(HEARTBEAT_S)  # the processes' heartbeat interval
 
-    def kill(self, i: int) -> float:
-        """Host i dies: its link closes and its processes stop beating."""
+    def kill(self, i: int, silent: bool = False) -> float:
+        """Host i dies: its link closes and its processes stop beating; `silent`: nothing closes, nothing more is
+        sent or read on its link (a host that lost power or its network: no FIN)."""
+        link = self.links[i]
         with self.lock:
             self.dead.add(i)
-        link = self.links[i]
+            if silent:
+                self.silent.add(i)
         at = time.monotonic()
-        link.sock.close()
+        if not silent:
+            link.sock.close()
         return at
 
     def write_reports(self, gen: int, members: int) -> None:
@@ -260,11 +272,15 @@ def measure(hosts: int, slots: int, trials: int, tmp: Path) -> dict[str, Any]:
         cpu1, req1, t1 = _cpu_s(coord.pid), _requests(out), time.monotonic()
         rest_cpu = (cpu1 - cpu0) / (t1 - t0)
         rest_rps = (req1 - req0) / (t1 - t0)
-        every, median = [], []
+        every: list[float] = []
+        median: list[float] = []
+        silent_every: list[float] = []
+        silent_median: list[float] = []
         cpu_r0, tr0 = _cpu_s(coord.pid), time.monotonic()
         last = 0
         for trial in range(trials):
-            at = sim.kill(sim.worker_hosts[trial])
+            silent = trial % 2 == 1
+            at = sim.kill(sim.worker_hosts[trial], silent=silent)
 
             def everyone(g: int = last) -> bool:
                 alive = set(sim.links) - sim.dead - sim.closed
@@ -273,14 +289,17 @@ def measure(hosts: int, slots: int, trials: int, tmp: Path) -> dict[str, Any]:
             _wait(everyone, 60, f"a generation after {last} at every surviving agent")
             alive = set(sim.links) - sim.dead - sim.closed
             seen = sorted(sim.first_above[last][i] - at for i in alive)
-            every.append(seen[-1])
-            median.append(statistics.median(seen))
+            (silent_every if silent else every).append(seen[-1])
+            (silent_median if silent else median).append(statistics.median(seen))
             last = max(sim.gen_seen)
             sim.write_reports(last, hosts * slots)
         busy_cpu = (_cpu_s(coord.pid) - cpu_r0) / (time.monotonic() - tr0)
         return {"hosts": hosts, "slots": slots, "processes": (hosts + trials) * slots, "trials": trials,
                 "start_s": started_s, "every_agent_p50_s": _pct(every, 50), "every_agent_p99_s": _pct(every, 99),
                 "median_agent_p50_s": _pct(median, 50), "rest_cpu_share": rest_cpu, "rest_store_rps": rest_rps,
+                "silent_every_agent_p50_s": _pct(silent_every, 50),
+                "silent_every_agent_p99_s": _pct(silent_every, 99),
+                "silent_median_agent_p50_s": _pct(silent_median, 50), "silent_every_agent_s": silent_every,
                 "recovering_cpu_share": busy_cpu, "every_agent_s": every,
                 "hosts_lost_falsely": len(sim.closed - sim.dead), "generations": max(sim.gen_seen)}
     finally:
@@ -324,7 +343,9 @@ def main(sizes: list[int], slots: int = 1, trials: int = 10, json_path: str | No
             rows.append(row)
             print(f"{n:5d} hosts x {slots}: host loss -> new generation at every survivor p50 "
                   f"{row['every_agent_p50_s'] * 1000:7.1f} ms, p99 {row['every_agent_p99_s'] * 1000:7.1f} ms "
-                  f"(median agent {row['median_agent_p50_s'] * 1000:6.1f} ms); coordinator CPU at rest "
+                  f"(median agent {row['median_agent_p50_s'] * 1000:6.1f} ms); silent host (no FIN) p50 "
+                  f"{row['silent_every_agent_p50_s'] * 1000:7.1f} ms, "
+                  f"p99 {row['silent_every_agent_p99_s'] * 1000:7.1f} ms; coordinator CPU at rest "
                   f"{row['rest_cpu_share']:.2f} core, recovering {row['recovering_cpu_share']:.2f}; store "
                   f"{row['rest_store_rps']:.0f} req/s at rest; start {row['start_s']:.1f} s; hosts lost falsely "
                   f"{row['hosts_lost_falsely']}", flush=True)

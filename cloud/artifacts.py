@@ -125,11 +125,36 @@ def stage_local(files: Sequence[Path], directory: Path) -> list[Artifact]:
     return out
 
 
+S3_PREFIX = "trainmover-jobs"
+"""The default key prefix: a job's files are staged under `s3://BUCKET/trainmover-jobs/JOB/`."""
+# https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html (general purpose buckets)
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_BUCKET_RESERVED = (("xn--", "sthree-", "amzn-s3-demo-"), ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3"))
+# Plain segments only: no IAM wildcard (`*`, `?`) can widen the job's grant on `PREFIX/JOB/*`, no `..` or `//`.
+_PREFIX_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def validate_s3_location(bucket: str, prefix: str = S3_PREFIX) -> None:
+    """InvalidRequestError unless `bucket` is a valid S3 bucket name (S3's naming rules) and `prefix` a key prefix
+    of plain `/`-separated segments (letters, digits, `.`, `_`, `-`; at most 200 characters)."""
+    if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket) or ".." in bucket \
+            or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket) \
+            or bucket.startswith(_BUCKET_RESERVED[0]) or bucket.endswith(_BUCKET_RESERVED[1]):
+        raise InvalidRequestError(
+            f"invalid S3 bucket name {bucket!r}: 3-63 lower-case letters, digits, '.' or '-', starting and ending "
+            "with a letter or digit, not an IP address (S3's bucket naming rules)", code="InvalidArtifact")
+    if not isinstance(prefix, str) or len(prefix) > 200 \
+            or not all(_PREFIX_SEGMENT.fullmatch(part) for part in prefix.split("/")):
+        raise InvalidRequestError(
+            f"invalid S3 key prefix {prefix!r}: give segments of letters, digits, '.', '_' or '-' separated by '/', "
+            f"without a leading or trailing '/' or wildcards (e.g. {S3_PREFIX!r})", code="InvalidArtifact")
+
+
 def s3_key(prefix: str, job_id: str, name: str) -> str:
     return "/".join(p for p in (prefix.strip("/"), job_id, name) if p)
 
 
-def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = "trainmover-jobs",
+def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = S3_PREFIX,
              client: Any, ttl_s: int = URL_TTL_S) -> list[Artifact]:
     """Upload `files` under `s3://bucket/prefix/job_id/` and give presigned GET URLs (`ttl_s`): a host fetches them
     with no AWS credentials of its own. `client`: a boto3 S3 client (the job's credentials)."""
@@ -145,7 +170,18 @@ def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = "
     return out
 
 
-def delete_s3(*, job_id: str, bucket: str, prefix: str = "trainmover-jobs", client: Any) -> int:
+def presign_s3(artifacts: Sequence[Artifact], *, job_id: str, bucket: str, prefix: str = S3_PREFIX,
+               client: Any, ttl_s: int = URL_TTL_S) -> list[Artifact]:
+    """The same staged files with URLs signed now (nothing is uploaded again): for a host launched after the first
+    URLs' `ttl_s`, or after the credentials that signed them expired (a URL signed by a role's session dies with
+    it)."""
+    validate_job_id(job_id)
+    return [Artifact(a.name, client.generate_presigned_url(
+        "get_object", Params={"Bucket": bucket, "Key": s3_key(prefix, job_id, a.name)}, ExpiresIn=ttl_s), a.sha256)
+        for a in artifacts]
+
+
+def delete_s3(*, job_id: str, bucket: str, prefix: str = S3_PREFIX, client: Any) -> int:
     """Delete every staged file of `job_id`; returns how many."""
     validate_job_id(job_id)
     listing = client.list_objects_v2(Bucket=bucket, Prefix=s3_key(prefix, job_id, "") + "/")
@@ -217,13 +253,16 @@ def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, i
 
 __all__ = [
     "PYTHONS",
+    "S3_PREFIX",
     "URL_TTL_S",
     "Artifact",
     "build_wheel",
     "delete_s3",
+    "presign_s3",
     "render_fetch",
     "render_python_select",
     "sha256_of",
     "stage_local",
     "stage_s3",
+    "validate_s3_location",
 ]

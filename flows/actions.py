@@ -4,6 +4,8 @@ The policy (`policy.decide_standby`) says how many standbys of each tier are wor
 (`StandbyLimits`) bound them; what the job holds now is a `Pool`. `pool_change` returns what to do about it, and
 `flows.supervisor` carries it out (launches, terminations, stops, the coordinator's standby target) and announces it.
 A notice that an instance will be reclaimed becomes a planned move of the ranks it holds (`notice_moves`).
+Before any launch or wake-up the supervisor asks `cap_refusal` whether the run's caps (`max_instances`,
+`max_spend_usd`) allow it.
 
 Rules, in the order applied:
 - warm standbys: the plan's warm and hot together (a hot standby runs as a warm process here), at least
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from cloud.base import Notice
 from flows.models import StandbyLimits
@@ -91,3 +94,73 @@ def notice_moves(notices: Iterable[Notice], workers: Mapping[int, str]) -> list[
     for rank, instance in sorted(workers.items()):
         ranks_of.setdefault(instance, []).append(rank)
     return [(ranks_of[n.instance_id], n) for n in notices if n.instance_id in ranks_of]
+
+
+SPEND_LOOKAHEAD_H = 1.0
+"""A launch or wake-up is priced as the spend so far plus this many hours of everything the run would then hold
+(on the run's clock): a run does not grow a fleet it could not keep for an hour within `max_spend_usd`."""
+
+CapName = Literal["max_instances", "max_spend_usd"]
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """A run's limits on what it holds and spends (`TrainingRun.max_instances`, `.max_spend_usd`); None: no cap."""
+
+    max_instances: int | None = None
+    max_spend_usd: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a run holds and has spent when a launch is checked against its caps."""
+
+    instances: int = 0
+    """Instances held now, every role and tier (parked ones too)."""
+    usd_per_h: float = 0.0
+    """What they cost per hour: workers and warm standbys at the node price, parked ones at the stopped tier's."""
+    spent_usd: float = 0.0
+    """What the run's instances cost so far, those released since included."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapRefusal:
+    """A launch a cap refuses: which cap, its limit, the figure the launch would have reached, and one message."""
+
+    cap: CapName
+    limit: float
+    would_reach: float
+    message: str
+
+    def payload(self) -> dict[str, Any]:
+        return {"cap": self.cap, "limit": self.limit, "would_reach": round(self.would_reach, 2),
+                "message": self.message}
+
+
+def cap_refusal(caps: Caps, held: Held, *, instances: int, usd_per_h: float, what: str, also: str = ""
+                ) -> CapRefusal | None:
+    """Whether `caps` refuse `what`, which adds `instances` instances and `usd_per_h` to `held`; None: allowed.
+    A wake-up adds no instance (the parked one is counted already) but its price difference. The message names
+    the cap, the figure the launch would reach, and what to change (`also`: a second remedy, e.g. "lower
+    run.workers")."""
+    fix = "raise run.{cap}" + (f", or {also}" if also else "")
+    if caps.max_instances is not None and instances > 0 and held.instances + instances > caps.max_instances:
+        total = held.instances + instances
+        return CapRefusal(
+            "max_instances", caps.max_instances, total,
+            f"max_instances={caps.max_instances} refuses {what}: the job would hold {total} instances ({held.instances}"
+            f" now + {instances}; workers, standbys of every tier and replacements count together); nothing was "
+            f"launched for it; {fix.format(cap='max_instances')}",
+        )
+    if caps.max_spend_usd is not None and usd_per_h > 0:
+        hourly = held.usd_per_h + usd_per_h
+        reach = held.spent_usd + SPEND_LOOKAHEAD_H * hourly
+        if reach > caps.max_spend_usd:
+            return CapRefusal(
+                "max_spend_usd", caps.max_spend_usd, reach,
+                f"max_spend_usd={caps.max_spend_usd:.2f} refuses {what}: the run would reach {reach:.2f} USD "
+                f"({held.spent_usd:.2f} spent so far + {SPEND_LOOKAHEAD_H:g} h of the {held.instances + instances} "
+                f"instance(s) it would then hold, at {hourly:.2f} USD/h); nothing was launched for it; "
+                f"{fix.format(cap='max_spend_usd')}",
+            )
+    return None

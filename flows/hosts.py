@@ -7,21 +7,26 @@ alone (`trainmover coordinator`), and every instance the job launches boots `tra
   Store (SecureString) on AWS, Key Vault on Azure, a mode-600 file on this machine for local hosts;
 - the address the coordinator listens on, which the hosts reach: `TrainingRun.coordinator_address` in the cloud,
   the local hosts' own (127.0.0.1, or the namespaces' bridge);
-- the pinned TrainMover source the hosts install, and (AWS) the job's own security group and cluster placement
-  group (`cloud.base.JobNetwork`);
+- what the hosts install: on AWS with `run.artifact_bucket`, this orchestrator's own TrainMover wheel (built once
+  per run in its work directory) and the training script, staged under the job's S3 prefix with presigned URLs and
+  their SHA-256 (`S3Staging`, cloud.artifacts); otherwise the pinned TrainMover source, from the package index;
+- (AWS) the job's own security group and cluster placement group (`cloud.base.JobNetwork`);
 - how many training processes each host runs (`slots`): one per accelerator of the run's instance type, as its
   provider describes the type (`Provider.accelerators`, cloud.accelerators), 1 on a CPU type. A run of `workers`
   ranks then needs `hosts_for(workers, slots)` worker hosts, and each standby host holds `slots` standbys.
 
-`JobHosts.prepare` stores the secret and fixes the ports; `launch_options` is what every `LaunchRequest` of the job
-then carries (the bootstrap, the network); `placement` is where the coordinator waits for them; `close` deletes
-the secret and removes local hosts. The supervisor (`flows.supervisor`) calls them in that order.
+`JobHosts.prepare` stores the secret, stages the job's files and fixes the ports; `launch_options` is what every
+`LaunchRequest` of the job then carries (the bootstrap, its URLs signed anew, the network); `placement` is where
+the coordinator waits for them; `close` deletes the secret and the staged files and removes local hosts. The
+supervisor (`flows.supervisor`) calls them in that order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
+import json
 import logging
 import math
 import socket
@@ -29,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloud.base import CloudError, InvalidRequestError, JobNetwork, Provider
+from cloud.artifacts import Artifact, build_wheel, delete_s3, presign_s3, stage_s3
+from cloud.base import DESCRIBE, MUTATE, CloudError, InvalidRequestError, JobNetwork, Provider
 from cloud.bootstrap import MAX_SLOTS, AgentBootstrap
 from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts
 from cloud.secrets import JobSecretStore, LocalFileStore, SecretRef
@@ -88,6 +94,122 @@ def hosts_for(ranks: int, slots: int) -> int:
     return math.ceil(ranks / slots)
 
 
+STAGING_FILE = "staging.json"
+"""Where a job's files are staged, in its work directory: written before the first upload, so that the sweep
+(`flows.sweep`) finds them after the run that staged them died; removed once they are deleted."""
+STAGING_VERSION = 1
+WHEEL_DIR = "wheel"
+"""The run's wheel, in its work directory: built once per run (`S3Staging.job_wheel`)."""
+
+
+class _S3Calls:
+    """The S3 calls `cloud.artifacts` makes, through the one boto3 adapter (`cloud.aws.client.AwsApi`): each error a
+    `CloudError`, each call retried within a named budget."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+
+    def put_object(self, **params: Any) -> dict[str, Any]:
+        body: Any = params.get("Body")
+        if hasattr(body, "read"):
+            params["Body"] = body.read()  # bytes: a retried call sends the whole file again, not the rest of a stream
+        result: dict[str, Any] = self._api.call("s3", "put_object", MUTATE, **params)
+        return result
+
+    def generate_presigned_url(self, operation: str, **params: Any) -> str:
+        url: str = self._api.client("s3").generate_presigned_url(operation, **params)  # signed here, no request
+        return url
+
+    def list_objects_v2(self, **params: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self._api.call("s3", "list_objects_v2", DESCRIBE, **params)
+        return result
+
+    def delete_object(self, **params: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self._api.call("s3", "delete_object", MUTATE, **params)
+        return result
+
+
+@dataclass(slots=True)
+class S3Staging:
+    """AWS, `run.artifact_bucket`: the job's TrainMover wheel and training script, staged under
+    `s3://bucket/prefix/JOB/` for its hosts (cloud.artifacts). The hosts fetch them over presigned URLs, with no
+    AWS permission of their own, and check their SHA-256; the orchestrator's credentials put, sign and delete."""
+
+    job_id: str
+    bucket: str
+    prefix: str
+    region: str
+    workdir: Path
+    """The run's work directory: the wheel is built there once per run, and the staging record kept there."""
+    session: Any = None
+    """A boto3 session (a credentials block's), or None for the SDK's standard chain."""
+    _calls: _S3Calls | None = None
+
+    def s3(self) -> _S3Calls:
+        if self._calls is None:
+            from cloud.aws.client import AwsApi
+
+            self._calls = _S3Calls(AwsApi(self.region, self.session, None))
+        return self._calls
+
+    def job_wheel(self) -> Path:
+        """This orchestrator's TrainMover wheel (cloud.artifacts.build_wheel), built once per run."""
+        built = sorted((self.workdir / WHEEL_DIR).glob("trainmover-*.whl"))
+        return built[0] if len(built) == 1 else build_wheel(self.workdir / WHEEL_DIR)
+
+    @property
+    def location(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}/{self.job_id}/"
+
+    def stage(self, script: Path) -> tuple[Artifact, Artifact]:
+        """Upload the run's wheel and `script` under the job's prefix; their artifacts (URLs signed now)."""
+        wheel = self.job_wheel()
+        record = {"version": STAGING_VERSION, "job_id": self.job_id, "bucket": self.bucket, "prefix": self.prefix,
+                  "region": self.region}
+        (self.workdir / STAGING_FILE).write_text(json.dumps(record))
+        try:
+            staged = stage_s3([wheel, script], job_id=self.job_id, bucket=self.bucket, prefix=self.prefix,
+                              client=self.s3())
+        except CloudError as exc:  # the same kind (a denial stays a denial), saying which setting it was
+            raise type(exc)(f"could not stage the job's wheel and script in {self.location}: {exc} "
+                            f"(run.artifact_bucket must be a bucket in {self.region} these credentials may write "
+                            "to: docs/cloud-aws.md)", provider="aws", code=exc.code) from exc
+        log.info("job %s: staged %s in %s", self.job_id, ", ".join(a.name for a in staged), self.location)
+        return staged[0], staged[1]
+
+    def resign(self, artifacts: tuple[Artifact, ...]) -> list[Artifact]:
+        """The staged files with URLs signed now, for a launch later than the first (cloud.artifacts.presign_s3)."""
+        return presign_s3(artifacts, job_id=self.job_id, bucket=self.bucket, prefix=self.prefix, client=self.s3())
+
+    def delete(self) -> int:
+        """Delete every staged file of the job (a partial upload's, and those of a run of the job before this one,
+        included); how many there were."""
+        deleted = delete_s3(job_id=self.job_id, bucket=self.bucket, prefix=self.prefix, client=self.s3())
+        (self.workdir / STAGING_FILE).unlink(missing_ok=True)
+        return deleted
+
+
+def delete_staged_files(workdir: Path, job_id: str, session: Any = None) -> str:
+    """The sweep's part: delete the files a run of `job_id` staged, as its staging record in `workdir` names them;
+    what was done, in words. Never raises."""
+    path = Path(workdir) / STAGING_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return "no staged files recorded"
+    except (OSError, ValueError) as exc:
+        return f"staged files not deleted: unreadable staging record {path} ({exc})"
+    if not isinstance(record, dict) or record.get("version") != STAGING_VERSION or record.get("job_id") != job_id:
+        return f"staged files not deleted: {path} is not a staging record of job {job_id}"
+    where = f"s3://{record.get('bucket')}/{record.get('prefix')}/{job_id}/"
+    try:
+        staging = S3Staging(job_id, str(record["bucket"]), str(record["prefix"]), str(record["region"]),
+                            Path(workdir), session=session)
+        return f"{staging.delete()} staged file(s) deleted from {where}"
+    except (CloudError, KeyError, OSError) as exc:
+        return f"could not delete the staged files in {where}: {exc}"
+
+
 @dataclass(slots=True)
 class JobHosts:
     """What makes a job's instances its hosts (see the module docstring)."""
@@ -104,10 +226,17 @@ class JobHosts:
     agent_port: int = 0
     bootstrap: AgentBootstrap | None = None
     network: JobNetwork | None = field(default=None)
+    staging: S3Staging | None = None
+    """AWS with `run.artifact_bucket`: where the job's wheel and script are staged; None: the hosts install
+    `source` from the package index."""
 
     def prepare(self, run: TrainingRun, secret: str, script: Path) -> None:
-        """Store the job's secret where its hosts fetch it and fix the coordinator's ports (before any launch)."""
+        """Store the job's secret where its hosts fetch it, stage the job's wheel and script (`staging`) and fix the
+        coordinator's ports (before any launch)."""
         self.secret_ref = self.store.put(run.job_id, secret)
+        wheel = script_file = None
+        if self.staging is not None:
+            wheel, script_file = self.staging.stage(script.resolve())
         self.store_port = free_port(self.coordinator_host)  # the coordinator listens on this machine's address
         self.agent_port = free_port(self.coordinator_host)
         self.bootstrap = AgentBootstrap(
@@ -121,6 +250,8 @@ class JobHosts:
             script_args=tuple(run.script_args),
             efa=run.efa,
             notices=run.provider if run.provider in ("aws", "azure") else None,
+            wheel=wheel,
+            script_file=script_file,
         )
         if self.job_network:
             self.network = JobNetwork(
@@ -128,8 +259,14 @@ class JobHosts:
             )
 
     def launch_options(self) -> dict[str, Any]:
-        """The `LaunchRequest` fields every launch of the job carries."""
+        """The `LaunchRequest` fields every launch of the job carries. Staged files' URLs are signed anew for each
+        launch: a replacement launched a day later, or after the credentials that signed the first URLs expired,
+        still fetches them."""
         assert self.bootstrap is not None, "prepare() first"
+        spec = self.bootstrap
+        if self.staging is not None and spec.wheel is not None and spec.script_file is not None:
+            wheel, script_file = self.staging.resign((spec.wheel, spec.script_file))
+            self.bootstrap = dataclasses.replace(spec, wheel=wheel, script_file=script_file)
         return {"bootstrap": self.bootstrap, "network": self.network, "efa": self.bootstrap.efa}
 
     def placement(self, run: TrainingRun, *, agents: int) -> Placement:
@@ -138,7 +275,8 @@ class JobHosts:
                          agent_port=self.agent_port, agents_wait_s=run.hosts_wait_s)
 
     def close(self) -> None:
-        """Delete the job's secret and remove local hosts. Never raises: it runs while a job is released."""
+        """Delete the job's secret and its staged files, and remove local hosts. Never raises: it runs while a job is
+        released."""
         ref = self.secret_ref
         if ref is not None:
             try:
@@ -146,6 +284,12 @@ class JobHosts:
                 self.secret_ref = None
             except CloudError as exc:
                 log.warning("could not delete the job's secret (%s): %s", ref.kind, exc)
+        if self.staging is not None:  # also after a re-attach: the job's prefix, whichever run staged there
+            try:
+                self.staging.delete()
+            except (CloudError, OSError) as exc:
+                log.warning("could not delete the staged files of job %s (delete %s by hand): %s",
+                            self.staging.job_id, self.staging.location, exc)
         if self.local_hosts is not None:
             with contextlib.suppress(Exception):
                 self.local_hosts.close()
@@ -176,7 +320,18 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
 
         assert run.region is not None
         store: JobSecretStore = AwsParameterStore(run.region, session=options.get("session"))
-        return JobHosts(store, run.coordinator_address, source, job_network=True, slots=slots)
+        staging = None
+        if run.artifact_bucket is not None:
+            staging = S3Staging(run.job_id, run.artifact_bucket, run.artifact_prefix, run.region, Path(workdir),
+                                session=options.get("session"))
+        else:
+            log.warning(
+                "job %s: every host installs %s from the public package index, trusting whoever publishes that name "
+                "there (it runs as root on every host), and fails where the index is unreachable; set "
+                "run.artifact_bucket to an S3 bucket of yours and the hosts install this orchestrator's own wheel "
+                "instead, fetched over presigned URLs with its SHA-256 checked (docs/cloud-bootstrap.md)",
+                run.job_id, source)
+        return JobHosts(store, run.coordinator_address, source, job_network=True, slots=slots, staging=staging)
     from cloud.secrets import AzureKeyVaultStore
 
     assert run.key_vault_url is not None
@@ -227,5 +382,5 @@ def notice_wiring(run: TrainingRun, provider: Provider, provider_options: dict[s
     return NoticeWiring(run.job_id, run.region, session)
 
 
-__all__ = ["JobHosts", "NoticeWiring", "free_port", "host_slots", "hosts_for", "installed_source", "job_hosts",
-           "notice_wiring"]
+__all__ = ["STAGING_FILE", "JobHosts", "NoticeWiring", "S3Staging", "delete_staged_files", "free_port", "host_slots",
+           "hosts_for", "installed_source", "job_hosts", "notice_wiring"]

@@ -49,6 +49,9 @@ class JobRecord:
     azure_subscription_id: str | None = None
     azure_resource_group: str | None = None
     credentials_block: str | None = None
+    key_vault_url: str | None = None
+    key_vault_resource_id: str | None = None
+    """Azure: where the job's secret and its readers' grants are, for a release by the sweep."""
     on_instances: bool = False
     owner_lease: str | None = None
     """The id of the lease by which the supervising flow run owns the job (flows.ownership)."""

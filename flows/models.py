@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if TYPE_CHECKING:
     from cloud.capacity import Fallbacks
 
+from cloud.artifacts import S3_PREFIX, validate_s3_location
 from policy.costs import LEAD_TIME_H, NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 from runtime.fault_grammar import PLAN_PATTERN as FAULT_PLAN_PATTERN
 from runtime.fault_grammar import plan_mistake
@@ -93,6 +94,18 @@ class TrainingRun(BaseModel):
     )
     lead_time_h: float = Field(default=LEAD_TIME_H, gt=0, le=168, description="Hours to obtain a fresh instance.")
     budget_usd_per_h: float | None = Field(default=None, ge=0, description="Cap on all standbys' hourly cost.")
+    max_instances: int | None = Field(
+        default=None, ge=1, le=100_000,
+        description="Most instances the job may hold at once: workers, standbys of every tier (parked ones too) and "
+        "replacements together. A launch or wake-up that would pass it is refused (event "
+        "trainmover.job.cap_reached) and the run goes on with what it holds; empty: no cap.",
+    )
+    max_spend_usd: float | None = Field(
+        default=None, gt=0, le=1e9,
+        description="Most the run may spend on instances in all, USD, at node_price_usd_per_h and the standby tiers' "
+        "prices: a launch or wake-up is refused when the spend so far plus one hour of the fleet it would then hold "
+        "passes it (running instances are not stopped); empty: no cap.",
+    )
     policy_model: str | None = Field(
         default=None,
         description="The failure predictor: 'latest' (the last one the train-failure-model flow stored), a stored "
@@ -183,10 +196,27 @@ class TrainingRun(BaseModel):
     key_vault_url: str | None = Field(
         default=None, description="Azure: the Key Vault that holds the job's secret, https://VAULT.vault.azure.net."
     )
+    key_vault_resource_id: str | None = Field(
+        default=None,
+        description="Azure: that vault's ARM resource id (/subscriptions/.../providers/Microsoft.KeyVault/vaults/"
+        "VAULT): each VM's identity is granted read access to the job's secret there, and the grant removed at "
+        "release (docs/cloud-azure.md).",
+    )
     trainmover_source: str | None = Field(
         default=None,
         description="The pinned TrainMover every host installs ('trainmover==0.1.0' or 'trainmover @ "
         "git+https://...@<40-hex commit>'); default: this machine's version.",
+    )
+    artifact_bucket: str | None = Field(
+        default=None,
+        description="AWS: an S3 bucket of yours, in the run's region, where the job stages this orchestrator's own "
+        "TrainMover wheel and the training script for its hosts (presigned URLs with their SHA-256, under "
+        "artifact_prefix/job_id/, deleted at the release); each host installs that wheel with no package index. "
+        "Empty: every host installs trainmover_source from the package index.",
+    )
+    artifact_prefix: str = Field(
+        default=S3_PREFIX, min_length=1, max_length=200,
+        description="AWS: the key prefix in artifact_bucket; the job's files go under PREFIX/JOB_ID/.",
     )
 
     @field_validator("job_id")
@@ -235,7 +265,7 @@ class TrainingRun(BaseModel):
                              "Azure's InfiniBand needs)")
         if self.provider in ("aws", "azure"):
             needed = ["coordinator_address", "image"] + (
-                ["instance_profile"] if self.provider == "aws" else ["key_vault_url"])
+                ["instance_profile"] if self.provider == "aws" else ["key_vault_url", "key_vault_resource_id"])
             missing = [name for name in needed if not getattr(self, name)]
             if missing:
                 raise ValueError(f"provider {self.provider!r} launches instances that run the job and needs "
@@ -248,6 +278,15 @@ class TrainingRun(BaseModel):
                 validate_pinned_source(self.trainmover_source)
             except CloudError as exc:
                 raise ValueError(f"trainmover_source: {exc}") from None
+        if self.artifact_bucket is not None:
+            if self.provider != "aws":
+                raise ValueError("artifact_bucket is an S3 bucket: set it only with provider 'aws'")
+            from cloud.base import CloudError
+
+            try:
+                validate_s3_location(self.artifact_bucket, self.artifact_prefix)
+            except CloudError as exc:
+                raise ValueError(f"artifact_bucket/artifact_prefix: {exc}") from None
         if self.faults is not None:
             from runtime.faults import parse_plan
 
@@ -257,6 +296,8 @@ class TrainingRun(BaseModel):
                     f"faults name rank(s) {beyond}, but the job has ranks 0-{self.workers - 1} only: such a fault "
                     "would never fire; lower the rank or raise workers"
                 )
+        if (why := self._caps_refusal()) is not None:
+            raise ValueError(why)
         from flows.model_store import is_model_key
 
         if self.policy_model is not None and not is_model_key(self.policy_model) \
@@ -266,6 +307,26 @@ class TrainingRun(BaseModel):
                 "train one with the train-failure-model flow or `trainmover policy train`"
             )
         return self
+
+    def _caps_refusal(self) -> str | None:
+        """Why max_instances or max_spend_usd cannot hold what the run needs from its start (its worker instances
+        and standby.min_warm warm standbys), or None. On instances the hosts' slots are known at provisioning only:
+        here the fewest worker hosts they could take (the flow checks the exact count before launching)."""
+        if self.max_instances is None and self.max_spend_usd is None:
+            return None
+        from cloud.bootstrap import MAX_SLOTS
+        from flows.actions import Caps, Held, cap_refusal
+
+        hosts = -(-self.workers // MAX_SLOTS) if self.on_instances else self.workers
+        warm = self.standby.min_warm
+        refusal = cap_refusal(
+            Caps(self.max_instances, self.max_spend_usd), Held(), instances=hosts + warm,
+            usd_per_h=hosts * self.node_price_usd_per_h + warm * self.tier_prices()["warm"],
+            what=f"the run's own minimum, {'at least ' if self.on_instances else ''}{hosts} worker instance(s) and "
+            f"standby.min_warm={warm} warm standby(s)",
+            also="lower workers or standby.min_warm",
+        )
+        return None if refusal is None else refusal.message.replace("; nothing was launched for it", "")
 
     def fallbacks(self) -> Fallbacks:
         """What the run allows when the cloud has no capacity for its first choice (cloud.capacity)."""

@@ -16,6 +16,11 @@ A `Supervisor` owns one job's life, in the order the flow calls it:
    downtime, ETTR, and the same failures priced under checkpoint-restart).
 5. `release`: stop the job and terminate every instance it launched; the flow calls it in `finally`.
 
+Every launch and wake-up is first checked against the run's caps (`max_instances`, `max_spend_usd`: the pure
+`flows.actions.cap_refusal`, the spend metered by the same clock as the standby hours): one a cap refuses is not
+made, and is announced once as `trainmover.job.cap_reached`; the run goes on with what it holds, except that workers
+refused at provisioning fail it (`CapReached`) before anything is launched.
+
 All along it keeps the job's holdings record (`flows.holdings`) in its work directory up to date: what it holds now
 (the launcher's pid and port, the instances), so that whoever finds the flow run dead without its `finally`
 (Prefect's crash and cancellation hooks, `flows.endings`) can say what was left running. A release removes it.
@@ -25,6 +30,7 @@ Logic lives here, not in the flow body, so it is tested without a Prefect server
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -32,11 +38,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from cloud.base import CapacityError, CloudError, Instance, LaunchRequest, Provider
 from cloud.capacity import launch_with_fallback, wake_or_replace
-from flows.actions import Pool, PoolChange, notice_moves, pool_change
+from flows.actions import CapRefusal, Caps, Held, Pool, PoolChange, cap_refusal, notice_moves, pool_change
 from flows.holdings import HOLDINGS_FILE, Holdings, write_holdings
 from flows.hosts import JobHosts, free_port, hosts_for
 from flows.jobrecord import JobRecord, write_secret
@@ -116,6 +122,20 @@ class RunReport(RunBill):
     final_digest: str | None
 
 
+class CapReached(ValueError):
+    """A cap refused launching the workers a run needs (`TrainingRun.max_instances`, `.max_spend_usd`): the run
+    fails before anything is launched. `happening` announces it."""
+
+    def __init__(self, refusal: CapRefusal, happening: Happening) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+        self.happening = happening
+
+
+HeldKind = Literal["worker", "warm", "stopped"]
+"""What an instance held is billed as: a worker (the node price), a running standby or a parked one (its tier's)."""
+
+
 class Supervisor:
     """One resilient training job from provisioning to release (see the module docstring)."""
 
@@ -184,7 +204,13 @@ class Supervisor:
         # Ranks waiting for a parked standby woken from the stopped tier -> the instance woken (or launched) for
         # them: held out of the policy's releases until the rank is recovered (releasing it strands the rank).
         self._woken: dict[int, str] = {}
-        self._standby_seconds: dict[str, float] = {"warm": 0.0, "stopped": 0.0}
+        # Instance-seconds held, per kind, on the monotonic clock: the standby hours of the bill, and (with the
+        # workers') the spend that max_spend_usd is checked against.
+        self._held_seconds: dict[HeldKind, float] = {"worker": 0.0, "warm": 0.0, "stopped": 0.0}
+        self.caps = Caps(run.max_instances, run.max_spend_usd)
+        self._capped: set[tuple[str, str]] = set()  # (cap, kind of launch) announced since the last launch went
+        self.refusals = 0
+        """Launches and wake-ups a cap refused so far."""
         self._last_accrual: float | None = None
         self.steps_done = 0
         self._exit: int | None = None
@@ -206,6 +232,12 @@ class Supervisor:
         for them first and every instance boots `script`'s job agent."""
         run = self.run
         out: list[Happening] = []
+        slots = self.slots
+        worker_hosts = hosts_for(run.workers, slots)
+        # Before anything is made (the job's secret included): workers a cap refuses fail the run here.
+        if (refusal := self._cap_refusal(f"launching {worker_hosts} worker instance(s) for {run.workers} rank(s)",
+                                         "worker", worker_hosts, also="lower run.workers")) is not None:
+            raise CapReached(refusal, self._cap_happening(refusal))
         if self.hosts is not None:
             from runtime.wire.auth import new_token
 
@@ -213,12 +245,15 @@ class Supervisor:
                 raise ValueError("a job that runs on its instances needs its script at provisioning")
             self._secret = new_token()  # the job's and this supervisor's only: the job obeys no other writer
             self.hosts.prepare(run, self._secret, script)
-        slots = self.slots
-        workers = self._launch("worker", hosts_for(run.workers, slots))
+        workers = self._launch("worker", worker_hosts)
         # Rank r on worker instance r // slots until the coordinator's placements say where it runs (hosts mode).
         self.workers = {rank: workers[rank // slots].instance_id for rank in range(run.workers)}
-        self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
-        self.warm_target = run.standby.min_warm
+        try:
+            self.warm = [i.instance_id for i in self._launch("standby", run.standby.min_warm)]
+        except CapReached as exc:  # not fatal: the job starts without them
+            self.warm = []
+            out += self._announce_refusal(exc.refusal, "standby")
+        self.warm_target = len(self.warm)
         self._key_scorer()
         out.append(
             Happening(
@@ -232,9 +267,18 @@ class Supervisor:
         self._remember()
         return out
 
-    def _launch(self, role: str, count: int) -> list[Instance]:
+    def _launch(self, role: str, count: int, *, kind: HeldKind | None = None, what: str | None = None
+                ) -> list[Instance]:
+        """Launch `count` instances of `role` (with the capacity fallbacks), held as `kind` (default: "worker" for
+        workers, "warm" for standbys); `CapReached` when a cap refuses them, and nothing is launched."""
         if count <= 0:
             return []
+        kind = kind or ("worker" if role == "worker" else "warm")
+        what = what or f"launching {count} {'parked ' if kind == 'stopped' else ''}{role} instance(s)"
+        also = "lower run.workers" if role == "worker" else "lower run.standby's limits (max_warm, max_stopped)"
+        if (refusal := self._cap_refusal(what, kind, count, also=also)) is not None:
+            raise CapReached(refusal, self._cap_happening(refusal))
+        self._accrue(self.clock())  # what was held until now; the first launch starts the meter (it bills from here)
         outcome = launch_with_fallback(self.provider, self._request(role, count), self.run.fallbacks())
         if not outcome.succeeded:
             raise CapacityError(f"no capacity for {count} {role} instance(s): {outcome.summary()}",
@@ -242,11 +286,65 @@ class Supervisor:
         if outcome.step != "request":
             self._fallback_notes.append(f"{role} launch fell back: {outcome.summary()}")
         launched = list(outcome.instances)
+        self._capped.clear()  # the fleet changed: a later refusal is news again
         # Recorded before anyone keeps the ids: a crash between here and the next record still names them.
         self._launched.update(i.instance_id for i in launched)
         self._roles.update((i.instance_id, role) for i in launched)
         self._remember()
         return launched
+
+    # -- the caps ------------------------------------------------------------------------------------------
+    def _prices(self) -> dict[HeldKind, float]:
+        """USD per hour of one instance of each kind: workers at the node price, standbys at their tier's."""
+        tiers = self.run.tier_prices()
+        return {"worker": self.run.node_price_usd_per_h, "warm": tiers["warm"], "stopped": tiers["stopped"]}
+
+    def _held_now(self) -> dict[HeldKind, int]:
+        """Instances held now by kind: parked standbys, running standbys, and every other instance (workers)."""
+        parked = set(self.parked)
+        warm = set(self.warm) - parked
+        return {"worker": len(self._launched - warm - parked), "warm": len(warm), "stopped": len(parked)}
+
+    def _meter(self) -> None:
+        """Accrue what was held until now, before what is held changes (once the first launch started the meter)."""
+        if self._last_accrual is not None:
+            self._accrue(self.clock())
+
+    def spent_usd(self) -> float:
+        """What the run's instances cost so far (on the run's clock, as the bill), released ones included."""
+        self._meter()
+        prices = self._prices()
+        return sum(s * self.time_scale / 3600.0 * prices[k] for k, s in self._held_seconds.items())
+
+    def held(self) -> Held:
+        """What the run holds and has spent, as the caps see it."""
+        prices = self._prices()
+        now = self._held_now()
+        return Held(instances=len(self._launched), usd_per_h=sum(n * prices[k] for k, n in now.items()),
+                    spent_usd=self.spent_usd())
+
+    def _cap_refusal(self, what: str, kind: HeldKind, instances: int, *, also: str = "",
+                     usd_per_h: float | None = None) -> CapRefusal | None:
+        """Whether the caps refuse `what`: `instances` more instances held as `kind` (or `usd_per_h` more)."""
+        if self.caps == Caps():
+            return None
+        cost = usd_per_h if usd_per_h is not None else instances * self._prices()[kind]
+        return cap_refusal(self.caps, self.held(), instances=instances, usd_per_h=cost, what=what, also=also)
+
+    def _cap_happening(self, refusal: CapRefusal) -> Happening:
+        return Happening(f"{EVENT_PREFIX}.job.cap_reached", f"{EVENT_PREFIX}.job.{self.run.job_id}", refusal.message,
+                         refusal.payload())
+
+    def _announce_refusal(self, refusal: CapRefusal, launch: str) -> list[Happening]:
+        """The event for a refused launch: once per cap and kind of `launch` until the fleet changes (the policy
+        asks again at every decision), a log line otherwise."""
+        self.refusals += 1
+        key = (refusal.cap, launch)
+        if key in self._capped:
+            log.info("%s", refusal.message)
+            return []
+        self._capped.add(key)
+        return [self._cap_happening(refusal)]
 
     def _key_scorer(self) -> None:
         """Score the nodes that hold the ranks now (a scorer made before they existed, e.g. with a trained model,
@@ -326,7 +424,7 @@ class Supervisor:
                                     log=self.workdir / "job.log", placement=placement)
         self._remember()
         self._started_at = self.clock()
-        self._last_accrual = self._started_at
+        self._accrue(self._started_at)  # metered since the first launch
         # On instances the job starts once every host joined (up to hosts_wait_s): `tick` connects then.
 
     def _set_standby_target(self, n: int) -> None:
@@ -357,8 +455,9 @@ class Supervisor:
             launcher_pid=job.pid, store_host=job.host, store_port=job.port,
             secret_file=str(self.secret_file), events=str(self.events_path), provider=run.provider, region=run.region,
             azure_subscription_id=run.azure_subscription_id, azure_resource_group=run.azure_resource_group,
-            credentials_block=credentials_block, on_instances=run.on_instances, owner_lease=self.owner_lease,
-            supervised_at=time.time(),
+            credentials_block=credentials_block, key_vault_url=run.key_vault_url,
+            key_vault_resource_id=run.key_vault_resource_id, on_instances=run.on_instances,
+            owner_lease=self.owner_lease, supervised_at=time.time(),
         )
 
     def attach(self, record: JobRecord) -> list[Happening]:
@@ -433,8 +532,8 @@ class Supervisor:
     def _accrue(self, now: float) -> None:
         if self._last_accrual is not None:
             dt = now - self._last_accrual
-            self._standby_seconds["warm"] += dt * len(self.warm)
-            self._standby_seconds["stopped"] += dt * len(self.parked)
+            for kind, n in self._held_now().items():
+                self._held_seconds[kind] += dt * n
         self._last_accrual = now
 
     def _read_events(self) -> list[Happening]:
@@ -588,18 +687,34 @@ class Supervisor:
             return []
         if not self.parked:
             return []
-        parked = self.parked.pop(0)
+        parked = self.parked[0]
+        prices = self._prices()
+        also = "lower run.standby's limits (max_warm, max_stopped)"
+        # A wake-up holds no more instances, but bills the node price instead of the parked disk's.
+        if (refusal := self._cap_refusal(f"waking parked standby {parked} for rank {rank}", "warm", 0, also=also,
+                                         usd_per_h=prices["warm"] - prices["stopped"])) is not None:
+            return self._announce_refusal(refusal, "wake")
+        self._meter()
+        self.parked.pop(0)
         # No capacity to wake it: another zone, another type of the same accelerator, then on-demand (cloud.capacity).
+        # A replacement is one instance more until the parked one is released: a cap may allow the wake-up alone.
+        fallbacks = self.run.fallbacks()
+        no_replacement = self._cap_refusal(f"launching a replacement for parked standby {parked} (rank {rank})",
+                                           "warm", 1, also=also)
+        if no_replacement is not None:
+            fallbacks = dataclasses.replace(fallbacks, zones=(), instance_types=(), on_demand=False)
         error = ""
         try:
-            outcome = wake_or_replace(self.provider, parked, self._request("standby", 1), self.run.fallbacks())
+            outcome = wake_or_replace(self.provider, parked, self._request("standby", 1), fallbacks)
         except CloudError as exc:
             outcome, error = None, str(exc)
         if outcome is None or not outcome.succeeded:
             self.parked.insert(0, parked)
             why = error if outcome is None else outcome.summary()
-            return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.node.{parked}",
-                              f"could not wake {parked} nor replace it: {why}", {"rank": rank})]
+            capped = self._announce_refusal(no_replacement, "wake") if no_replacement is not None else []
+            return [*capped, Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.node.{parked}",
+                                       f"could not wake {parked} nor replace it: {why}", {"rank": rank})]
+        self._capped.clear()
         woken = outcome.instances[0].instance_id
         if woken != parked:  # a replacement was launched; the parked one was released
             self._launched.add(woken)
@@ -626,7 +741,13 @@ class Supervisor:
         if missing <= 0:
             return []
         try:
-            new = [i.instance_id for i in self._launch("standby", missing)]
+            new = [i.instance_id for i in self._launch("standby", missing,
+                                                       what=f"ordering {missing} replacement standby instance(s)")]
+        except CapReached as exc:
+            # The job goes on with the standbys it holds: the coordinator stops waiting for the ones refused.
+            self.warm_target -= missing
+            self._set_standby_target(self.warm_target)
+            return self._announce_refusal(exc.refusal, "standby")
         except CloudError as exc:
             return [Happening(f"{EVENT_PREFIX}.standby.unavailable", f"{EVENT_PREFIX}.job.{self.run.job_id}",
                               f"could not order a replacement standby: {exc}", {})]
@@ -721,7 +842,12 @@ class Supervisor:
         if (change.warm_target, change.stopped_target) != (self.fleet.warm, self.fleet.stopped):
             self.fleet = FleetState(stopped=change.stopped_target, warm=change.warm_target,
                                     last_change_s=now_h * 3600.0)
-        return self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon), held=len(held))
+        refused = self.refusals
+        out = self._apply(change, plan.reasons, max(scores, key=lambda s: s.p_horizon), held=len(held))
+        if self.refusals != refused:  # a cap kept some of the plan from being made: the policy sees what is held
+            self.fleet = FleetState(stopped=len(self.parked), warm=max(0, self.warm_target - len(held)),
+                                    last_change_s=self.fleet.last_change_s)
+        return out
 
     def _apply(self, change: PoolChange, reasons: tuple[str, ...], worst: NodeScore, held: int = 0) -> list[Happening]:
         """Carry out a pool change (flows.actions.pool_change) and say what was done and why. `held` standbys, woken
@@ -731,7 +857,13 @@ class Supervisor:
         warm = change.warm_target + held
         raised = change.retarget and warm > self.warm_target
         if change.launch_warm:
-            self.warm += [i.instance_id for i in self._launch("standby", change.launch_warm)]
+            try:
+                self.warm += [i.instance_id for i in self._launch(
+                    "standby", change.launch_warm, what=f"pre-warming {change.launch_warm} standby instance(s) for "
+                    f"{worst.node_id} ({worst.why})")]
+            except CapReached as exc:  # the target stays where the instances are
+                out += self._announce_refusal(exc.refusal, "standby")
+                change, raised = dataclasses.replace(change, retarget=False), False
         if change.retarget:
             self.warm_target = warm
             self._set_standby_target(warm)
@@ -748,11 +880,13 @@ class Supervisor:
             out.append(self._release("warm", change.release_warm, {"warm": warm}))
         if change.park:
             try:
-                new = [i.instance_id for i in self._launch("standby", change.park)]
+                new = [i.instance_id for i in self._launch("standby", change.park, kind="stopped")]
                 self.provider.stop(new)
                 self.parked += new
                 out.append(Happening(f"{EVENT_PREFIX}.standby.parked", job,
                                      f"parked {len(new)} stopped standby(s) for cheap cover", {"instances": new}))
+            except CapReached as exc:
+                out += self._announce_refusal(exc.refusal, "parked")
             except CloudError as exc:
                 log.warning("could not park a standby: %s", exc)
         if change.release_parked:
@@ -767,6 +901,7 @@ class Supervisor:
                          {**payload, "instances": list(instances)})
 
     def _terminate(self, instances: tuple[str, ...] | list[str]) -> None:
+        self._meter()
         try:
             self.provider.terminate(list(instances))
             self._launched.difference_update(instances)
@@ -788,7 +923,7 @@ class Supervisor:
         wall_s = float(end - start) if start is not None and end is not None else 0.0
         fin = next((e for e in ev if isinstance(e, JobFinished)), None)
         failed = next((e for e in ev if isinstance(e, JobFailed)), None)
-        hours = {k: v * self.time_scale / 3600.0 for k, v in self._standby_seconds.items()}
+        hours = {k: self._held_seconds[k] * self.time_scale / 3600.0 for k in ("warm", "stopped")}
         # Downtimes are the wall seconds measured; the run's length and the standby hours are on its clock.
         bill = bill_run(self.costs, self.run.tier_prices(), hours, [i.lost_time_s for i in self.interruptions],
                         wall_s * self.time_scale)
@@ -829,7 +964,7 @@ class Supervisor:
             released = self.provider.release_job(self.run.job_id)
         finally:
             if self.hosts is not None:
-                self.hosts.close()  # the job's secret deleted, local hosts removed
+                self.hosts.close()  # the job's secret and staged files deleted, local hosts removed
         self.warm, self.parked = [], []
         self._launched.clear()
         # Nothing is held any more: no record, so a hook that runs after this finds nothing left running.

@@ -5,10 +5,10 @@ process dies, the job keeps training (its launcher runs in a session of its own;
 agents), and its instances keep billing. A new run of the job re-attaches to it (`flows.training`); when none
 comes, this flow, scheduled (prefect.yaml's `sweep-unsupervised-jobs`), finds every record older than `ttl_s` whose
 flow run is not running, stops its launcher (on this host: run the flow on the orchestrator's work pool), releases
-every instance carrying the job's tag and what the job made in the cloud (its notice queue, its secret), deletes the
-job's secret files on this host (its work directory keeps the job's events and logs, for a post-mortem), gives the
-dead run's hold on the job back (`flows.ownership`: a new run of the job can start at once), deletes the record, and
-emits `trainmover.job.swept`.
+every instance carrying the job's tag and what the job made in the cloud (its notice queue, its secret, the wheel
+and script it staged in S3), deletes the job's secret files on this host (its work directory keeps the job's events
+and logs, for a post-mortem), gives the dead run's hold on the job back (`flows.ownership`: a new run of the job can
+start at once), deletes the record, and emits `trainmover.job.swept`.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def remove_secrets(record: JobRecord) -> str:
 
 def release_fleet(record: JobRecord) -> list[str]:
     """Release every resource of the job in its cloud (`Provider.release_all`: its instances, network, notice
-    queue and secret); returns the terminated instances' ids. A deletion that failed is logged by name (the others
-    still ran); a later sweep or `trainmover cloud release` deletes what is left."""
+    queue and secret; on AWS also the files it staged in S3, from the staging record in its work directory on this
+    host, `flows.hosts.delete_staged_files`); returns the terminated instances' ids. A deletion that failed is
+    logged by name (the others still ran); a later sweep or `trainmover cloud release` deletes what is left."""
     if record.provider == "local":
         return []  # local instances are the dead run's bookkeeping; stopping the launcher stopped its processes
     from cloud.registry import make_provider
@@ -109,13 +110,13 @@ def release_fleet(record: JobRecord) -> list[str]:
         provider = make_provider("aws", region=record.region, **options)
     else:
         # The job's Key Vault, where its record names one; without it the secret is reported as not looked for.
-        key_vault_url = getattr(record, "key_vault_url", None)
-        if key_vault_url:
+        if record.key_vault_url:
             from cloud.secrets import AzureKeyVaultStore
 
-            options["key_vault"] = AzureKeyVaultStore(key_vault_url, credential=options.get("credential"))
+            options["key_vault"] = AzureKeyVaultStore(record.key_vault_url, credential=options.get("credential"))
         provider = make_provider("azure", subscription_id=record.azure_subscription_id,
-                                 resource_group=record.azure_resource_group, location=record.region, **options)
+                                 resource_group=record.azure_resource_group, location=record.region,
+                                 key_vault_resource_id=record.key_vault_resource_id, **options)
     report = provider.release_all(record.job_id)
     logger = get_run_logger()
     logger.info("%s", report.summary())
@@ -123,6 +124,19 @@ def release_fleet(record: JobRecord) -> list[str]:
         logger.warning("job %s: not looked for: %s", record.job_id, note)
     if not report.complete:
         logger.warning("%s", report.failure())
+    if record.provider == "aws":
+        # The job's staged wheel and script (flows.hosts.S3Staging): the dead run's staging record names them.
+        if record.host != socket.gethostname():
+            logger.warning("job %s: staged files recorded on host %s: run the sweep there to delete them",
+                           record.job_id, record.host)
+        elif not Path(record.workdir).name.startswith(workdir_prefix(record.job_id)):  # the record is a Variable
+            logger.warning("job %s: staged files not looked for: %s is not a work directory of the job",
+                           record.job_id, record.workdir)
+        else:
+            from flows.hosts import delete_staged_files
+
+            logger.info("job %s: %s", record.job_id,
+                        delete_staged_files(Path(record.workdir), record.job_id, session=options.get("session")))
     return list(report.instances)
 
 

@@ -49,7 +49,7 @@ from flows.hosts import job_hosts, notice_wiring
 from flows.jobrecord import JobRecord
 from flows.models import TrainingRun
 from flows.ownership import owning
-from flows.supervisor import EVENT_PREFIX, Happening, RunReport, Supervisor
+from flows.supervisor import EVENT_PREFIX, CapReached, Happening, RunReport, Supervisor
 from flows.timeline import interruptions_of, markdown_image, plot_timeline
 from policy.online import OnlineScorer
 from runtime.wire.event_records import JobFailed
@@ -87,6 +87,7 @@ def make_provider(run: TrainingRun, options: dict[str, Any] | None = None) -> Pr
         location=run.region,
         image=run.image,
         subnet_id=run.subnet,
+        key_vault_resource_id=run.key_vault_resource_id,
         **options,
     )
 
@@ -179,8 +180,14 @@ def cost_markdown(report: RunReport, run: TrainingRun, time_scale: float = 1.0, 
 @task(name="provision", cache_policy=NO_CACHE)
 def provision(sup: Supervisor, script: Path) -> None:
     """Launch the workers' instances and the standbys the limits hold from the start (on instances: each boots
-    the job's agent, and the job's secret is stored for them first)."""
-    for h in sup.provision(script):
+    the job's agent, and the job's secret is stored for them first). Workers a cap refuses fail the run here,
+    before anything is launched, after announcing it (`trainmover.job.cap_reached`)."""
+    try:
+        happenings = sup.provision(script)
+    except CapReached as exc:
+        announce(exc.happening, sup.run.job_id)
+        raise
+    for h in happenings:
         announce(h, sup.run.job_id)
 
 
@@ -369,9 +376,11 @@ def resilient_training(
         max_wall_s: Wall-clock limit of the run in seconds, up to 365 days; past it the job is stopped, the run
             fails and every instance is released.
         credentials_block: Name of a Prefect Secret block holding the cloud credentials as a JSON object (AWS:
-            aws_access_key_id, aws_secret_access_key; Azure: tenant_id, client_id, client_secret), read when the
-            run starts and given to the cloud SDK only. Empty: the SDK's standard chain (the worker host's
-            instance profile or managed identity, ~/.aws, az login). See docs/flows.md.
+            aws_access_key_id, aws_secret_access_key; Azure: tenant_id, client_id, client_secret), or of an
+            existing prefect-aws AwsCredentials / prefect-azure AzureContainerInstanceCredentials or
+            AzureBlobStorageCredentials block, read when the run starts and given to the cloud SDK only. Empty:
+            the SDK's standard chain (the worker host's instance profile or managed identity, ~/.aws, az login).
+            See docs/flows.md.
     """
     logger = get_run_logger()
     script = Path(check_run(run, drill, time_scale, policy_every_s))

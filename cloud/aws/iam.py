@@ -8,7 +8,8 @@ Every mutation is scoped to the job's own `trainmover:job` tag value (`aws:Reque
 `aws:ResourceTag` afterwards), to the given regions, images and instance types, and to launches that require
 IMDSv2; so are its own security group and (cluster) placement group. `iam:PassRole` is granted for the node role
 alone and only to EC2; the KMS grants that CMK-encrypted EBS volumes need are limited to use through EC2; the
-notice queue and rules are the job's own by name.
+notice queue and rules are the job's own by name; with an artifact bucket, S3 objects only under the job's own
+prefix (`PREFIX/JOB/`, where the flows stage its wheel and script: flows.hosts.S3Staging).
 
 Pure functions of typed inputs: nothing here calls a cloud or imports an SDK.
 """
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cloud.artifacts import S3_PREFIX, s3_key, validate_s3_location
 from cloud.aws.notices import notice_resource_names  # no SDK import: boto3 is loaded lazily
 from cloud.base import JOB_TAG, ROLE_TAG, InvalidRequestError, Role, validate_job_id
 from cloud.secret_store import AWS_REGION
@@ -55,6 +57,10 @@ NOTICE_QUEUE_WIRING = (
     "sqs:DeleteQueue",
 )
 NOTICE_RULE_WIRING = ("events:PutRule", "events:TagResource", "events:RemoveTargets", "events:DeleteRule")
+# The job's staged files (cloud.artifacts.stage_s3, presign_s3, delete_s3): GetObject is what a presigned URL the
+# orchestrator signs is checked against, so the instances need no S3 permission of their own.
+S3_STAGED_OBJECTS = ("s3:PutObject", "s3:GetObject", "s3:DeleteObject")
+S3_STAGED_LISTING = "s3:ListBucket"
 ROLES: tuple[Role, ...] = ("worker", "standby")
 
 _AMI = re.compile(r"ami-(?:[0-9a-f]{8}|[0-9a-f]{17})")
@@ -76,9 +82,13 @@ class AwsJobScope:
     node_role_arn: str | None = None  # the instances' role (in their instance profile): the only role it may pass
     kms_key_arns: tuple[str, ...] = ()  # CMKs that encrypt the AMI's snapshots or the account's default EBS key
     notice_wiring: bool = True  # also let it create and delete its notice queue and rules (ensure_notice_queue)
+    artifact_bucket: str | None = None  # where the flows stage the job's wheel and script (TrainingRun's same field)
+    artifact_prefix: str = S3_PREFIX  # the key prefix there; the job's files are under PREFIX/JOB/
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id, provider="aws")
+        if self.artifact_bucket is not None:
+            validate_s3_location(self.artifact_bucket, self.artifact_prefix)
         _need("regions", self.regions, AWS_REGION, "an AWS region such as us-east-1")
         _need("images", self.images, _AMI, "an AMI id such as ami-0123456789abcdef0")
         _need("instance_types", self.instance_types, _INSTANCE_TYPE, "an instance type such as p5.48xlarge")
@@ -374,9 +384,35 @@ class _JobPolicy:
         return statements
 
 
+    def staging(self) -> list[dict[str, Any]]:
+        """With an artifact bucket: put, sign and delete only this job's staged files, list only their prefix."""
+        bucket = self.scope.artifact_bucket
+        if bucket is None:
+            return []
+        partitions = sorted({_partition(r) for r in self.scope.regions})
+        job_prefix = s3_key(self.scope.artifact_prefix, self.job, "") + "/"
+        return [
+            {
+                "Sid": "StageOnlyThisJobsFiles",
+                "Effect": "Allow",
+                "Action": list(S3_STAGED_OBJECTS),
+                "Resource": [f"arn:{p}:s3:::{bucket}/{job_prefix}*" for p in partitions],
+            },
+            {
+                # ListBucket is a bucket's permission: only with a prefix inside the job's own.
+                "Sid": "ListOnlyThisJobsStagedFiles",
+                "Effect": "Allow",
+                "Action": S3_STAGED_LISTING,
+                "Resource": [f"arn:{p}:s3:::{bucket}" for p in partitions],
+                "Condition": {"StringLike": {"s3:prefix": f"{job_prefix}*"}},
+            },
+        ]
+
+
 def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
     """The IAM policy document (a dict, ready for json.dumps) that lets one job's credentials do exactly what
-    `AwsProvider` and `ensure_notice_queue` do for that job, and nothing to any other job."""
+    `AwsProvider`, `ensure_notice_queue` and (with `artifact_bucket`) the flows' staging do for that job, and nothing
+    to any other job."""
     policy = _JobPolicy(scope)
     statements = [
         *policy.launch(),
@@ -384,6 +420,7 @@ def aws_job_policy(scope: AwsJobScope) -> dict[str, Any]:
         *policy.job_network(),
         *policy.role_and_keys(),
         *policy.secret_and_notices(),
+        *policy.staging(),
     ]
     return {"Version": "2012-10-17", "Statement": statements}
 

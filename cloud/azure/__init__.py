@@ -7,7 +7,8 @@
   group;
 - `cloud.azure.notices`: Scheduled Events on the VM (`ScheduledEventsSource`);
 - `cloud.azure.iam`: the least-privilege custom role of one job (`azure_job_role`);
-- `cloud.azure.secrets`: the job's secret in Key Vault, read with the VM's managed identity.
+- `cloud.azure.secrets`: the job's secret in Key Vault, read with the VM's managed identity;
+- `cloud.azure.identities`: the role assignment per VM that lets its identity read that secret (`SecretReaders`).
 
 Importing it loads no SDK: the Azure SDK is imported when an `AzureProvider` is made.
 """

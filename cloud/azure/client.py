@@ -94,6 +94,7 @@ class AzureApi:
         self._arm_endpoint = base_url or _ARM_ENDPOINT
         self.compute = self._make_client(credential, base_url, kwargs)
         self._network_client: Any = None
+        self._authorization_client: Any = None
         self._network_lock = threading.Lock()
 
     def _make_client(
@@ -131,6 +132,26 @@ class AzureApi:
                     **self._client_kwargs,  # type: ignore[arg-type]
                 )
             return self._network_client
+
+    def authorization(self) -> Any:
+        """The azure-mgmt-authorization client (made on the first launch whose hosts read a Key Vault secret, for the
+        role assignments of `cloud.azure.identities`). Its subscription is this provider's; every call it makes names
+        its scope in full, so a vault in another subscription of the tenant works too."""
+        with self._network_lock:
+            if self._authorization_client is None:
+                try:
+                    from azure.mgmt.authorization import AuthorizationManagementClient
+                except ImportError as err:
+                    raise CloudError(
+                        "azure: granting VMs read access to the job's Key Vault secret needs azure-mgmt-authorization: "
+                        f"{INSTALL_HINT}",
+                        provider=PROVIDER,
+                    ) from err
+                self._authorization_client = AuthorizationManagementClient(
+                    self._credential, self.subscription_id, base_url=self._base_url or _ARM_ENDPOINT,
+                    **self._client_kwargs,  # type: ignore[arg-type]
+                )
+            return self._authorization_client
 
     def translate(self, err: Exception, action: str) -> CloudError | None:
         """The CloudError for an SDK exception, or None when `err` is not an SDK error (a programming error)."""

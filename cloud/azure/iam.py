@@ -41,7 +41,9 @@ def azure_job_role(
         "Description": (
             "Least privilege for cloud.azure.AzureProvider: create, park (deallocate), start, read and delete VMs "
             "with VM-managed NICs and OS disks, each job's own NSG, application security group and proximity "
-            "placement group, list VM sizes, and read the caller's own permissions (check). "
+            "placement group, list VM sizes, assign each VM's identity read access to its job's Key Vault secret "
+            "(role assignments, which reach the vault only when it lies in this group: otherwise grant them on the "
+            "vault, see docs/cloud-azure.md), and read the caller's own permissions (check). "
             "Assign it only on a resource group dedicated to TrainMover's VMs: Azure RBAC cannot limit these "
             "actions by tag, so the group is the boundary."
         ),

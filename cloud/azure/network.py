@@ -6,7 +6,9 @@ job, reuses for every launch of it, and deletes after its VMs.
 - a **network security group** (NSG) `tm-<job>-nsg` on every NIC of the job: inbound TCP on the coordinator's
   store and agent ports and the data ports is allowed from the job's ASG to the job's ASG (priority 100); every
   other inbound packet from the virtual network is denied (priority 4000), so neither another job nor another VM of
-  the network reaches the job's ports. Outbound is Azure's default (the agents reach the coordinator);
+  the network reaches the job's ports. Outbound is Azure's default (the agents reach the coordinator). With
+  `ssh_from` (off by default) a jump host may reach every host of the job on TCP 22: priority 200, from a CIDR or an
+  application security group (the bastion's);
 - a **proximity placement group** `tm-<job>-ppg` (`JobNetwork.cluster_placement`): the job's VMs close together in
   one datacenter, replacements included.
 
@@ -17,13 +19,14 @@ boundary above is Ethernet (accelerated networking).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cloud.base import JOB_TAG, CloudError, JobNetwork, NotFoundError, ReleaseSteps
+from cloud.base import JOB_TAG, CloudError, InvalidRequestError, JobNetwork, NotFoundError, ReleaseSteps
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,30 @@ JOB_PORTS_RULE = "trainmover-job-ports"
 JOB_PORTS_PRIORITY = 100
 DENY_VNET_RULE = "trainmover-deny-vnet-inbound"
 DENY_VNET_PRIORITY = 4000
+JUMP_HOST_SSH_RULE = "trainmover-jump-host-ssh"
+JUMP_HOST_SSH_PRIORITY = 200
+_ASG_ID = re.compile(r"/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.Network/"
+                     r"applicationSecurityGroups/[^/]+", re.IGNORECASE)
+
+
+def check_ssh_from(ssh_from: str) -> str:
+    """`ssh_from` once checked: an IPv4/IPv6 CIDR (a bastion's address or subnet) or an application security group's
+    resource id. Anything wider than a /16 (or an IPv6 /48) is refused: SSH from the internet is not a jump host."""
+    if _ASG_ID.fullmatch(ssh_from):
+        return ssh_from
+    try:
+        network = ipaddress.ip_network(ssh_from, strict=True)
+    except ValueError:
+        network = None
+    if network is None or network.prefixlen < (16 if network.version == 4 else 48):
+        raise InvalidRequestError(
+            f"azure: ssh_from {ssh_from!r} is neither a CIDR of at most a /16 (IPv6: /48), such as '10.0.9.4/32' "
+            "(the jump host), nor an application security group's resource id "
+            "(/subscriptions/<sub>/resourceGroups/<group>/providers/Microsoft.Network/applicationSecurityGroups/<name>)",
+            provider="azure",
+            code="InvalidSshSource",
+        )
+    return str(network)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +75,27 @@ def job_network_names(job_id: str) -> dict[str, str]:
     return {"asg": f"tm-{slug}-asg", "nsg": f"tm-{slug}-nsg", "ppg": f"tm-{slug}-ppg"}
 
 
-def security_rules(asg_id: str, network: JobNetwork) -> list[dict[str, Any]]:
-    """The NSG's rules for `network` (ARM's JSON shape): the job's ports from the job's hosts, nothing else from
-    the virtual network."""
+def security_rules(asg_id: str, network: JobNetwork, ssh_from: str | None = None) -> list[dict[str, Any]]:
+    """The NSG's rules for `network` (ARM's JSON shape): the job's ports from the job's hosts, SSH from `ssh_from`
+    (a jump host: a CIDR or an ASG id, see `check_ssh_from`) when given, nothing else from the virtual network."""
     ports = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in network.tcp_port_ranges()]
+    ssh: list[dict[str, Any]] = []
+    if ssh_from is not None:
+        source: dict[str, Any] = (
+            {"sourceApplicationSecurityGroups": [{"id": ssh_from}]} if _ASG_ID.fullmatch(ssh_from)
+            else {"sourceAddressPrefix": check_ssh_from(ssh_from)}
+        )
+        ssh.append({
+            "name": JUMP_HOST_SSH_RULE,
+            "properties": {
+                "description": "TrainMover: SSH to the job's hosts from the jump host only",
+                "protocol": "Tcp", "access": "Allow", "direction": "Inbound", "priority": JUMP_HOST_SSH_PRIORITY,
+                "sourcePortRange": "*", "destinationPortRange": "22",
+                "destinationApplicationSecurityGroups": [{"id": asg_id}], **source,
+            },
+        })
     return [
+        *ssh,
         {
             "name": JOB_PORTS_RULE,
             "properties": {
@@ -79,11 +122,12 @@ class AzureJobNetwork:
     """Makes, finds and deletes jobs' boundaries in one resource group (see the module docstring). `call(action,
     fn)` runs one ARM call under the provider's retry budget with its error mapping; `network` is an
     azure-mgmt-network client, `compute` an azure-mgmt-compute client; `wait(poller, action)` waits for a
-    long-running operation."""
+    long-running operation. `ssh_from` (default: none) admits SSH from a jump host to every host of each job."""
 
     def __init__(self, *, resource_group: str, location: str, call: Callable[[str, Callable[[], Any]], Any],
-                 network: Callable[[], Any], compute: Any, wait: Callable[[Any, str], Any], subscription_id: str
-                 ) -> None:
+                 network: Callable[[], Any], compute: Any, wait: Callable[[Any, str], Any], subscription_id: str,
+                 ssh_from: str | None = None) -> None:
+        self.ssh_from = None if ssh_from is None else check_ssh_from(ssh_from)
         self.resource_group = resource_group
         self.location = location
         self._call = call
@@ -116,7 +160,7 @@ class AzureJobNetwork:
             lambda: client.network_security_groups.begin_create_or_update(
                 self.resource_group, names["nsg"],
                 {"location": self.location, "tags": tags,
-                 "properties": {"securityRules": security_rules(asg_id, network)}}),
+                 "properties": {"securityRules": security_rules(asg_id, network, self.ssh_from)}}),
         ), f"create {names['nsg']}")
         ppg_id = None
         if network.cluster_placement:
@@ -181,4 +225,4 @@ class AzureJobNetwork:
         return True
 
 
-__all__ = ["AzureJobNetwork", "AzurePlacement", "job_network_names", "security_rules"]
+__all__ = ["AzureJobNetwork", "AzurePlacement", "check_ssh_from", "job_network_names", "security_rules"]

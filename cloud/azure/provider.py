@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import secrets
 import threading
@@ -30,6 +31,7 @@ from cloud.azure.client import (
     ROLE_HINT,
     AzureApi,
 )
+from cloud.azure.identities import VAULT_RESOURCE_ID_HINT, SecretReaderGrant, SecretReaders
 from cloud.azure.network import AzureJobNetwork, AzurePlacement
 from cloud.azure.secrets import AzureKeyVaultStore
 from cloud.base import (
@@ -88,6 +90,13 @@ TAG_LIMITS = TagLimits(
 # '.' or '-' (https://learn.microsoft.com/azure/azure-resource-manager/management/resource-name-rules#microsoftcompute).
 _VM_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9_])?")
 
+# Each bootstrapped VM's identity may read its job's Key Vault secret (cloud.azure.identities): one role assignment
+# per VM on that secret, made at launch and removed with the VM. Needed on the vault's scope, which check() reads.
+ROLE_ASSIGNMENT_ACTIONS: tuple[str, ...] = (
+    "Microsoft.Authorization/roleAssignments/read",
+    "Microsoft.Authorization/roleAssignments/write",
+    "Microsoft.Authorization/roleAssignments/delete",
+)
 # Every ARM action the provider performs, directly or through a linked access check when the compute RP creates the
 # VM's NIC and OS disk on our behalf. docs/iam/trainmover-azure-role.json grants exactly these.
 REQUIRED_ACTIONS: tuple[str, ...] = (
@@ -119,7 +128,10 @@ REQUIRED_ACTIONS: tuple[str, ...] = (
     "Microsoft.Compute/proximityPlacementGroups/read",
     "Microsoft.Compute/proximityPlacementGroups/write",
     "Microsoft.Compute/proximityPlacementGroups/delete",
+    *ROLE_ASSIGNMENT_ACTIONS,
 )
+# Where the vault's resource id comes from when AzureProvider is not given key_vault_resource_id.
+KEY_VAULT_RESOURCE_ID_ENV = "AZURE_KEY_VAULT_RESOURCE_ID"
 
 # On-demand list prices, USD per hour, Linux, pay-as-you-go, East US, as shown on
 # https://azure.microsoft.com/pricing/details/virtual-machines/linux/ (read 2025-06; they change, and differ by
@@ -184,6 +196,15 @@ class AzureProvider(Provider):
     `client_kwargs` go to `ComputeManagementClient` (transport settings such as `connection_verify`, or
     `polling_interval`). The retry budgets and the bound on each long-running operation are keyword arguments
     so that tests and impatient callers can shorten them.
+
+    `key_vault_resource_id` (default: `$AZURE_KEY_VAULT_RESOURCE_ID`) is the ARM resource id of the vault that holds
+    the jobs' secrets: a launch whose hosts read their secret there grants each new VM's identity read access to
+    that one secret (`cloud.azure.identities`), and is refused without it. `key_vault` is the same vault's data plane,
+    where `release_all` deletes the job's secret.
+
+    `ssh_from` (off by default) lets a jump host SSH to the hosts of every job launched with a `LaunchRequest.network`:
+    a CIDR of the bastion (at most a /16) or its application security group's resource id, admitted on TCP 22 by
+    the job's NSG (`cloud.azure.network`).
     """
 
     name = PROVIDER
@@ -206,6 +227,8 @@ class AzureProvider(Provider):
         describe_budget: RetryBudget = DESCRIBE,
         lro_timeout_s: float = 900.0,
         key_vault: AzureKeyVaultStore | None = None,
+        key_vault_resource_id: str | None = None,
+        ssh_from: str | None = None,
     ) -> None:
         for label, value in (
             ("subscription_id", subscription_id),
@@ -233,11 +256,24 @@ class AzureProvider(Provider):
             credential=credential, base_url=base_url, client_kwargs=client_kwargs, lro_timeout_s=lro_timeout_s,
         )
         self._client = self._api.compute
+        vault_id = key_vault_resource_id or os.environ.get(KEY_VAULT_RESOURCE_ID_ENV) or None
+        # Who may read each job's secret: the VMs' role assignments on the vault (None: no vault known).
+        self._secret_readers = None if vault_id is None else SecretReaders(
+            vault_id, resource_group,
+            call=lambda action, fn: self._api.call(action, fn, self.mutate_budget), client=self._api.authorization,
+        )
+        if self._secret_readers is not None and key_vault is not None:
+            self._secret_readers.check_vault(key_vault.vault_url)
         self._job_network = AzureJobNetwork(
             resource_group=resource_group, location=location, subscription_id=subscription_id,
             call=lambda action, fn: self._api.call(action, fn, self.mutate_budget),
-            network=self._api.network, compute=self._client, wait=self._api.wait,
+            network=self._api.network, compute=self._client, wait=self._api.wait, ssh_from=ssh_from,
         )
+
+    @property
+    def secret_readers(self) -> SecretReaders | None:
+        """The role assignments that let VMs read their job's Key Vault secret (None: no vault resource id given)."""
+        return self._secret_readers
 
     @property
     def lro_timeout_s(self) -> float:
@@ -436,6 +472,7 @@ class AzureProvider(Provider):
         prefix = f"tm-{_slug(request.job_id, 30)}-{request.role}-{secrets.token_hex(3)}"
         names = [f"{prefix}-{index}" for index in range(request.count)]
         self._vm_body(request, names[0])  # every mistake the body can hold, refused before any call
+        readers = self._secret_readers_for(request)
         self._validate_size(request.instance_type)
         # The job's NSG, ASG and proximity placement group: made on its first launch, reused by replacements.
         placement = self._job_network.ensure(request.job_id, request.network) if request.network else None
@@ -466,7 +503,41 @@ class AzureProvider(Provider):
             self._cleanup(attempted)
             first = next(errors[n] for n in names if n in errors)
             raise first
+        if readers is not None:
+            spec = agent_bootstrap(request)
+            assert spec is not None  # _secret_readers_for returned readers only for a bootstrap
+            try:
+                for vm_name in names:
+                    readers.grant(request.job_id, vm_name, spec.secret.secret_name, self.identity_principal_id(vm_name))
+            except CloudError:
+                # A host that cannot read its secret never joins: delete the VMs (and what was granted) and say why.
+                self._cleanup(names)
+                raise
         return self.describe(names)
+
+    def _secret_readers_for(self, request: LaunchRequest) -> SecretReaders | None:
+        """Who grants the request's hosts read access to their Key Vault secret; None when they read none. Refused,
+        before any call, when the provider does not know the vault's resource id."""
+        spec = agent_bootstrap(request)
+        if spec is None:
+            return None
+        if self._secret_readers is None:
+            raise InvalidRequestError(
+                f"azure: the hosts of job {request.job_id} read their secret from Key Vault ({spec.secret.vault_url}) "
+                "and the provider grants each VM's identity read access to it, for which it needs the vault's "
+                "resource id: pass AzureProvider(key_vault_resource_id=...) or set "
+                f"{KEY_VAULT_RESOURCE_ID_ENV} to {VAULT_RESOURCE_ID_HINT}",
+                provider=PROVIDER,
+                code="NoKeyVaultResourceId",
+            )
+        self._secret_readers.check_vault(spec.secret.vault_url)
+        return self._secret_readers
+
+    def secret_reader_grants(self, job_id: str) -> list[SecretReaderGrant]:
+        """The role assignments on the vault that let the job's VMs read its secret, as ARM lists them now (none
+        when the provider knows no vault)."""
+        validate_job_id(job_id, provider=PROVIDER)
+        return [] if self._secret_readers is None else self._secret_readers.grants(job_id=job_id)
 
     def release_job(self, job_id: str) -> list[str]:
         """Delete the job's VMs (with their disks and NICs), then its NSG, ASG and proximity placement group
@@ -479,12 +550,17 @@ class AzureProvider(Provider):
         return ids
 
     def release_resources(self, job_id: str, steps: ReleaseSteps, *, instances_terminated: bool) -> None:
-        """After the VMs (whose NICs and OS disks ARM deletes with them): the job's NSG, ASG and proximity placement
-        group, then its secret in `key_vault` (under its default name, `secret_name_for`)."""
+        """After the VMs (whose NICs, OS disks and secret-reader role assignments go with them): the job's NSG, ASG
+        and proximity placement group, the role assignments of its VMs deleted outside TrainMover (on the vault of
+        `key_vault_resource_id`), then its secret in `key_vault` (under its default name, `secret_name_for`)."""
         if instances_terminated:
             self._job_network.release(job_id, steps)
         else:
             steps.fail("the job's NSG, ASG and proximity placement group", "kept: its VMs were not deleted")
+        if self._secret_readers is not None:
+            self._secret_readers.release(job_id, steps)
+        elif self.key_vault is not None:
+            steps.skip("Key Vault role assignments", f"no key_vault_resource_id (or {KEY_VAULT_RESOURCE_ID_ENV}) given")
         if self.key_vault is None:
             steps.skip("Key Vault secret", "no Key Vault given (AzureProvider(key_vault=...), or --key-vault-url)")
             return
@@ -596,6 +672,7 @@ class AzureProvider(Provider):
                 errors[vm_name] = err
         waited = self._api.wait_all(pollers, action)
         errors.update({n: e for n, e in waited.items() if not isinstance(e, NotFoundError)})
+        self._revoke_secret_readers([n for n in instance_ids if _is_vm_name(n) and n not in errors])
         if malformed:
             raise InvalidRequestError(
                 f"azure: not VM names ({VM_NAME_RULE}): {', '.join(map(repr, malformed))}; every other VM of the "
@@ -605,6 +682,16 @@ class AzureProvider(Provider):
             )
         if errors:
             raise next(iter(errors.values()))
+
+    def _revoke_secret_readers(self, deleted: Sequence[str]) -> None:
+        # The identity went with its VM; its role assignment would stay behind ("Identity not found"), granting
+        # nothing but counting against the subscription's limit. Not fatal to the termination: the job's release
+        # deletes what is left.
+        if self._secret_readers is None or not deleted:
+            return
+        left = self._secret_readers.revoke_instances(deleted)
+        if left:
+            log.warning("azure: could not delete %s; the job's release deletes it", "; ".join(left))
 
     def describe(self, instance_ids: Sequence[str] | None = None, *, job_id: str | None = None) -> list[Instance]:
         if instance_ids is None:
@@ -737,19 +824,44 @@ class AzureProvider(Provider):
             results.append(CheckResult("Microsoft.Authorization/permissions/read", False, str(err)))
             return results
         for action in REQUIRED_ACTIONS:
+            if action in ROLE_ASSIGNMENT_ACTIONS:
+                continue  # needed on the vault, not on the resource group: below
             ok = action_allowed(action, permissions)
             results.append(
                 CheckResult(action, ok, "granted" if ok else f"not granted on {self.resource_group}: {ROLE_HINT}")
             )
+        results.extend(self._check_vault_grants())
         return results
 
-    def _effective_permissions(self) -> list[_Permission]:
+    def _check_vault_grants(self) -> list[CheckResult]:
+        """The role-assignment actions, on the vault's scope, where the provider assigns each VM's reader role."""
+        readers = self._secret_readers
+        if readers is None:
+            return [CheckResult(action, True, f"not used: no key_vault_resource_id (or {KEY_VAULT_RESOURCE_ID_ENV}); "
+                                "a launch whose hosts read a Key Vault secret is refused until one is given")
+                    for action in ROLE_ASSIGNMENT_ACTIONS]
+        try:
+            permissions = self._effective_permissions(readers.vault_resource_id)
+        except CloudError as err:
+            return [CheckResult(f"Microsoft.Authorization/permissions/read (vault {readers.vault_name})", False,
+                                str(err))]
+        results: list[CheckResult] = []
+        for action in ROLE_ASSIGNMENT_ACTIONS:
+            ok = action_allowed(action, permissions)
+            results.append(CheckResult(
+                action, ok,
+                f"granted on the vault {readers.vault_name}" if ok else
+                f"not granted on the vault {readers.vault_name}: give the orchestrator's identity User Access "
+                "Administrator, Owner or Role Based Access Control Administrator on the vault (docs/cloud-azure.md)",
+            ))
+        return results
+
+    def _effective_permissions(self, scope: str | None = None) -> list[_Permission]:
+        """The caller's permissions at `scope` (default: the resource group)."""
         from azure.core.rest import HttpRequest
 
-        url = (
-            f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
-            "/providers/Microsoft.Authorization/permissions"
-        )
+        scope = scope or f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+        url = f"{scope}/providers/Microsoft.Authorization/permissions"
         request = HttpRequest("GET", url, params={"api-version": PERMISSIONS_API_VERSION})
 
         def fetch() -> Any:
@@ -757,7 +869,7 @@ class AzureProvider(Provider):
             response.raise_for_status()
             return response.json()
 
-        payload = self._api.call("Microsoft.Authorization/permissions/read", fetch, self.describe_budget)
+        payload = self._api.call(f"Microsoft.Authorization/permissions/read ({scope})", fetch, self.describe_budget)
         return [
             _Permission(tuple(p.get("actions") or ()), tuple(p.get("notActions") or ()))
             for p in payload.get("value", [])

@@ -2,13 +2,13 @@
 
 `ArmServer` speaks exactly the ARM REST routes `cloud.azure.AzureProvider` calls (VM PUT/GET/DELETE/list, tag
 updates (PATCH), start, deallocate, powerOff (only to prove it is never called), VM sizes, resource SKUs (GPU counts),
-effective permissions) over
-HTTPS with a throw-away CA, including real long-running-operation behaviour: 201/202 answers that carry
-`Azure-AsyncOperation` and `Location` headers, which the SDK polls until the operation reports Succeeded or Failed.
-Faults are injected per operation (`inject`). A VM created with a system-assigned identity gets a principal id, and
-customData is never returned, as on ARM. A VM's NICs and OS disk are stored as resources of their own, deleted with
-the VM when their deleteOption says so (`resources(kind)` lists them). No Azure compute emulator exists, hence this
-server.
+effective permissions at a resource group or a resource, role assignments at any scope: PUT/GET/DELETE of one and the
+list with ARM's `$filter`s) over HTTPS with a throw-away CA, including real long-running-operation behaviour: 201/202
+answers that carry `Azure-AsyncOperation` and `Location` headers, which the SDK polls until the operation reports
+Succeeded or Failed. Faults are injected per operation (`inject`). A VM created with a system-assigned identity gets a
+principal id (a GUID: `principal_id(vm)`), and customData is never returned, as on ARM. A VM's NICs and OS disk are
+stored as resources of their own, deleted with the VM when their deleteOption says so (`resources(kind)` lists them).
+No Azure compute emulator exists, hence this server.
 
 `ImdsServer` serves the instance metadata Scheduled Events document over plain http, as 169.254.169.254 does.
 
@@ -123,7 +123,8 @@ class Fault:
     `in_operation`: the initial call is accepted and the long-running operation ends Failed with this error
     (how ARM reports AllocationFailed); otherwise the initial call itself answers `status`. The op `poll` (any
     operation) or `poll:<kind>` (e.g. `poll:create`) fails the status polls of long-running operations instead,
-    as a busy ARM answers 429 with Retry-After to a poll while the operation goes on.
+    as a busy ARM answers 429 with Retry-After to a poll while the operation goes on. Role assignments fail with
+    `put:roleAssignments`, `delete:roleAssignments` and `list:roleAssignments`.
     """
 
     op: str
@@ -187,6 +188,8 @@ class ArmServer(MadeWithServer):
         self.locations = {loc.lower(): list(sizes) for loc, sizes in locations.items()}
         self.polls_per_operation = polls_per_operation
         self.permissions: list[dict[str, list[str]]] = [{"actions": ["*"], "notActions": []}]
+        # The effective permissions at other scopes (a Key Vault's resource id, lower case); `permissions` otherwise.
+        self.scope_permissions: dict[str, list[dict[str, list[str]]]] = {}
         self.requests: list[Recorded] = []
         self.faults: list[Fault] = []
         self._vms: dict[tuple[str, str], _Vm] = {}  # (resource group, vm name), lower case
@@ -194,6 +197,8 @@ class ArmServer(MadeWithServer):
         # (resource group, type, name), lower case -> the resource as stored
         self._resources: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._operations: dict[str, _Operation] = {}
+        # Role assignments: assignment name (a GUID, lower case) -> the assignment as ARM returns it.
+        self._role_assignments: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self.ca_path, cert_path, key_path = make_tls_files(tls_dir)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -223,6 +228,17 @@ class ArmServer(MadeWithServer):
                 "identity": record.identity,
             }
 
+    def principal_id(self, name: str, resource_group: str) -> str:
+        """The principal id (a GUID) of the VM's system-assigned identity."""
+        identity = self.vm(name, resource_group)["identity"] or {}
+        return str(identity["principalId"])
+
+    def role_assignments(self, scope_prefix: str = "") -> list[dict[str, Any]]:
+        """The stored role assignments whose scope starts with `scope_prefix` (any case), as ARM answers them."""
+        with self._lock:
+            found = [json.loads(json.dumps(a)) for a in self._role_assignments.values()]
+        return [a for a in found if a["properties"]["scope"].lower().startswith(scope_prefix.lower())]
+
     def calls(self, method: str | None = None, pattern: str = "") -> list[Recorded]:
         """The recorded requests with this method whose path matches the regex `pattern` (case-insensitive)."""
         with self._lock:
@@ -244,6 +260,19 @@ class ArmServer(MadeWithServer):
 
     def _route(self, method: str, path: str, query: Mapping[str, str], body: Any) -> _Reply:
         sub = re.escape(self.subscription_id)
+        path = "/" + path.lstrip("/")  # "/{scope}/providers/..." with a scope given as "/subscriptions/...", as ARM
+        m = re.fullmatch(r"(/subscriptions/.+)/providers/Microsoft\.Authorization/roleAssignments(?:/([^/]+))?", path,
+                         re.I)
+        if m:
+            return self._role_assignment(method, m.group(1), m.group(2), query, body)
+        m = re.fullmatch(r"(/subscriptions/.+/providers/.+)/providers/Microsoft\.Authorization/permissions", path, re.I)
+        if m and method == "GET":  # at a resource (a Key Vault): the resource-group route below has its own
+            fault = self._fault("permissions")
+            if fault is not None:
+                return _fault_reply(fault)
+            if query.get("api-version") != "2022-04-01":
+                return _error(400, "InvalidApiVersionParameter", query.get("api-version", ""))
+            return _Reply(200, {"value": self.scope_permissions.get(m.group(1).lower(), self.permissions)})
         m = re.fullmatch(rf"/subscriptions/{sub}/providers/Microsoft\.Compute/locations/([^/]+)/vmSizes", path, re.I)
         if m and method == "GET":
             return self._sizes(m.group(1))
@@ -336,6 +365,100 @@ class ArmServer(MadeWithServer):
             del self._resources[key]
             return _Reply(200, None)
         return _error(405, "MethodNotAllowed", f"{method} {kind}/{name}")
+
+    def _role_assignment(self, method: str, scope: str, name: str | None, query: Mapping[str, str], body: Any
+                         ) -> _Reply:
+        """Role assignments as ARM's Microsoft.Authorization RP keeps them (api-version 2022-04-01): a PUT of an
+        identical assignment answers it again, a PUT that would change one is refused
+        (RoleAssignmentUpdateNotPermitted), and one for a principal, role and scope that another name already assigns
+        is refused (RoleAssignmentExists);
+        a DELETE of one that is gone answers 204. The list answers assignments at, above and below `scope`, or with
+        `$filter=atScope()` at or above it, `principalId eq '<id>'` / `assignedTo('<id>')` for one principal, or both
+        joined by `and`. https://learn.microsoft.com/rest/api/authorization/role-assignments"""
+        if query.get("api-version") != ROLE_ASSIGNMENTS_API_VERSION:
+            return _error(400, "InvalidApiVersionParameter",
+                          f"The api-version '{query.get('api-version')}' is invalid for roleAssignments.")
+        if name is None:
+            if method != "GET":
+                return _error(405, "MethodNotAllowed", f"{method} roleAssignments")
+            fault = self._fault("list:roleAssignments")
+            if fault is not None:
+                return _fault_reply(fault)
+            return self._list_role_assignments(scope, query.get("$filter"))
+        if not _GUID.fullmatch(name):
+            return _error(400, "InvalidRoleAssignmentId", f"The role assignment ID '{name}' is not valid. The role "
+                          "assignment ID must be a GUID.")
+        key = name.lower()
+        found = self._role_assignments.get(key)
+        if found is not None and found["properties"]["scope"].lower() != scope.lower():
+            found = None if method != "PUT" else found
+        if method == "GET":
+            return _Reply(200, found) if found is not None else _error(
+                404, "RoleAssignmentNotFound", f"The role assignment '{name}' is not found.")
+        if method == "DELETE":
+            fault = self._fault("delete:roleAssignments")
+            if fault is not None:
+                return _fault_reply(fault)
+            if found is None:
+                return _Reply(204, None)
+            del self._role_assignments[key]
+            return _Reply(200, found)
+        if method != "PUT":
+            return _error(405, "MethodNotAllowed", f"{method} roleAssignments/{name}")
+        fault = self._fault("put:roleAssignments")
+        if fault is not None:
+            return _fault_reply(fault)
+        props = dict((body or {}).get("properties") or {})
+        principal, role = str(props.get("principalId") or ""), str(props.get("roleDefinitionId") or "")
+        if not _GUID.fullmatch(principal) or not role:
+            return _error(400, "InvalidRoleAssignmentRequest", "principalId (a GUID) and roleDefinitionId are required")
+        wanted = {"roleDefinitionId": role, "principalId": principal,
+                  "principalType": props.get("principalType") or "User", "description": props.get("description"),
+                  "scope": scope}
+        if found is not None:
+            same = all(str(found["properties"].get(k) or "").lower() == str(v or "").lower()
+                       for k, v in wanted.items())
+            if not same:
+                return _error(409, "RoleAssignmentUpdateNotPermitted", "Tenant ID, application ID, principal ID, and "
+                              "scope are not allowed to be updated.")
+            return _Reply(201, found)
+        for other in self._role_assignments.values():
+            p = other["properties"]
+            if (p["scope"].lower(), p["principalId"].lower(), p["roleDefinitionId"].lower()) == (
+                    scope.lower(), principal.lower(), role.lower()):
+                return _error(409, "RoleAssignmentExists", "The role assignment already exists.")
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        assignment = {
+            "id": f"{scope}/providers/Microsoft.Authorization/roleAssignments/{name}",
+            "name": name, "type": "Microsoft.Authorization/roleAssignments",
+            "properties": {**wanted, "createdOn": now, "updatedOn": now, "condition": None, "conditionVersion": None},
+        }
+        self._role_assignments[key] = assignment
+        return _Reply(201, assignment)
+
+    def _list_role_assignments(self, scope: str, filter_: str | None) -> _Reply:
+        at_or_above_only, principal = False, None
+        for clause in re.split(r"\s+and\s+", filter_.strip(), flags=re.I) if filter_ else []:
+            m = re.fullmatch(r"principalId\s+eq\s+'?([0-9a-fA-F-]{36})'?|assignedTo\('([0-9a-fA-F-]{36})'\)", clause,
+                             re.I)
+            if re.fullmatch(r"atScope\(\)", clause, re.I):
+                at_or_above_only = True
+            elif m is not None:
+                principal = (m.group(1) or m.group(2)).lower()
+            else:
+                return _error(400, "InvalidFilterInQueryString", f"unsupported $filter {filter_!r}")
+        wanted = scope.lower().rstrip("/")
+        value = []
+        for assignment in self._role_assignments.values():
+            at = assignment["properties"]["scope"].lower().rstrip("/")
+            above_or_at = wanted == at or wanted.startswith(at + "/")
+            below = at.startswith(wanted + "/")
+            if not (above_or_at or (below and not at_or_above_only)):
+                continue
+            if principal is not None and assignment["properties"]["principalId"].lower() != principal:
+                continue
+            value.append(assignment)
+        return _Reply(200, {"value": value})
 
     def _fault(self, op: str) -> Fault | None:
         for fault in self.faults:
@@ -548,6 +671,9 @@ class ArmServer(MadeWithServer):
             reply["identity"] = vm.identity
         return reply
 
+
+ROLE_ASSIGNMENTS_API_VERSION = "2022-04-01"
+_GUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
 
 _OTHER_RESOURCES = (r"(Microsoft\.Network/networkSecurityGroups|Microsoft\.Network/applicationSecurityGroups|"
                     r"Microsoft\.Compute/proximityPlacementGroups)/([^/]+)")

@@ -165,8 +165,11 @@ def test_launch_on_demand_puts_tagged_vms_with_their_own_nic(provider: AzureProv
 
 
 def test_a_bootstrapped_vm_gets_the_document_as_custom_data_an_identity_and_never_the_secret(
-    provider: AzureProvider, arm: ArmServer, tmp_path: Path
+    arm: ArmServer, tmp_path: Path
 ) -> None:
+    # With the vault's resource id, the provider lets the VM's identity read the secret (test_azure_identities.py).
+    provider = make_provider(arm, key_vault_resource_id=f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-vault/"
+                             "providers/Microsoft.KeyVault/vaults/kv-b")
     (tmp_path / "kv").mkdir()
     with key_vault(tmp_path / "kv") as (vault, _):
         store = AzureKeyVaultStore(
@@ -180,6 +183,8 @@ def test_a_bootstrapped_vm_gets_the_document_as_custom_data_an_identity_and_neve
         [vm] = provider.launch(LaunchRequest("job-b", "standby", GPU, bootstrap=spec))
 
         [put] = puts(arm)
+        [granted] = arm.role_assignments()
+        assert granted["properties"]["principalId"] == arm.principal_id(vm.instance_id, RG)
         os_profile = put.body["properties"]["osProfile"]
         document = base64.b64decode(os_profile["customData"]).decode()
         assert document == render_cloud_init(spec)
@@ -191,6 +196,7 @@ def test_a_bootstrapped_vm_gets_the_document_as_custom_data_an_identity_and_neve
         assert principal == arm.vm(vm.instance_id, RG)["identity"]["principalId"]
         store.delete(ref)
     release_and_assert_empty(provider, arm, "job-b")
+    assert arm.role_assignments() == [], "the VM's reader role went with it"
 
 
 def test_raw_user_data_goes_to_custom_data_too(provider: AzureProvider, arm: ArmServer) -> None:
@@ -304,6 +310,42 @@ def test_a_job_network_without_cluster_placement_and_a_bad_launch_make_nothing(
     with pytest.raises(InvalidRequestError, match="neither 'publisher:offer:sku:version'"):
         provider.launch(LaunchRequest("job-nk", "worker", GPU, image="not-an-image", network=JobNetwork(29400, 29401)))
     assert arm.resources(NSGS) == {}, "a launch refused for its own mistake leaves no network behind"
+
+
+@pytest.mark.parametrize("ssh_from", [
+    "10.0.9.4/32",
+    f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-net/providers/Microsoft.Network/applicationSecurityGroups/bastion",
+])
+def test_a_jump_host_may_ssh_to_the_jobs_hosts_only_when_asked(arm: ArmServer, ssh_from: str) -> None:
+    network = JobNetwork(29400, 29401, cluster_placement=False)
+    make_provider(arm).launch(LaunchRequest("job-nossh", "worker", CPU, network=network))
+    make_provider(arm, ssh_from=ssh_from).launch(LaunchRequest("job-ssh", "worker", CPU, network=network))
+
+    nsgs = arm.resources(NSGS)
+    by_job = {n["tags"][JOB_TAG]: {r["name"]: r["properties"] for r in n["properties"]["securityRules"]}
+              for n in nsgs.values()}
+    assert "trainmover-jump-host-ssh" not in by_job["job-nossh"], "off by default"
+    ssh = by_job["job-ssh"]["trainmover-jump-host-ssh"]
+    assert (ssh["access"], ssh["protocol"], ssh["destinationPortRange"]) == ("Allow", "Tcp", "22")
+    assert ssh["priority"] < by_job["job-ssh"]["trainmover-deny-vnet-inbound"]["priority"]
+    [asg] = [a for a in arm.resources(ASGS).values() if a["tags"][JOB_TAG] == "job-ssh"]
+    assert ssh["destinationApplicationSecurityGroups"] == [{"id": asg["id"]}], "the job's hosts only"
+    if ssh_from.startswith("/"):
+        assert ssh["sourceApplicationSecurityGroups"] == [{"id": ssh_from}] and "sourceAddressPrefix" not in ssh
+    else:
+        assert ssh["sourceAddressPrefix"] == ssh_from and "sourceApplicationSecurityGroups" not in ssh
+    for job in ("job-nossh", "job-ssh"):
+        make_provider(arm).release_all(job)
+    assert arm.resources(NSGS) == {} and arm.vm_names() == []
+
+
+@pytest.mark.parametrize("ssh_from", ["0.0.0.0/0", "10.0.0.0/8", "10.0.9.4/24", "bastion", "*"])
+def test_ssh_from_the_internet_or_a_malformed_source_is_refused_when_the_provider_is_made(
+    arm: ArmServer, ssh_from: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match="neither a CIDR of at most a /16"):
+        make_provider(arm, ssh_from=ssh_from)
+    assert arm.requests == []
 
 
 def test_long_running_operations_are_polled_until_they_succeed(arm: ArmServer, tmp_path: Path) -> None:

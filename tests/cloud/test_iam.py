@@ -3,6 +3,8 @@ docs/iam are exactly what the code generates (the moto test in test_aws.py check
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import json
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,8 @@ def test_the_notice_queue_policy_can_be_set_only_on_this_jobs_queue() -> None:
         ({"account_id": "1234"}, "not 12 digits"),
         ({"node_role_arn": "arn:aws:iam::123456789012:role/*"}, "not an IAM role ARN"),
         ({"kms_key_arns": ("alias/ebs",)}, "not a key ARN"),
+        ({"artifact_bucket": "Team_Artifacts"}, "invalid S3 bucket name"),
+        ({"artifact_bucket": "team-artifacts", "artifact_prefix": "jobs/*"}, "invalid S3 key prefix"),
     ],
 )
 def test_a_scope_with_wildcards_or_typos_is_refused(change: dict[str, Any], says: str) -> None:
@@ -190,3 +194,34 @@ def test_the_orchestrator_may_keep_only_its_own_jobs_secret_parameter() -> None:
     st = statements(AWS_EXAMPLE)["KeepOnlyThisJobsSecretParameter"]
     assert actions(st) == {"ssm:PutParameter", "ssm:AddTagsToResource", "ssm:DeleteParameter"}
     assert resources(st) == ["arn:aws:ssm:us-east-1:123456789012:parameter/trainmover/llm-7b/*"]
+
+
+def test_the_orchestrator_may_stage_list_and_delete_only_its_own_jobs_files_in_the_artifact_bucket() -> None:
+    # The flows stage the job's wheel and script under PREFIX/JOB/ (flows.hosts.S3Staging); the hosts fetch them over
+    # URLs the orchestrator signed, so its GetObject is theirs and the instances need no S3 permission.
+    staged = dataclasses.replace(AWS_EXAMPLE, artifact_bucket="team-artifacts", artifact_prefix="ml/jobs")
+    sts = statements(staged)
+    s3 = {sid: st for sid, st in sts.items() if any(a.startswith("s3:") for a in actions(st))}
+    assert s3 == {
+        "StageOnlyThisJobsFiles": {
+            "Sid": "StageOnlyThisJobsFiles", "Effect": "Allow",
+            "Action": ["s3:PutObject", "s3:GetObject", "s3:DeleteObject"],
+            "Resource": ["arn:aws:s3:::team-artifacts/ml/jobs/llm-7b/*"],
+        },
+        "ListOnlyThisJobsStagedFiles": {
+            "Sid": "ListOnlyThisJobsStagedFiles", "Effect": "Allow", "Action": "s3:ListBucket",
+            "Resource": ["arn:aws:s3:::team-artifacts"],
+            "Condition": {"StringLike": {"s3:prefix": "ml/jobs/llm-7b/*"}},
+        },
+    }
+    assert {sid: st for sid, st in sts.items() if sid not in s3} == statements(AWS_EXAMPLE), "nothing else changes"
+    # IAM's `*` matches like fnmatch's: this job's files, never those of job "llm-7b-2" (the same first characters).
+    (granted,) = resources(s3["StageOnlyThisJobsFiles"])
+    assert fnmatch.fnmatchcase("arn:aws:s3:::team-artifacts/ml/jobs/llm-7b/trainmover-0.1.0-py3-none-any.whl", granted)
+    assert not fnmatch.fnmatchcase("arn:aws:s3:::team-artifacts/ml/jobs/llm-7b-2/train.py", granted)
+    # Without a bucket nothing of S3 is granted; in China and GovCloud the ARN's partition follows the regions.
+    assert not [a for st in statements().values() for a in actions(st) if a.startswith("s3:")]
+    china = AwsJobScope("job-x", ("cn-north-1",), ("ami-0123456789abcdef0",), ("g5.xlarge",),
+                        artifact_bucket="team-artifacts")
+    assert resources(statements(china)["StageOnlyThisJobsFiles"]) == [
+        "arn:aws-cn:s3:::team-artifacts/trainmover-jobs/job-x/*"]

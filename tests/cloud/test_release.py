@@ -28,7 +28,16 @@ from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, AzureKeyVau
 from tests.cloud.arm_server import ArmServer
 from tests.cloud.aws_servers import FaultProxy, PlacementGroups, fault_proxy
 from tests.cloud.keyvault_server import KeyVaultServer, key_vault
-from tests.cloud.test_azure import CPU, FAST, LOCATION, RG, SUBSCRIPTION, FakeVaultCredential, make_provider
+from tests.cloud.test_azure import (
+    CPU,
+    FAST,
+    LOCATION,
+    RG,
+    SUBSCRIPTION,
+    FakeVaultCredential,
+    bootstrap_for,
+    make_provider,
+)
 from trainmover.cli import main
 
 REGION = "us-east-1"
@@ -42,6 +51,7 @@ DISKS = "Microsoft.Compute/disks"
 NSGS = "Microsoft.Network/networkSecurityGroups"
 ASGS = "Microsoft.Network/applicationSecurityGroups"
 PPGS = "Microsoft.Compute/proximityPlacementGroups"
+VAULT_ID = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-vault/providers/Microsoft.KeyVault/vaults/kv-release"
 
 
 # ------------------------------------------------------------------------------------------------ AWS
@@ -226,6 +236,9 @@ def azure_leftovers(arm: ArmServer, kv: KeyVaultServer, job_id: str) -> dict[str
         "disks": [n for n in arm.resources(DISKS) if n.startswith(f"tm-{job_id}-worker-")],
         "network": [n for kind in (NSGS, ASGS, PPGS) for n in arm.resources(kind) if n in names.values()],
         "secrets": [n for n in kv.secret_names() if n == secret_name_for(job_id, "azure-keyvault")],
+        # Who may read the job's secret: one role assignment per VM, on the vault.
+        "role assignments": [a["name"] for a in arm.role_assignments(VAULT_ID)
+                             if f"trainmover:job={job_id} " in a["properties"]["description"]],
     }
 
 
@@ -233,13 +246,14 @@ def test_azure_release_leaves_no_vm_nic_disk_network_or_secret_of_the_job(
     arm: ArmServer, vault: tuple[KeyVaultServer, AzureKeyVaultStore], capsys: pytest.CaptureFixture[str]
 ) -> None:
     kv, store = vault
-    provider = make_provider(arm, key_vault=store)
+    provider = make_provider(arm, key_vault=store, key_vault_resource_id=VAULT_ID)
     job, other = "job-rel-az", "job-rel-az-other"
     for job_id, count in ((job, 2), (other, 1)):
-        provider.launch(LaunchRequest(job_id, "worker", CPU, count=count, network=NETWORK))
-        store.put(job_id, secrets.token_hex(32))
+        ref = store.put(job_id, secrets.token_hex(32))
+        provider.launch(LaunchRequest(job_id, "worker", CPU, count=count, network=NETWORK,
+                                      bootstrap=bootstrap_for(job_id, ref)))
     before = azure_leftovers(arm, kv, job)
-    assert all(before.values()) and len(before["network"]) == 3, before
+    assert all(before.values()) and len(before["network"]) == 3 and len(before["role assignments"]) == 2, before
 
     assert release_job_resources(provider, job) == 0
 
@@ -255,6 +269,7 @@ def test_azure_release_leaves_no_vm_nic_disk_network_or_secret_of_the_job(
     assert out.err == f"azure: job {job}: terminated 2 instance(s) and deleted 4 other resource(s)\n"
     left = azure_leftovers(arm, kv, job)
     assert not any(left.values()), f"left behind: {left}"
+    assert provider.secret_reader_grants(job) == [], "ARM lists no reader of the job's secret"
     assert all(azure_leftovers(arm, kv, other).values()), "another job's resources are untouched"
 
     assert release_job_resources(provider, job) == 0

@@ -39,7 +39,7 @@ def test_the_defaults_describe_the_local_demo_and_its_script_exists() -> None:
          "cannot park (stop) one-time spot"),
         ({"provider": "aws", "region": "us-east-1"}, "needs coordinator_address, image, instance_profile"),
         ({"provider": "azure", "region": "eastus", "azure_subscription_id": "s", "azure_resource_group": "g",
-          "image": "a:b:c:d"}, "needs coordinator_address, key_vault_url"),
+          "image": "a:b:c:d"}, "needs coordinator_address, key_vault_url, key_vault_resource_id"),
         ({"provider": "aws", "region": "us-east-1", "hosts": "namespaces", **AWS_LAUNCH}, "is for the local provider"),
         ({"trainmover_source": "trainmover>=0.1"}, "trainmover_source: "),
         ({"hosts_wait_s": 1}, "hosts_wait_s"),
@@ -107,3 +107,19 @@ def test_the_json_schema_has_a_description_for_every_field() -> None:
 
 def test_flows_models_import_no_prefect_torch_or_cloud_sdk() -> None:
     assert loaded_by("import flows.models", ["prefect", "torch", "boto3", "azure", "sklearn"]) == []
+
+
+def test_caps_below_the_runs_own_minimums_are_refused_at_submit() -> None:
+    standby = {"min_warm": 1, "max_warm": 2}
+    why = refused(workers=2, standby=standby, max_instances=2)
+    assert why.startswith("run: max_instances=2 refuses the run's own minimum, 2 worker instance(s) and "
+                          "standby.min_warm=1 warm standby(s): the job would hold 3 instances"), why
+    assert "raise run.max_instances, or lower workers or standby.min_warm" in why
+    why = refused(workers=2, standby=standby, node_price_usd_per_h=10.0, max_spend_usd=25.0)
+    assert "max_spend_usd=25.00 refuses" in why and "would reach 30.00 USD" in why, why
+    assert "max_instances" in refused(max_instances=0) and "max_spend_usd" in refused(max_spend_usd=-1)
+    ok = TrainingRun(workers=2, standby=StandbyLimits(**standby), node_price_usd_per_h=10.0, max_instances=3,
+                     max_spend_usd=30.0)
+    assert (ok.max_instances, ok.max_spend_usd) == (3, 30.0)
+    # On instances a host runs several ranks, known only at provisioning: submit refuses only what no host can fit.
+    assert TrainingRun(workers=4, hosts="processes", standby=StandbyLimits(**standby), max_instances=2).on_instances
