@@ -52,6 +52,11 @@ def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--key-vault-url", metavar="URL",
         help="Azure: the vault of the job's secret, deleted too (default: $AZURE_KEY_VAULT_URL)",
     )
+    release.add_argument(
+        "--key-vault-resource-id", metavar="ID",
+        help="Azure: that vault's resource id, where the VMs' read grants on the secret are removed too "
+             "(default: $AZURE_KEY_VAULT_RESOURCE_ID)",
+    )
     policy = actions.add_parser(
         "policy", help="print the least-privilege IAM policy (AWS) or custom role (Azure) for one job, as JSON"
     )
@@ -70,6 +75,10 @@ def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     policy.add_argument(
         "--no-notice-wiring", action="store_true", help="AWS: an administrator creates the notice queue and rules"
     )
+    policy.add_argument("--artifact-bucket", metavar="BUCKET",
+                        help="AWS: the bucket the flows stage the job's wheel and script in (run.artifact_bucket)")
+    policy.add_argument("--artifact-prefix", metavar="PREFIX", default=None,
+                        help="AWS: the key prefix there (run.artifact_prefix; default: the flows' own)")
     policy.add_argument("--subscription", metavar="ID", help="Azure subscription id (default: $AZURE_SUBSCRIPTION_ID)")
     policy.add_argument(
         "--resource-group", metavar="RG", help="Azure: the dedicated resource group (default: $AZURE_RESOURCE_GROUP)"
@@ -125,6 +134,9 @@ def provider_options(ns: argparse.Namespace) -> dict[str, Any]:
         from cloud.azure.secrets import AzureKeyVaultStore
 
         options["key_vault"] = AzureKeyVaultStore(key_vault_url)
+    vault_id = getattr(ns, "key_vault_resource_id", None)
+    if vault_id is not None:  # else the provider reads $AZURE_KEY_VAULT_RESOURCE_ID itself
+        options["key_vault_resource_id"] = vault_id
     return options
 
 
@@ -235,6 +247,8 @@ def _policy(ns: argparse.Namespace) -> int:
             node_role_arn=ns.node_role,
             kms_key_arns=tuple(ns.kms_key),
             notice_wiring=not ns.no_notice_wiring,
+            artifact_bucket=ns.artifact_bucket,
+            **({"artifact_prefix": ns.artifact_prefix} if ns.artifact_prefix is not None else {}),
         )
         document = aws_job_policy(scope)
     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -143,11 +145,31 @@ def test_the_policy_command_prints_the_per_job_policy_and_the_azure_role(capsys:
     assert main(["cloud", "policy", "--provider", "aws", "--job", "llm-7b", "--region", "us-east-1"]) == 2
     assert "the policy needs at least one of images" in capsys.readouterr().err
 
+    # With the bucket the flows stage the job's wheel and script in: exactly that job's prefix there.
+    assert main([*argv, "--node-role", str(scope.node_role_arn), "--artifact-bucket", "team-artifacts"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert staged == aws_job_policy(dataclasses.replace(scope, artifact_bucket="team-artifacts"))
+    assert f"arn:aws:s3:::team-artifacts/trainmover-jobs/{scope.job_id}/*" in json.dumps(staged)
+
     sub = "00000000-0000-0000-0000-00000000cafe"
     assert main(["cloud", "policy", "--provider", "azure", "--subscription", sub, "--resource-group", "rg-tm"]) == 0
     role = json.loads(capsys.readouterr().out)
     assert role == azure_job_role(sub, "rg-tm")
     assert role["AssignableScopes"] == [f"/subscriptions/{sub}/resourceGroups/rg-tm"]
+
+
+def test_the_release_command_passes_the_vault_and_its_resource_id_to_the_azure_provider() -> None:
+    from cloud.cli import add_cloud_parser, provider_options
+
+    parser = argparse.ArgumentParser()
+    add_cloud_parser(parser.add_subparsers(dest="command"))
+    vault_id = "/subscriptions/s/resourceGroups/g/providers/Microsoft.KeyVault/vaults/trainmover-kv"
+    ns = parser.parse_args(["cloud", "release", "--provider", "azure", "--job", "j1", "--subscription", "s",
+                            "--resource-group", "g", "--location", "eastus",
+                            "--key-vault-url", "https://trainmover-kv.vault.azure.net",
+                            "--key-vault-resource-id", vault_id])
+    options = provider_options(ns)
+    assert options["key_vault_resource_id"] == vault_id and options["key_vault"].vault_url.startswith("https://")
 
 
 def test_an_unwritable_json_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
