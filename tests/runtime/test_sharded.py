@@ -169,8 +169,10 @@ def test_hsdp_with_tied_embeddings_bf16_and_accumulation_two_ranks_of_different_
     extra = ("--tied", "--bf16", "--accumulation-steps", "2")
     result = _run("hsdp", "kill:rank=0,step=5,phase=exchange;kill:rank=3,step=5,phase=exchange", *extra, steps=10)
     _assert_exact(result, "hsdp", 10, *extra)
-    (rec,) = events_of(result, Recovered)
-    assert sorted(r["rank"] for r in rec.ranks) == [0, 3]
+    # Usually one recovery of both; a rank that sees the other's loss before its own exchange point leaves the step
+    # alive and dies at step 5 of the next generation (a second recovery): exact either way.
+    recovered = events_of(result, Recovered)
+    assert sorted(r["rank"] for e in recovered for r in e.ranks) == [0, 3] and 1 <= len(recovered) <= 2
 
 
 @pytest.mark.slow
