@@ -15,7 +15,9 @@ import gc
 import logging
 import os
 import socket
+import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -36,6 +38,15 @@ GLOO_LISTENER_WAIT_FACTOR = 5
 lower address) waits five times the group's timeout (`Pair::waitUntil` in gloo/transport/tcp/pair.h), the side that
 connects and the rendezvous reads one timeout. A member lost after publishing its address, before connecting, would
 hold the others five times the connect timeout (150 s for 30 s; seen in tests): see `connect_timeout`."""
+
+
+# Two switches of Gloo's, read by every member alike (so every process of a job sets them, here, before its first
+# group): pairs are matched by the peer's rank rather than by a number drawn per pair, so that this process can answer
+# its own listener on a lost peer's behalf (`Connecting.abandon`); and a refused connection fails at once instead of
+# being retried until the group's timeout (a Gloo listener exists before its address is published, so a refusal
+# means the peer is gone).
+os.environ["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] = "1"
+os.environ["GLOO_DISABLE_CONNECTION_RETRIES"] = "1"
 
 
 def connect_timeout(backend: str, connect_timeout_s: float) -> datetime.timedelta:
@@ -84,6 +95,24 @@ def _socket_fds() -> dict[int, int]:
     return out
 
 
+def listening_sockets() -> dict[int, tuple[int, str, int]]:
+    """This process's listening TCP sockets: inode -> (address family, address, port)."""
+    found: dict[int, tuple[int, str, int]] = {}
+    for table, family in (("/proc/self/net/tcp", socket.AF_INET), ("/proc/self/net/tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == TCP_LISTEN and fields[9].isdigit():
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)
+                    # The kernel prints each 32-bit word of the address in host order (little-endian here).
+                    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found[int(fields[9])] = (family, socket.inet_ntop(family, packed), int(port, 16))
+    owned = _socket_fds().keys()
+    return {inode: where for inode, where in found.items() if inode in owned}
+
+
 def shut_sockets(inodes: set[int]) -> int:
     """Shut down (not close: the fds stay Gloo's) the open sockets among `inodes`; how many were shut.
 
@@ -104,6 +133,114 @@ def shut_sockets(inodes: set[int]) -> int:
             finally:
                 dup.close()
     return shut
+
+
+SEQUENCE = struct.Struct("=q")
+"""What the connecting side of a Gloo pair writes first: the listening side's number for the pair (the connecting
+peer's rank, with `GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER`)."""
+
+
+class Connecting:
+    """One generation's Gloo groups while they connect, so that a newer generation ends the building at once.
+
+    A member lost while its peers build a group holds each of them in one of three waits: for its address in the
+    store (it never published it), on a connection to it (refused, which fails at once; or unanswered, when its host
+    is cut off), or for its connection (it published and died: Gloo waits five times the group's timeout there).
+    `abandon`, from the heartbeat thread once a newer generation formed, ends all three: the rendezvous store
+    (`store`) raises on its next call and in its waits, every listener this process opened since the building
+    began is handed one connection per peer rank (each closed at once, so the pair that took it fails), and every
+    connection opened since then is shut."""
+
+    def __init__(self, gen: int, ranks: int) -> None:
+        self.gen = gen
+        self.ranks = ranks
+        self.abandoned = False
+        self._sockets = tcp_socket_inodes()
+        self._listeners = set(listening_sockets())
+        self._lock = threading.Lock()
+
+    def store(self, inner: dist.Store) -> dist.Store:
+        """`inner` for one group's rendezvous: the same keys, and waits that end when the building is abandoned."""
+        return RendezvousStore(inner, self)
+
+    def abandon(self) -> int:
+        """End the building (see the class); how many connections were made to this process's own listeners."""
+        with self._lock:
+            if self.abandoned:
+                return 0
+            self.abandoned = True
+            made = []
+            for inode, (family, host, port) in listening_sockets().items():
+                if inode in self._listeners:
+                    continue
+                for peer in range(self.ranks):
+                    with contextlib.suppress(OSError):
+                        s = socket.socket(family, socket.SOCK_STREAM)
+                        made.append(s)
+                        s.settimeout(0.5)
+                        s.connect((host, port))
+                        s.sendall(SEQUENCE.pack(peer))
+            for s in made:
+                s.close()
+            shut_sockets(tcp_socket_inodes() - self._sockets)
+            return len(made)
+
+
+class RendezvousStore(dist.Store):
+    """A group's rendezvous store (Gloo publishes and reads its peers' addresses there) that fails as soon as the
+    building is abandoned: its waits poll (a TCPStore wait cannot be interrupted, and one that times out leaves its
+    answer on the connection)."""
+
+    POLL_S = (0.0005, 0.005)
+    """The first and the longest pause between two looks at the keys waited for."""
+
+    def __init__(self, inner: dist.Store, connecting: Connecting) -> None:
+        super().__init__()
+        self._inner = inner
+        self._connecting = connecting
+
+    def _live(self) -> None:
+        if self._connecting.abandoned:
+            raise RuntimeError(f"generation {self._connecting.gen} was superseded while its groups connected")
+
+    def set(self, key: str, value: str) -> None:
+        self._live()
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        self._live()
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._live()
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._live()
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or datetime.timedelta(seconds=KNOBS.connect_timeout_s)).total_seconds()
+        deadline = time.monotonic() + limit
+        pause, longest = self.POLL_S
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"wait timeout after {limit * 1000:.0f}ms, keys: {', '.join(keys)}")
+            time.sleep(pause)  # polling the store, bounded by the deadline and ended by `abandon`
+            pause = min(pause * 2, longest)
 
 
 class Communicator:
@@ -128,6 +265,9 @@ class Communicator:
         self._sockets: set[int] = set()
         """The TCP sockets this generation's groups opened (`track_sockets`), shut when a newer one forms."""
         self.sockets_shut = 0
+        self._connecting: Connecting | None = None
+        """The group being built (Gloo), which a newer generation abandons (`cut_if_older`)."""
+        self._connecting_lock = threading.Lock()
 
     def build(self, gen: int, rank: int, world_size: int,
               connect_timeout_s: float = KNOBS.connect_timeout_s) -> None:
@@ -150,10 +290,19 @@ class Communicator:
             kwargs["device_id"] = self.device
         failure: str | None = None
         self._baseline, self._sockets = tcp_socket_inodes(), set()
+        store: dist.Store = dist.PrefixStore(f"g{gen}", self.store)
+        connecting = None
+        if self.backend == "gloo":
+            connecting = Connecting(gen, world_size)
+            store = connecting.store(store)
+            with self._connecting_lock:
+                self._connecting = connecting
+            if self.newest_gen is not None and self.newest_gen() > gen:
+                connecting.abandon()  # a newer one formed before this process got here
         try:
             dist.init_process_group(
                 self.backend,
-                store=dist.PrefixStore(f"g{gen}", self.store),
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=connect_timeout(self.backend, connect_timeout_s),
@@ -161,6 +310,11 @@ class Communicator:
             )
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
             failure = error_text(exc)
+        finally:
+            with self._connecting_lock:
+                self._connecting = None
+        if connecting is not None and connecting.abandoned:  # the cause, whatever Gloo said of it
+            failure = f"generation {gen} was superseded while its group connected"
         if failure is not None:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -177,7 +331,11 @@ class Communicator:
     def cut_if_older(self, latest_gen: int) -> None:
         """From the heartbeat thread: a newer generation formed, so this generation's groups are over. Shut their
         sockets, so that a collective still waiting on a peer fails now instead of when TCP gives up on a cut-off
-        host (which can be many minutes) or at the collective timeout. Gloo only (NCCL is aborted instead)."""
+        host (which can be many minutes) or at the collective timeout; and end an older generation's group that is
+        still connecting (`Connecting.abandon`). Gloo only (NCCL is aborted instead)."""
+        with self._connecting_lock:
+            if self._connecting is not None and self._connecting.gen < latest_gen:
+                self._connecting.abandon()
         if self.backend != "gloo" or self.gen is None or self.gen >= latest_gen or not self._sockets:
             return
         sockets, self._sockets = self._sockets, set()

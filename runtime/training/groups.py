@@ -46,7 +46,14 @@ from torch._C._distributed_c10d import FakeProcessGroup
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.training.comm import CommFailure, connect_timeout, error_text, shut_sockets, tcp_socket_inodes
+from runtime.training.comm import (
+    CommFailure,
+    Connecting,
+    connect_timeout,
+    error_text,
+    shut_sockets,
+    tcp_socket_inodes,
+)
 
 log = logging.getLogger("trainmover.runtime")
 
@@ -126,9 +133,11 @@ class GroupSet:
     generations; the heartbeat thread drains (`drain`). Thread-safe."""
 
     def __init__(self, backend: str, store: dist.Store, timeout_s: float, *, full: bool = False,
-                 backups: bool = False) -> None:
+                 backups: bool = False, newest_gen: Callable[[], int] | None = None) -> None:
         """`full`: rebuild every group every generation (the full rebuild, for comparison); `backups`: build each
-        generation a world group of its own for persistent backups (`backup`)."""
+        generation a world group of its own for persistent backups (`backup`); `newest_gen()`: the newest generation
+        this process has seen (a building older than it is abandoned at once)."""
+        self.newest_gen = newest_gen
         _register_identity()
         self.backend = backend
         self.store = dist.PrefixStore("tm-groups", store)
@@ -156,6 +165,8 @@ class GroupSet:
         self._lock = threading.RLock()
         self._drain_timer: threading.Thread | None = None
         self._abandoned: list[dist.ProcessGroup] = []
+        self._connecting: Connecting | None = None
+        """The generation whose mesh groups are being built (Gloo), which a newer one abandons (`abandon_older`)."""
 
     # -- what a member publishes when it joins ---------------------------------------------------------
     def held(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -189,12 +200,17 @@ class GroupSet:
         t1 = time.perf_counter()
         timeout = connect_timeout(self.backend, connect_timeout_s)
         failure: str | None = None
+        connecting = Connecting(g, world) if self.backend == "gloo" else None
+        with self._lock:
+            self._connecting = connecting
+        if connecting is not None and self.newest_gen is not None and self.newest_gen() > g:
+            connecting.abandon()  # a newer one formed before this process got here
         try:
             for key in sorted(k for k in mine if k in plan):
                 before = tcp_socket_inodes()
                 # Named after the group alone: torch's DTensor caches shardings that name a mesh's groups, and
                 # must find the new incarnation under the old name. Its rendezvous keys are the generation's.
-                pg = self._new_group(g, key, mine[key], rank, self.backend, timeout)
+                pg = self._new_group(g, key, mine[key], rank, self.backend, timeout, connecting=connecting)
                 with self._lock:
                     self.mesh[key] = _Group(pg, mine[key], g, tcp_socket_inodes() - before)
             self._baseline = tcp_socket_inodes() - self._mesh_sockets()
@@ -207,6 +223,11 @@ class GroupSet:
                 self.backup = self._new_group(g, f"backup{g}", everyone, rank, "gloo", self.timeout, lazy=True)
         except RuntimeError as exc:  # a peer died while connecting (DistError/DistStoreError are RuntimeErrors)
             failure = error_text(exc)
+        finally:
+            with self._lock:
+                self._connecting = None
+        if connecting is not None and connecting.abandoned:  # the cause, whatever Gloo said of it
+            failure = f"generation {g} was superseded while its groups connected"
         if failure is not None:
             self.leave()
             raise CommFailure(f"could not build the groups of generation {g}: {failure}")
@@ -271,6 +292,12 @@ class GroupSet:
         return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=names)
 
     # -- draining (heartbeat thread) -------------------------------------------------------------------
+    def abandon_older(self, newer: int) -> None:
+        """Generation `newer` formed: end the building of an older generation's groups (`Connecting.abandon`)."""
+        with self._lock:
+            if self._connecting is not None and self._connecting.gen < newer:
+                self._connecting.abandon()
+
     def drain(self, newer: int, lost: Iterable[int], peers: Callable[[], Mapping[int, Mapping[str, Held]]]) -> None:
         """Generation `newer` formed and `lost` ranks left (a no-op unless this member is in an older one): fail
         every collective that waits on them (the world group's, and the mesh groups holding a lost rank), at once.
@@ -332,15 +359,20 @@ class GroupSet:
         self._identity = (rank, world)
 
     def _new_group(self, g: int, name: str, ranks: tuple[int, ...], rank: int, backend: str,
-                   timeout: datetime.timedelta, lazy: bool = False) -> dist.ProcessGroup:
+                   timeout: datetime.timedelta, lazy: bool = False,
+                   connecting: Connecting | None = None) -> dist.ProcessGroup:
+        """`connecting`: the building that a newer generation may abandon (a group connected now, on Gloo)."""
         import os
 
         previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
         if lazy and backend == "gloo":
             os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read once, as the group is built
         try:
+            store: dist.Store = dist.PrefixStore(f"g{g}", self.store)
+            if connecting is not None:
+                store = connecting.store(store)
             pg, _ = c10d._new_process_group_helper(
-                len(ranks), ranks.index(rank), list(ranks), backend, dist.PrefixStore(f"g{g}", self.store),
+                len(ranks), ranks.index(rank), list(ranks), backend, store,
                 group_name=c10d.GroupName(f"tm.{name}"), timeout=timeout, pg_tag=f"tm:{name}", group_desc=name)
         finally:
             if lazy and backend == "gloo":

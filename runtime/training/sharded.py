@@ -350,7 +350,8 @@ class ShardedTrainer(Trainer):
         self._device_type = "cuda" if self.job.cfg.backend == "nccl" else "cpu"
         cfg = self.job.cfg
         self.groups = GroupSet(cfg.backend, self.job.store, cfg.collective_timeout_s, full=reconfigure == "full",
-                               backups=bool(cfg.backup_dir or cfg.resume_from))
+                               backups=bool(cfg.backup_dir or cfg.resume_from),
+                               newest_gen=lambda: self.job.heartbeat.latest_gen)
         self._backup_proven: int | None = None
         """The generation whose backup group's peers proved they belong to the job."""
         self._record: Generation | None = None
@@ -477,6 +478,7 @@ class ShardedTrainer(Trainer):
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
         """Drain: fail the collectives that wait on a lost rank, keep the groups that no loss touched."""
+        self.groups.abandon_older(latest_gen)
         current = self._record
         if current is None or current.gen >= latest_gen:
             return

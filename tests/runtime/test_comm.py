@@ -7,6 +7,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -210,3 +212,61 @@ def test_wait_keeps_waiting_on_a_slow_step_fails_on_a_lost_peer_and_abandons_onl
     message = comm.wait([_Work(slow=0), stuck])
     assert message is not None and "generation 3" in message and "generation 4" in message
     assert comm.abandoned == 1 and comm._stuck and stuck.waits <= 2
+
+
+@pytest.mark.parametrize("peer", ["published-then-killed", "never-came"])
+def test_a_build_a_newer_generation_replaced_ends_at_once_whichever_wait_holds_it(monkeypatch: Any,
+                                                                                  peer: str) -> None:
+    """A member lost while its peers connect holds them in Gloo: waiting to be connected (it published its address
+    and died: five times the group's timeout) or waiting for its address in the store (it never published it: the
+    group's timeout). Once a newer generation forms, the heartbeat thread ends either wait at once
+    (`Connecting.abandon`), instead of the 30 s the connect timeout allows."""
+    import datetime
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from runtime.training.comm import CommFailure, Communicator
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # this rank listens on 127.0.0.1, below its peer's address
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    proc = None
+    if peer == "published-then-killed":
+        proc = mp.get_context("spawn").Process(target=_published_then_killed, args=(port,))
+        proc.start()
+    try:
+        if proc is not None:
+            deadline = time.monotonic() + 60
+            while not store.check(["g0/0//cpu//0/1"]):  # its address, published
+                assert proc.is_alive() and time.monotonic() < deadline, "the peer never published its address"
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            proc.join(timeout=30)
+        newest = [0]
+        comm = Communicator("gloo", store, timeout_s=600.0, device=torch.device("cpu"), newest_gen=lambda: newest[0])
+
+        def heartbeat() -> None:  # what the heartbeat thread does when generation 1 forms, once rank 0 is waiting
+            deadline = time.monotonic() + 60
+            while not store.check(["g0/0//cpu//0/0"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # rank 0 is now inside one of the waits (not a synchronisation: either wait is ended)
+            newest[0] = 1
+            comm.cut_if_older(1)
+
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        t0 = time.monotonic()
+        with pytest.raises(CommFailure, match="superseded"):
+            comm.build(0, rank=0, world_size=2, connect_timeout_s=30.0)
+        waited = time.monotonic() - t0
+        beat.join(timeout=10)
+    finally:
+        if proc is not None and proc.is_alive():
+            proc.kill()
+    # Before: 30 s (published, then killed) or 6 s (never came). Now: the moment generation 1 formed.
+    assert waited < 5, f"the build waited {waited:.1f} s"

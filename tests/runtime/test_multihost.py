@@ -121,8 +121,8 @@ def hosts(tmp_path: Path) -> Iterator[Cluster]:
 
 def _wait_for_training(job: Job, c: Cluster, steps: int = 2, timeout_s: float = 60.0) -> None:
     """Until the job has committed `steps` steps (read through the store's gate, as an orchestrator would): for
-    tests that mean a host cut during training. (A host lost while generation 0 still connects costs up to the
-    connect timeout: `runtime.training.comm.connect_timeout`; `test_two_hosts_at_once_then_no_standby_host_left`
+    tests that mean a host cut during training. (A host lost while generation 0 still connects is abandoned once
+    the next generation forms: `runtime.training.comm.Connecting`; `test_two_hosts_at_once_then_no_standby_host_left`
     can hit that case.)"""
     from runtime.wire.control import JobControl
 
