@@ -191,6 +191,97 @@ def delete_s3(*, job_id: str, bucket: str, prefix: str = S3_PREFIX, client: Any)
     return len(keys)
 
 
+AZ_CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
+"""The Azure SDK's variable for a storage account's connection string (its account key signs SAS URLs)."""
+# https://learn.microsoft.com/rest/api/storageservices/naming-and-referencing-containers--blobs--and-metadata
+_CONTAINER = re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
+
+
+def parse_container_url(url: str, prefix: str = S3_PREFIX) -> tuple[str, str]:
+    """(account URL, container) of a blob container's URL (`https://ACCOUNT.blob.core.windows.net/CONTAINER`, or
+    an emulator's `http://HOST:PORT/ACCOUNT/CONTAINER`); InvalidRequestError unless it is one, with a container name
+    Azure accepts, and `prefix` a plain blob-name prefix (as `validate_s3_location` says)."""
+    parsed = urlparse(url) if isinstance(url, str) else None
+    path = parsed.path.rstrip("/") if parsed is not None else ""
+    account, _, container = path.rpartition("/")
+    if parsed is None or parsed.scheme not in ("https", "http") or not parsed.hostname or parsed.query \
+            or parsed.fragment or parsed.username or not _CONTAINER.fullmatch(container):
+        raise InvalidRequestError(
+            f"invalid blob container URL {url!r}: give https://ACCOUNT.blob.core.windows.net/CONTAINER, the container "
+            "3-63 lower-case letters, digits or single dashes, starting and ending with a letter or digit",
+            code="InvalidArtifact")
+    if not isinstance(prefix, str) or len(prefix) > 200 \
+            or not all(_PREFIX_SEGMENT.fullmatch(part) for part in prefix.split("/")):
+        raise InvalidRequestError(
+            f"invalid blob name prefix {prefix!r}: give segments of letters, digits, '.', '_' or '-' separated by '/', "
+            f"without a leading or trailing '/' (e.g. {S3_PREFIX!r})", code="InvalidArtifact")
+    return f"{parsed.scheme}://{parsed.netloc}{account}", container
+
+
+class BlobSigner:
+    """Read-only SAS URLs for one container's blobs, signed with what the orchestrator's credentials allow: the
+    account key when it has one (a connection string's), else a user delegation key from Azure AD (which the
+    credentials' identity may get when it has a data role on the account, such as Storage Blob Data Contributor)."""
+
+    def __init__(self, container: Any, ttl_s: int = URL_TTL_S) -> None:
+        """`container`: an azure-storage-blob ContainerClient (the job's credentials)."""
+        self.container = container
+        self.ttl_s = ttl_s
+        self._delegation: tuple[Any, float] | None = None
+
+    def url(self, name: str) -> str:
+        import datetime
+        import time
+        from urllib.parse import quote
+
+        from azure.storage.blob import BlobSasPermissions, generate_blob_sas
+
+        now = datetime.datetime.now(datetime.UTC)
+        start, expiry = now - datetime.timedelta(minutes=5), now + datetime.timedelta(seconds=self.ttl_s)
+        key = getattr(self.container.credential, "account_key", None)
+        if key is not None:
+            signed = {"account_key": key}
+        else:  # one delegation key serves every URL signed within its first half
+            if self._delegation is None or time.monotonic() > self._delegation[1]:
+                service = self.container._get_blob_service_client()  # the same account and credentials
+                delegation = service.get_user_delegation_key(start, expiry + datetime.timedelta(seconds=self.ttl_s))
+                self._delegation = (delegation, time.monotonic() + self.ttl_s)
+            signed = {"user_delegation_key": self._delegation[0]}
+        sas = generate_blob_sas(self.container.account_name, self.container.container_name, name,
+                                permission=BlobSasPermissions(read=True), start=start, expiry=expiry, **signed)
+        return f"{self.container.url.rstrip('/')}/{quote(name)}?{sas}"
+
+
+def stage_blob(files: Sequence[Path], *, job_id: str, prefix: str = S3_PREFIX, signer: BlobSigner) -> list[Artifact]:
+    """Upload `files` as blobs `prefix/job_id/NAME` of the signer's container (overwriting a run's before) and give
+    read-only SAS URLs (`BlobSigner`): a host fetches them with no Azure credentials of its own."""
+    validate_job_id(job_id)
+    out = []
+    for f in _checked(files):
+        name = s3_key(prefix, job_id, f.name)
+        digest = sha256_of(f)
+        with open(f, "rb") as body:
+            signer.container.upload_blob(name, body, overwrite=True, metadata={"sha256": digest})
+        out.append(Artifact(f.name, signer.url(name), digest))
+    return out
+
+
+def sign_blobs(artifacts: Sequence[Artifact], *, job_id: str, prefix: str = S3_PREFIX,
+               signer: BlobSigner) -> list[Artifact]:
+    """The same staged blobs with SAS URLs signed now (nothing is uploaded again): for a host launched later."""
+    validate_job_id(job_id)
+    return [Artifact(a.name, signer.url(s3_key(prefix, job_id, a.name)), a.sha256) for a in artifacts]
+
+
+def delete_blobs(*, job_id: str, prefix: str = S3_PREFIX, container: Any) -> int:
+    """Delete every staged blob of `job_id` from `container` (a ContainerClient); returns how many."""
+    validate_job_id(job_id)
+    names = list(container.list_blob_names(name_starts_with=s3_key(prefix, job_id, "") + "/"))
+    for name in names:
+        container.delete_blob(name)
+    return len(names)
+
+
 def render_fetch(artifacts: Sequence[Artifact], directory: str, *, attempts: int = FETCH_ATTEMPTS,
                  backoff_s: int = 5) -> list[str]:
     """Bash lines that fetch each artifact into `directory`, up to `attempts` times each (waiting `backoff_s` x the
@@ -252,16 +343,22 @@ def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, i
 
 
 __all__ = [
+    "AZ_CONNECTION_STRING",
     "PYTHONS",
     "S3_PREFIX",
     "URL_TTL_S",
     "Artifact",
+    "BlobSigner",
     "build_wheel",
+    "delete_blobs",
     "delete_s3",
+    "parse_container_url",
     "presign_s3",
     "render_fetch",
     "render_python_select",
     "sha256_of",
+    "sign_blobs",
+    "stage_blob",
     "stage_local",
     "stage_s3",
     "validate_s3_location",

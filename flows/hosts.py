@@ -7,9 +7,10 @@ alone (`trainmover coordinator`), and every instance the job launches boots `tra
   Store (SecureString) on AWS, Key Vault on Azure, a mode-600 file on this machine for local hosts;
 - the address the coordinator listens on, which the hosts reach: `TrainingRun.coordinator_address` in the cloud,
   the local hosts' own (127.0.0.1, or the namespaces' bridge);
-- what the hosts install: on AWS with `run.artifact_bucket`, this orchestrator's own TrainMover wheel (built once
-  per run in its work directory) and the training script, staged under the job's S3 prefix with presigned URLs and
-  their SHA-256 (`S3Staging`, cloud.artifacts); otherwise the pinned TrainMover source, from the package index;
+- what the hosts install: with `run.artifact_bucket` (AWS) or `run.artifact_container` (Azure), this orchestrator's
+  own TrainMover wheel (built once per run in its work directory) and the training script, staged under the job's
+  S3 prefix with presigned URLs, or in the job's blob container with read-only SAS URLs, and their SHA-256
+  (`S3Staging`, `BlobStaging`, cloud.artifacts); otherwise the pinned TrainMover source, from the package index;
 - (AWS) the job's own security group and cluster placement group (`cloud.base.JobNetwork`);
 - how many training processes each host runs (`slots`): one per accelerator of the run's instance type, as its
   provider describes the type (`Provider.accelerators`, cloud.accelerators), 1 on a CPU type. A run of `workers`
@@ -29,12 +30,26 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from cloud.artifacts import Artifact, build_wheel, delete_s3, presign_s3, stage_s3
+from cloud.artifacts import (
+    AZ_CONNECTION_STRING,
+    Artifact,
+    BlobSigner,
+    build_wheel,
+    delete_blobs,
+    delete_s3,
+    parse_container_url,
+    presign_s3,
+    sign_blobs,
+    stage_blob,
+    stage_s3,
+)
 from cloud.base import DESCRIBE, MUTATE, CloudError, InvalidRequestError, JobNetwork, Provider
 from cloud.bootstrap import MAX_SLOTS, AgentBootstrap
 from cloud.local.hosts import LocalHosts, NamespaceHosts, ProcessHosts
@@ -189,7 +204,97 @@ class S3Staging:
         return deleted
 
 
-def delete_staged_files(workdir: Path, job_id: str, session: Any = None) -> str:
+T = TypeVar("T")
+
+
+def _blob_call(what: str, call: Callable[[], T]) -> T:
+    """`call()`, its Azure SDK error a CloudError that says what could not be done (never the request's URL: it may
+    carry a signature)."""
+    from azure.core.exceptions import AzureError
+
+    try:
+        return call()
+    except AzureError as exc:
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        raise CloudError(f"could not {what}: {reason} (run.artifact_container must be a container these credentials "
+                         "may write to: docs/cloud-azure.md)", provider="azure", code=type(exc).__name__) from None
+
+
+@dataclass(slots=True)
+class BlobStaging:
+    """Azure, `run.artifact_container`: the job's TrainMover wheel and training script, staged as blobs
+    `prefix/JOB/NAME` of the container for its hosts (cloud.artifacts). The hosts fetch them over read-only SAS URLs,
+    with no Azure permission of their own, and check their SHA-256; the orchestrator's credentials upload, sign and
+    delete: `AZURE_STORAGE_CONNECTION_STRING` when set (its account key signs), else `credential` (Azure AD: a user
+    delegation key signs, which needs a data role on the account such as Storage Blob Data Contributor)."""
+
+    job_id: str
+    container_url: str
+    prefix: str
+    workdir: Path
+    credential: Any = None
+    _signer: BlobSigner | None = None
+
+    def signer(self) -> BlobSigner:
+        if self._signer is None:
+            from azure.storage.blob import BlobServiceClient, ContainerClient
+
+            account_url, container = parse_container_url(self.container_url, self.prefix)
+            connection_string = os.environ.get(AZ_CONNECTION_STRING, "")
+            if connection_string:
+                try:
+                    client = BlobServiceClient.from_connection_string(connection_string).get_container_client(container)
+                except ValueError:  # its message is not repeated: it may quote the string
+                    raise InvalidRequestError(f"{AZ_CONNECTION_STRING} is not a storage account's connection string",
+                                              provider="azure", code="InvalidArtifact") from None
+                if client.url.rstrip("/") != self.container_url.rstrip("/"):
+                    raise InvalidRequestError(
+                        f"{AZ_CONNECTION_STRING} names another account than run.artifact_container "
+                        f"{self.container_url}: unset it, or stage in a container of its account",
+                        provider="azure", code="InvalidArtifact")
+            else:
+                if self.credential is None:
+                    from azure.identity import DefaultAzureCredential
+
+                    self.credential = DefaultAzureCredential()
+                client = ContainerClient(account_url, container, credential=self.credential)
+            self._signer = BlobSigner(client)
+        return self._signer
+
+    def job_wheel(self) -> Path:
+        """This orchestrator's TrainMover wheel (cloud.artifacts.build_wheel), built once per run."""
+        built = sorted((self.workdir / WHEEL_DIR).glob("trainmover-*.whl"))
+        return built[0] if len(built) == 1 else build_wheel(self.workdir / WHEEL_DIR)
+
+    @property
+    def location(self) -> str:
+        return f"{self.container_url.rstrip('/')}/{self.prefix}/{self.job_id}/"
+
+    def stage(self, script: Path) -> tuple[Artifact, Artifact]:
+        """Upload the run's wheel and `script` under the job's prefix; their artifacts (URLs signed now)."""
+        wheel = self.job_wheel()
+        record = {"version": STAGING_VERSION, "job_id": self.job_id, "container_url": self.container_url,
+                  "prefix": self.prefix}
+        (self.workdir / STAGING_FILE).write_text(json.dumps(record))
+        staged = _blob_call(f"stage the job's wheel and script in {self.location}", lambda: stage_blob(
+            [wheel, script], job_id=self.job_id, prefix=self.prefix, signer=self.signer()))
+        log.info("job %s: staged %s in %s", self.job_id, ", ".join(a.name for a in staged), self.location)
+        return staged[0], staged[1]
+
+    def resign(self, artifacts: tuple[Artifact, ...]) -> list[Artifact]:
+        """The staged files with URLs signed now (cloud.artifacts.sign_blobs)."""
+        return _blob_call(f"sign the staged files in {self.location}", lambda: sign_blobs(
+            artifacts, job_id=self.job_id, prefix=self.prefix, signer=self.signer()))
+
+    def delete(self) -> int:
+        """Delete every staged file of the job; how many there were."""
+        deleted = _blob_call(f"delete the staged files in {self.location}", lambda: delete_blobs(
+            job_id=self.job_id, prefix=self.prefix, container=self.signer().container))
+        (self.workdir / STAGING_FILE).unlink(missing_ok=True)
+        return deleted
+
+
+def delete_staged_files(workdir: Path, job_id: str, session: Any = None, credential: Any = None) -> str:
     """The sweep's part: delete the files a run of `job_id` staged, as its staging record in `workdir` names them;
     what was done, in words. Never raises."""
     path = Path(workdir) / STAGING_FILE
@@ -201,13 +306,20 @@ def delete_staged_files(workdir: Path, job_id: str, session: Any = None) -> str:
         return f"staged files not deleted: unreadable staging record {path} ({exc})"
     if not isinstance(record, dict) or record.get("version") != STAGING_VERSION or record.get("job_id") != job_id:
         return f"staged files not deleted: {path} is not a staging record of job {job_id}"
-    where = f"s3://{record.get('bucket')}/{record.get('prefix')}/{job_id}/"
+    staging: S3Staging | BlobStaging
     try:
-        staging = S3Staging(job_id, str(record["bucket"]), str(record["prefix"]), str(record["region"]),
-                            Path(workdir), session=session)
-        return f"{staging.delete()} staged file(s) deleted from {where}"
-    except (CloudError, KeyError, OSError) as exc:
-        return f"could not delete the staged files in {where}: {exc}"
+        if "container_url" in record:
+            staging = BlobStaging(job_id, str(record["container_url"]), str(record["prefix"]), Path(workdir),
+                                  credential=credential)
+        else:
+            staging = S3Staging(job_id, str(record["bucket"]), str(record["prefix"]), str(record["region"]),
+                                Path(workdir), session=session)
+    except KeyError as exc:
+        return f"staged files not deleted: {path} lacks {exc}"
+    try:
+        return f"{staging.delete()} staged file(s) deleted from {staging.location}"
+    except (CloudError, OSError) as exc:
+        return f"could not delete the staged files in {staging.location}: {exc}"
 
 
 @dataclass(slots=True)
@@ -226,9 +338,9 @@ class JobHosts:
     agent_port: int = 0
     bootstrap: AgentBootstrap | None = None
     network: JobNetwork | None = field(default=None)
-    staging: S3Staging | None = None
-    """AWS with `run.artifact_bucket`: where the job's wheel and script are staged; None: the hosts install
-    `source` from the package index."""
+    staging: S3Staging | BlobStaging | None = None
+    """With `run.artifact_bucket` (AWS) or `run.artifact_container` (Azure): where the job's wheel and script are
+    staged; None: the hosts install `source` from the package index."""
 
     def prepare(self, run: TrainingRun, secret: str, script: Path) -> None:
         """Store the job's secret where its hosts fetch it, stage the job's wheel and script (`staging`) and fix the
@@ -340,8 +452,19 @@ def job_hosts(run: TrainingRun, provider: Provider, workdir: Path, provider_opti
         from azure.identity import DefaultAzureCredential
 
         credential = DefaultAzureCredential()
+    blobs = None
+    if run.artifact_container is not None:
+        blobs = BlobStaging(run.job_id, run.artifact_container, run.artifact_prefix, Path(workdir),
+                            credential=credential)
+    else:
+        log.warning(
+            "job %s: every host installs %s from the public package index, trusting whoever publishes that name "
+            "there (it runs as root on every host), and fails where the index is unreachable; set "
+            "run.artifact_container to a blob container of yours and the hosts install this orchestrator's own "
+            "wheel instead, fetched over read-only SAS URLs with its SHA-256 checked (docs/cloud-bootstrap.md)",
+            run.job_id, source)
     return JobHosts(AzureKeyVaultStore(run.key_vault_url, credential=credential), run.coordinator_address, source,
-                    job_network=True, slots=slots)
+                    job_network=True, slots=slots, staging=blobs)
 
 
 @dataclass(slots=True)
@@ -382,5 +505,5 @@ def notice_wiring(run: TrainingRun, provider: Provider, provider_options: dict[s
     return NoticeWiring(run.job_id, run.region, session)
 
 
-__all__ = ["STAGING_FILE", "JobHosts", "NoticeWiring", "S3Staging", "delete_staged_files", "free_port", "host_slots",
-           "hosts_for", "installed_source", "job_hosts", "notice_wiring"]
+__all__ = ["STAGING_FILE", "BlobStaging", "JobHosts", "NoticeWiring", "S3Staging", "delete_staged_files", "free_port",
+           "host_slots", "hosts_for", "installed_source", "job_hosts", "notice_wiring"]

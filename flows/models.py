@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if TYPE_CHECKING:
     from cloud.capacity import Fallbacks
 
-from cloud.artifacts import S3_PREFIX, validate_s3_location
+from cloud.artifacts import S3_PREFIX, parse_container_url, validate_s3_location
 from policy.costs import LEAD_TIME_H, NODE_PRICE_USD_PER_H, RESTART_DOWNTIME_S, StandbyCosts, default_tiers
 from runtime.fault_grammar import PLAN_PATTERN as FAULT_PLAN_PATTERN
 from runtime.fault_grammar import plan_mistake
@@ -214,9 +214,18 @@ class TrainingRun(BaseModel):
         "artifact_prefix/job_id/, deleted at the release); each host installs that wheel with no package index. "
         "Empty: every host installs trainmover_source from the package index.",
     )
+    artifact_container: str | None = Field(
+        default=None,
+        description="Azure: the URL of a blob container of yours (https://ACCOUNT.blob.core.windows.net/CONTAINER) "
+        "where the job stages this orchestrator's own TrainMover wheel and the training script for its hosts "
+        "(read-only SAS URLs with their SHA-256, as blobs artifact_prefix/job_id/NAME, deleted at the release); each "
+        "host installs that wheel with no package index. Empty: every host installs trainmover_source from the "
+        "package index.",
+    )
     artifact_prefix: str = Field(
         default=S3_PREFIX, min_length=1, max_length=200,
-        description="AWS: the key prefix in artifact_bucket; the job's files go under PREFIX/JOB_ID/.",
+        description="The key (AWS) or blob name (Azure) prefix in artifact_bucket or artifact_container; the job's "
+        "files go under PREFIX/JOB_ID/.",
     )
 
     @field_validator("job_id")
@@ -287,6 +296,15 @@ class TrainingRun(BaseModel):
                 validate_s3_location(self.artifact_bucket, self.artifact_prefix)
             except CloudError as exc:
                 raise ValueError(f"artifact_bucket/artifact_prefix: {exc}") from None
+        if self.artifact_container is not None:
+            if self.provider != "azure":
+                raise ValueError("artifact_container is an Azure blob container: set it only with provider 'azure'")
+            from cloud.base import CloudError
+
+            try:
+                parse_container_url(self.artifact_container, self.artifact_prefix)
+            except CloudError as exc:
+                raise ValueError(f"artifact_container/artifact_prefix: {exc}") from None
         if self.faults is not None:
             from runtime.faults import parse_plan
 

@@ -109,6 +109,19 @@ def test_a_resize_shrinks_and_grows_the_job_at_step_boundaries_bit_exactly_with_
     assert [g["world_size"] for g in gens] == [2, 1, 2]
 
 
+def _evaluated(out: Path, uninterrupted: list[list[float]], result: Any) -> list[list[float]]:
+    """The run's held-out curve (rank 0's evaluations, `curve.json`), checked against the uninterrupted run's
+    evaluation steps. A recovery may leave one evaluation out: a member behind the others when a peer died (a ring
+    all-reduce that completed on some survivors only) receives the state of the step it missed instead of training
+    it, so rank 0's script sees no result of that step. The last evaluation is always there."""
+    curve: list[list[float]] = json.loads((out / "curve.json").read_text())
+    steps, expected = [p[0] for p in curve], [p[0] for p in uninterrupted]
+    missing = sorted(set(expected) - set(steps))
+    assert steps == [s for s in expected if s not in missing], f"evaluated at {steps}, uninterrupted at {expected}"
+    assert len(missing) <= len(events_of(result, Recovered)) and steps[-1] == expected[-1], missing
+    return curve
+
+
 @pytest.mark.untimed
 def test_four_members_shrunk_to_three_match_full_width_up_to_summation_order(
     tmp_path: Path, uninterrupted: list[list[float]]
@@ -123,9 +136,9 @@ def test_four_members_shrunk_to_three_match_full_width_up_to_summation_order(
     (shrunk,) = events_of(result, Shrunk)
     assert (shrunk.width_from, shrunk.width_to, shrunk.mode) == (4, 3, "accumulate")
     assert len(result.digests) == 3 and len(set(result.digests.values())) == 1, "the members agree bit for bit"
-    curve = json.loads((out / "curve.json").read_text())
-    assert [p[0] for p in curve] == [p[0] for p in uninterrupted]
-    for (step, loss, acc), (_, ref_loss, ref_acc) in zip(curve, uninterrupted, strict=True):
+    curve = _evaluated(out, uninterrupted, result)
+    for step, loss, acc in curve:
+        _, ref_loss, ref_acc = uninterrupted[[p[0] for p in uninterrupted].index(step)]
         assert abs(loss - ref_loss) < 1e-4, f"step {step}: held-out loss {loss} against {ref_loss}"
         assert abs(acc - ref_acc) <= 2 / 1024, f"step {step}: held-out accuracy {acc} against {ref_acc}"
 
@@ -146,7 +159,8 @@ def test_a_shrink_and_a_grow_with_the_learning_rate_scaled_converge_like_the_uni
     assert [(e.width_from, e.width_to, e.mode) for e in shrunk] == [(4, 3, "lr-sqrt"), (4, 3, "lr-sqrt")]
     assert [(e.width_from, e.width_to) for e in grew] == [(3, 4)]
     assert len(result.digests) == 4 and len(set(result.digests.values())) == 1
-    curve = json.loads((out / "curve.json").read_text())
-    for (step, loss, _), (_, ref_loss, _) in zip(curve, uninterrupted, strict=True):
+    curve = _evaluated(out, uninterrupted, result)
+    for step, loss, _ in curve:
+        ref_loss = uninterrupted[[p[0] for p in uninterrupted].index(step)][1]
         assert abs(loss - ref_loss) <= 0.1 * ref_loss, f"step {step}: held-out loss {loss} against {ref_loss}"
     assert abs(curve[-1][2] - uninterrupted[-1][2]) <= 0.02
