@@ -114,7 +114,13 @@ STAGING_FILE = "staging.json"
 (`flows.sweep`) finds them after the run that staged them died; removed once they are deleted."""
 STAGING_VERSION = 1
 WHEEL_DIR = "wheel"
-"""The run's wheel, in its work directory: built once per run (`S3Staging.job_wheel`)."""
+"""The run's wheel, in its work directory: built once per run (`run_wheel`)."""
+
+
+def run_wheel(workdir: Path) -> Path:
+    """This orchestrator's TrainMover wheel (cloud.artifacts.build_wheel), built once per run in its work directory."""
+    built = sorted((workdir / WHEEL_DIR).glob("trainmover-*.whl"))
+    return built[0] if len(built) == 1 else build_wheel(workdir / WHEEL_DIR)
 
 
 class _S3Calls:
@@ -167,18 +173,13 @@ class S3Staging:
             self._calls = _S3Calls(AwsApi(self.region, self.session, None))
         return self._calls
 
-    def job_wheel(self) -> Path:
-        """This orchestrator's TrainMover wheel (cloud.artifacts.build_wheel), built once per run."""
-        built = sorted((self.workdir / WHEEL_DIR).glob("trainmover-*.whl"))
-        return built[0] if len(built) == 1 else build_wheel(self.workdir / WHEEL_DIR)
-
     @property
     def location(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}/{self.job_id}/"
 
     def stage(self, script: Path) -> tuple[Artifact, Artifact]:
         """Upload the run's wheel and `script` under the job's prefix; their artifacts (URLs signed now)."""
-        wheel = self.job_wheel()
+        wheel = run_wheel(self.workdir)
         record = {"version": STAGING_VERSION, "job_id": self.job_id, "bucket": self.bucket, "prefix": self.prefix,
                   "region": self.region}
         (self.workdir / STAGING_FILE).write_text(json.dumps(record))
@@ -261,18 +262,13 @@ class BlobStaging:
             self._signer = BlobSigner(client)
         return self._signer
 
-    def job_wheel(self) -> Path:
-        """This orchestrator's TrainMover wheel (cloud.artifacts.build_wheel), built once per run."""
-        built = sorted((self.workdir / WHEEL_DIR).glob("trainmover-*.whl"))
-        return built[0] if len(built) == 1 else build_wheel(self.workdir / WHEEL_DIR)
-
     @property
     def location(self) -> str:
         return f"{self.container_url.rstrip('/')}/{self.prefix}/{self.job_id}/"
 
     def stage(self, script: Path) -> tuple[Artifact, Artifact]:
         """Upload the run's wheel and `script` under the job's prefix; their artifacts (URLs signed now)."""
-        wheel = self.job_wheel()
+        wheel = run_wheel(self.workdir)
         record = {"version": STAGING_VERSION, "job_id": self.job_id, "container_url": self.container_url,
                   "prefix": self.prefix}
         (self.workdir / STAGING_FILE).write_text(json.dumps(record))

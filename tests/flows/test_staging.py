@@ -48,7 +48,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def builds(wheel: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Each run's own build (`S3Staging.job_wheel`) gets the module's wheel, copied where the run builds it; the list
+    """Each run's own build (`flows.hosts.run_wheel`) gets the module's wheel, copied where the run builds it; the list
     holds every build a run asked for."""
     asked: list[Path] = []
 
