@@ -51,6 +51,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     e.add_argument("--trials", type=_positive, default=40, help="kills per path and load (default: %(default)s)")
     e.add_argument("--loads", default="0,2", help="busy processes beside it, comma-separated (default: %(default)s)")
     e.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    k = kinds.add_parser("connect-kill", help="a worker killed as its generation is published: the survivor's rebuild")
+    k.add_argument("--trials", type=_positive, default=6, help="jobs, one kill each (default: %(default)s)")
+    k.add_argument("--load", type=int, default=2, help="busy processes beside the job (default: %(default)s)")
+    k.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     s = kinds.add_parser("policy", help="learned standby policy vs static spares and the oracle; simulator timings")
     s.add_argument("--quick", action="store_true", help="small fleets, about a minute")
     s.add_argument("--json", metavar="FILE", help="write the full report as JSON")
@@ -79,6 +83,13 @@ def bench_command(ns: argparse.Namespace) -> int:
             print(f"trainmover bench exit-path: --loads takes comma-separated counts >= 0, e.g. 0,2, got {ns.loads!r}")
             return 2
         return exit_main(ns.trials, loads, ns.json)
+    if ns.kind == "connect-kill":
+        if ns.load < 0:
+            print(f"trainmover bench connect-kill: --load takes a count >= 0, got {ns.load}")
+            return 2
+        from bench.connectkill import main as connect_kill_main
+
+        return connect_kill_main(ns.trials, ns.load, ns.json)
     if ns.kind == "policy":
         from bench.policy import main as policy_main
 

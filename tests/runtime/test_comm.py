@@ -270,3 +270,43 @@ def test_a_build_a_newer_generation_replaced_ends_at_once_whichever_wait_holds_i
             proc.kill()
     # Before: 30 s (published, then killed) or 6 s (never came). Now: the moment generation 1 formed.
     assert waited < 5, f"the build waited {waited:.1f} s"
+
+
+def test_a_sharded_jobs_groups_still_connecting_when_a_newer_generation_forms_are_abandoned_at_once() -> None:
+    """The same for a sharded job's mesh groups (`GroupSet.enter`): rank 0 of a two-rank data-parallel mesh waits
+    for a peer that never comes; generation 1 forms (`GroupSet.abandon_older`, from the heartbeat thread) and the
+    building fails at once, instead of after the group's timeout (6 s for a 30 s connect timeout)."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from runtime.training.comm import CommFailure
+    from runtime.training.groups import GroupSet
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    newest = [0]
+    groups = GroupSet("gloo", store, timeout_s=600.0, newest_gen=lambda: newest[0])
+    before = store.num_keys()
+
+    def heartbeat() -> None:  # once rank 0 has published its address, generation 1 forms
+        deadline = time.monotonic() + 60
+        while store.num_keys() == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # rank 0 now waits for its peer's address (not a synchronisation: the wait is ended either way)
+        newest[0] = 1
+        groups.abandon_older(1)
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CommFailure, match="superseded"):
+            groups.enter(0, 0, 2, (2,), ("dp",), {}, connect_timeout_s=30.0)
+        waited = time.monotonic() - t0
+    finally:
+        beat.join(timeout=10)
+        groups.close()
+    assert waited < 5, f"the building waited {waited:.1f} s"
