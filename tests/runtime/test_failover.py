@@ -131,6 +131,7 @@ def test_two_coordinators_killed_a_worker_lost_while_none_ran_and_a_host_cut_off
         fenced = "the job's store does not answer: fencing this host"
         job.wait("the cut host fenced", lambda _: fenced in hosts.logs[f"h{victim}"].read_text(), 10)
         hosts.reconnect(victim)
+        job.full_speed()
         _done(job, store, steps)
         assert [e["generation"] for e in job.events.of("generation")] == [0, 1, 2]
         recovered = job.events.of("recovered")

@@ -45,17 +45,24 @@ class Job:
         self.port = free_port(c.coordinator_ip)
         self.events = Events(tmp / "events.jsonl")
         self.log = tmp / "coordinator.log"
+        self.fast = tmp / "full-speed"
+        """Created by `full_speed`: every process drops `--step-ms` from its next step on."""
         cmd = [sys.executable, "-m", "trainmover", "coordinator", "--agents", str(agents), "--agent-port",
                str(self.port), "--host", c.coordinator_ip, "--nproc", str(nproc), "--standby", str(standby),
                "--threads", "1", "--events", str(self.events.path), "--wait-for-standbys", "--agents-wait", "60",
                # Six processes import torch at once on two cores: a heartbeat can starve for seconds in start-up.
                "--hang-timeout", "6",
                *(["--faults", faults] if faults else []), *extra,
-               str(script), "--steps", str(steps), "--step-ms", str(step_ms), *script_args]
+               str(script), "--steps", str(steps), "--step-ms", str(step_ms), "--step-ms-until-file", str(self.fast),
+               *script_args]
         self.cmd = cmd
         self.env = {**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def full_speed(self) -> None:
+        """The test's outside actions are done: the rest of the run without `--step-ms`."""
+        self.fast.touch()
 
     def takeover(self, agent_port: int | None = None) -> subprocess.Popen[bytes]:
         """A second coordinator of the same job, with --takeover (the job must run with --store), its agents' port
@@ -194,6 +201,7 @@ def test_host_killed_mid_exchange_then_an_agent_killed_alone(hosts: Cluster, tmp
         victim = next(i for i in (0, 1) if f"h{i}" != first["host"])
         agents[victim].send_signal(signal.SIGKILL)
         job.wait("the second recovery", lambda ev: len([e for e in ev if e["event"] == "recovered"]) >= 2)
+        job.full_speed()
         code = job.finish()
         assert code == 0, job.log.read_text()
         lost = job.events.of("host_lost")
@@ -239,6 +247,7 @@ def test_partitioned_host_fences_itself_and_comes_back_as_a_new_host(hosts: Clus
                                                              and e["host"] == f"h{victim}"
                                                              and e["incarnation"] != joined[f"h{victim}"]])
         assert back
+        job.full_speed()
         assert job.finish() == 0, job.log.read_text()
         rec = job.events.of("recovered")
         assert [r["rank"] for r in rec[0]["ranks"]] == [1]
@@ -299,6 +308,7 @@ def test_an_outsider_on_another_host_reads_writes_and_kills_nothing(hosts: Clust
              str(started["port"]), str(started["agent_port"])],
             capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert outsider.returncode == 0, outsider.stderr[-3000:]
+        job.full_speed()
         got = json.loads(outsider.stdout.strip().splitlines()[-1])
         assert job.events.of("recovered") == [] and job.events.of("member_failed") == [], \
             "the outsider got a healthy process declared failed"

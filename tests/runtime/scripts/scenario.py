@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,6 +33,9 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--step-ms-until-gen", type=int, default=0,
                    help="--step-ms only until the job reaches this generation (each recovery starts one), then full "
                         "speed: a test's window for its outside action stays wide on a loaded machine, the run short")
+    p.add_argument("--step-ms-until-file", default="",
+                   help="--step-ms only until this file exists: a test creates it after its last outside action, and "
+                        "the rest of the run goes at full speed")
     p.add_argument("--await-backup", type=lambda text: [int(x) for x in text.split(",")], default=[],
                    help="comma-separated steps: once the step after each is committed, wait (bounded) until its backup "
                         "is complete in the job's --backup-dir (so that the next one is not skipped, and a fault "
@@ -58,7 +62,8 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
     if args.pace_ms and not job.store.check([k_chaos_done()]):
         factor = args.pace_end_factor if result.step > args.steps * 3 // 4 else 1.0
         time.sleep(args.pace_ms * factor / 1000)
-    if args.step_ms and (not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen):
+    if args.step_ms and (not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen) \
+            and not (args.step_ms_until_file and os.path.exists(args.step_ms_until_file)):
         time.sleep(args.step_ms / 1000)
     if result.step - 1 in args.await_backup:
         _await_backup(job, result.step - 1)
