@@ -269,6 +269,10 @@ class AgentBootstrap(HostBootstrap):
     """The agent's dead-man's switch (`trainmover agent --orphan-timeout`): with no coordinator of the job
     reachable for this long (its orchestrator died, or it ended and nobody released the host), the host powers
     off; on AWS the launch makes that a termination. 0: off."""
+    orphan_deallocate: bool = False
+    """Azure: when the dead-man's switch fires, the host first asks ARM to deallocate itself through its own
+    identity (`cloud.azure.selfstop`; the launch grants it that on the VM alone), since a powered-off VM stays
+    allocated and billed."""
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -290,6 +294,9 @@ class AgentBootstrap(HostBootstrap):
             raise InvalidRequestError("script arguments must be strings without NUL characters", code="InvalidScript")
         if not isinstance(self.efa, bool):
             raise InvalidRequestError(f"efa must be True or False, got {self.efa!r}", code="InvalidBootstrap")
+        if not isinstance(self.orphan_deallocate, bool):
+            raise InvalidRequestError(f"orphan_deallocate must be True or False, got {self.orphan_deallocate!r}",
+                                      code="InvalidBootstrap")
         if self.notices not in (None, "aws", "azure"):
             raise InvalidRequestError(f"notices must be 'aws', 'azure' or None, got {self.notices!r}",
                                       code="InvalidBootstrap")
@@ -523,11 +530,12 @@ def agent_environment(spec: AgentBootstrap) -> tuple[str, ...]:
 
 
 def _unit(description: str, start: str, runtime_dir: str, *, restart: bool, environment: Sequence[str] = (),
-          orphan: bool = False) -> str:
-    stop = ([f"RestartPreventExitStatus={ORPHANED_EXIT}",
-             # `+`: with full privileges, where the agent has none. Its dead-man's switch fired: power the host off.
-             f"ExecStopPost=+/bin/sh -c 'if [ \"$EXIT_STATUS\" = {ORPHANED_EXIT} ]; then systemctl poweroff; fi'"]
-            if orphan else [])
+          orphan: bool = False, deallocate: bool = False) -> str:
+    # `+`: with full privileges, where the agent has none. Its dead-man's switch fired: power the host off, on Azure
+    # after asking ARM to deallocate the VM (a powered-off VM stays allocated and billed).
+    first = f"{VENV}/bin/python -m cloud.azure.selfstop; " if deallocate else ""
+    fired = f"if [ \"$EXIT_STATUS\" = {ORPHANED_EXIT} ]; then {first}systemctl poweroff; fi"
+    stop = [f"RestartPreventExitStatus={ORPHANED_EXIT}", f"ExecStopPost=+/bin/sh -c '{fired}'"] if orphan else []
     return "\n".join([
         "[Unit]",
         f"Description={description}",
@@ -558,7 +566,8 @@ def render_units(spec: AgentBootstrap) -> dict[str, str]:
     coordinator is not restarted (a new coordinator would be a new job: docs/multihost.md)."""
     units = {
         AGENT_UNIT: _unit(f"TrainMover agent of job {spec.job_id}", f"{PREFIX}/bin/agent-start", "trainmover-agent",
-                          restart=True, environment=agent_environment(spec), orphan=bool(spec.orphan_timeout_s)),
+                          restart=True, environment=agent_environment(spec), orphan=bool(spec.orphan_timeout_s),
+                          deallocate=spec.orphan_deallocate),
     }
     if spec.head is not None:
         units[COORDINATOR_UNIT] = _unit(

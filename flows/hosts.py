@@ -360,6 +360,7 @@ class JobHosts:
             notices=run.provider if run.provider in ("aws", "azure") else None,
             wheel=wheel,
             script_file=script_file,
+            orphan_deallocate=run.provider == "azure",
         )
         if self.job_network:
             self.network = JobNetwork(

@@ -19,6 +19,7 @@ roles hold it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import urllib.parse
@@ -230,10 +231,108 @@ class SecretReaders:
                       lambda grant=grant: self.revoke(grant))  # type: ignore[misc]
 
 
+VIRTUAL_MACHINE_CONTRIBUTOR_ROLE = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
+"""Built-in role "Virtual Machine Contributor": manage virtual machines (deallocate among them), not the network or
+storage they use; given to a VM's own identity on that VM alone (`SelfDeallocation`)."""
+_SELF_DESCRIPTION = re.compile(r"trainmover:job=(\S+) trainmover:self-deallocate=([^/\s]+)/(\S+?): ")
+
+
+class SelfDeallocation:
+    """Each bootstrapped VM's system-assigned identity may deallocate its own VM, for its dead-man's switch
+    (`cloud.azure.selfstop`): "Virtual Machine Contributor" on the VM's own scope, nothing above it (a custom role
+    with the deallocate action alone would need `roleDefinitions/write` on the subscription). Made at launch,
+    removed when the VM is terminated or its job released; found again by its description, which names the job and
+    the VM (a listing of the VM's scope, or of the resource group's for a release)."""
+
+    def __init__(self, subscription_id: str, resource_group: str, *,
+                 call: Callable[[str, Callable[[], Any]], Any], client: Callable[[], Any]) -> None:
+        self.subscription_id = subscription_id
+        self.resource_group = resource_group
+        self._call = call
+        self._client = client
+
+    def scope(self, instance_id: str) -> str:
+        return (f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}/providers/"
+                "Microsoft.Compute/virtualMachines/" + instance_id)
+
+    def grant(self, job_id: str, instance_id: str, principal_id: str) -> None:
+        """Let `principal_id` (the VM's identity) deallocate the VM `instance_id`. Idempotent (a uuid5 name)."""
+        from azure.mgmt.authorization.v2022_04_01.models import RoleAssignmentCreateParameters
+
+        name = str(uuid.uuid5(ASSIGNMENT_NAMESPACE, f"self-deallocate|{self.resource_group}|{instance_id}|"
+                                                    f"{principal_id}"))
+        parameters = RoleAssignmentCreateParameters(
+            role_definition_id=f"/subscriptions/{self.subscription_id}/providers/Microsoft.Authorization/"
+                               f"roleDefinitions/{VIRTUAL_MACHINE_CONTRIBUTOR_ROLE}",
+            principal_id=principal_id, principal_type="ServicePrincipal",
+            description=f"trainmover:job={job_id} trainmover:self-deallocate={self.resource_group}/{instance_id}: "
+                        "the VM deallocates itself when no coordinator of its job is reachable",
+        )
+        client = self._client()
+        self._call(f"Microsoft.Authorization/roleAssignments/write (self-deallocation of {instance_id})",
+                   lambda: client.role_assignments.create(self.scope(instance_id), name, parameters))
+
+    def _ours(self, scope: str, job_id: str | None, instance_ids: Collection[str] | None) -> list[Any]:
+        client = self._client()
+        listed = self._call(f"Microsoft.Authorization/roleAssignments/read ({scope.rsplit('/', 1)[-1]})",
+                            lambda: list(client.role_assignments.list_for_scope(scope)))
+        found = []
+        for assignment in listed:
+            match = _SELF_DESCRIPTION.match(assignment.description or "")
+            if match is None or match.group(2).lower() != self.resource_group.lower() \
+                    or (job_id is not None and match.group(1) != job_id) \
+                    or (instance_ids is not None and match.group(3) not in instance_ids):
+                continue
+            found.append(assignment)
+        return found
+
+    def _delete(self, assignment: Any) -> bool:
+        """Delete one assignment; False when it was already gone."""
+        client = self._client()
+        try:
+            deleted = self._call(f"Microsoft.Authorization/roleAssignments/delete ({assignment.name})",
+                                 lambda: client.role_assignments.delete(assignment.scope, assignment.name))
+        except NotFoundError:
+            return False
+        return deleted is not None  # ARM answers 204 (no body) when there was none
+
+    def grants(self, job_id: str) -> list[str]:
+        """The VMs of `job_id` whose identity may deallocate itself, as ARM lists them now (the resource group's
+        scope)."""
+        validate_job_id(job_id, provider="azure")
+        rg = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+        return sorted(str(a.scope).rsplit("/", 1)[-1] for a in self._ours(rg, job_id, None))
+
+    def revoke_instances(self, instance_ids: Collection[str]) -> list[str]:
+        """Delete the assignments of these (terminated) VMs; what could not be deleted, each with why."""
+        steps = ReleaseSteps()
+        for vm in instance_ids:
+            steps.run(f"the self-deallocation role assignment of {vm}", functools.partial(self._revoke_one, vm))
+        return list(steps.failed)
+
+    def _revoke_one(self, vm: str) -> bool:
+        return any([self._delete(a) for a in self._ours(self.scope(vm), None, {vm})])
+
+    def release(self, job_id: str, steps: ReleaseSteps) -> None:
+        """Delete every self-deallocation assignment of the job (VMs deleted outside TrainMover included)."""
+        rg = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+        try:
+            found = self._ours(rg, job_id, None)
+        except CloudError as err:
+            steps.fail(f"the self-deallocation role assignments of job {job_id}", err)
+            return
+        for assignment in found:
+            vm = str(assignment.scope).rsplit("/", 1)[-1]
+            steps.run(f"self-deallocation role assignment {assignment.name} ({vm})", functools.partial(
+                self._delete, assignment))
+
+
 __all__ = [
     "ASSIGNMENT_NAMESPACE",
+    "VIRTUAL_MACHINE_CONTRIBUTOR_ROLE",
     "SecretReaderGrant",
     "SecretReaders",
+    "SelfDeallocation",
     "reader_assignment_name",
     "reader_description",
     "vault_name",

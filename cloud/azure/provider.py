@@ -31,7 +31,7 @@ from cloud.azure.client import (
     ROLE_HINT,
     AzureApi,
 )
-from cloud.azure.identities import VAULT_RESOURCE_ID_HINT, SecretReaderGrant, SecretReaders
+from cloud.azure.identities import VAULT_RESOURCE_ID_HINT, SecretReaderGrant, SecretReaders, SelfDeallocation
 from cloud.azure.network import AzureJobNetwork, AzurePlacement
 from cloud.azure.secrets import AzureKeyVaultStore
 from cloud.base import (
@@ -264,6 +264,11 @@ class AzureProvider(Provider):
         )
         if self._secret_readers is not None and key_vault is not None:
             self._secret_readers.check_vault(key_vault.vault_url)
+        # Who may deallocate itself: each bootstrapped VM whose dead-man's switch deallocates (cloud.azure.selfstop).
+        self._self_deallocation = SelfDeallocation(
+            subscription_id, resource_group,
+            call=lambda action, fn: self._api.call(action, fn, self.mutate_budget), client=self._api.authorization,
+        )
         self._job_network = AzureJobNetwork(
             resource_group=resource_group, location=location, subscription_id=subscription_id,
             call=lambda action, fn: self._api.call(action, fn, self.mutate_budget),
@@ -513,6 +518,14 @@ class AzureProvider(Provider):
                 # A host that cannot read its secret never joins: delete the VMs (and what was granted) and say why.
                 self._cleanup(names)
                 raise
+        spec = agent_bootstrap(request)
+        if spec is not None and spec.orphan_deallocate and spec.orphan_timeout_s:
+            for vm_name in names:
+                try:
+                    self._self_deallocation.grant(request.job_id, vm_name, self.identity_principal_id(vm_name))
+                except CloudError as err:  # the host still powers off when orphaned: it only stays allocated
+                    log.warning("azure: %s may not deallocate itself (%s): if its job's coordinator goes, it powers "
+                                "off and stays allocated, billed, until the job is released", vm_name, err)
         return self.describe(names)
 
     def _secret_readers_for(self, request: LaunchRequest) -> SecretReaders | None:
@@ -532,6 +545,10 @@ class AzureProvider(Provider):
             )
         self._secret_readers.check_vault(spec.secret.vault_url)
         return self._secret_readers
+
+    def self_deallocating(self, job_id: str) -> list[str]:
+        """The job's VMs whose identity may deallocate its own VM (their dead-man's switch), as ARM lists them now."""
+        return self._self_deallocation.grants(job_id)
 
     def secret_reader_grants(self, job_id: str) -> list[SecretReaderGrant]:
         """The role assignments on the vault that let the job's VMs read its secret, as ARM lists them now (none
@@ -557,6 +574,7 @@ class AzureProvider(Provider):
             self._job_network.release(job_id, steps)
         else:
             steps.fail("the job's NSG, ASG and proximity placement group", "kept: its VMs were not deleted")
+        self._self_deallocation.release(job_id, steps)
         if self._secret_readers is not None:
             self._secret_readers.release(job_id, steps)
         elif self.key_vault is not None:
@@ -672,7 +690,11 @@ class AzureProvider(Provider):
                 errors[vm_name] = err
         waited = self._api.wait_all(pollers, action)
         errors.update({n: e for n, e in waited.items() if not isinstance(e, NotFoundError)})
-        self._revoke_secret_readers([n for n in instance_ids if _is_vm_name(n) and n not in errors])
+        deleted = [n for n in instance_ids if _is_vm_name(n) and n not in errors]
+        self._revoke_secret_readers(deleted)
+        left = self._self_deallocation.revoke_instances(deleted)
+        if left:
+            log.warning("azure: could not delete %s; the job's release deletes it", "; ".join(left))
         if malformed:
             raise InvalidRequestError(
                 f"azure: not VM names ({VM_NAME_RULE}): {', '.join(map(repr, malformed))}; every other VM of the "

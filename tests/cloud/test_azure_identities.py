@@ -2,19 +2,33 @@
 exactly that secret when it is launched, and loses it when it is terminated or its job released. The real
 azure-mgmt-authorization SDK speaks HTTPS to the local ARM server's roleAssignments routes; the secret lives in the
 local Key Vault server.
+
+And who may deallocate a VM: an Azure host whose job's coordinator is gone deallocates itself (its dead-man's switch),
+since a powered-off VM stays allocated and billed. The launch lets each bootstrapped VM's identity deallocate its own
+VM ("Virtual Machine Contributor" on that VM alone), the termination and the release take that away, and the host's
+stop step (`python -m cloud.azure.selfstop`, as root, a process of its own trusting the ARM server's CA) finds its
+own resource id and a token at the instance metadata service (a local one here) and asks ARM to deallocate it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
 import json
 import logging
+import os
 import re
 import secrets
 import ssl
+import subprocess
+import sys
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from azure.core.exceptions import HttpResponseError
@@ -22,10 +36,11 @@ from azure.mgmt.authorization import AuthorizationManagementClient
 from azure.mgmt.authorization.v2022_04_01.models import RoleAssignmentCreateParameters
 
 from cloud.azure import AzureProvider
-from cloud.azure.identities import reader_assignment_name
+from cloud.azure.identities import VIRTUAL_MACHINE_CONTRIBUTOR_ROLE, reader_assignment_name
 from cloud.azure.provider import KEY_VAULT_RESOURCE_ID_ENV, ROLE_ASSIGNMENT_ACTIONS
 from cloud.azure.secrets import KEY_VAULT_SECRETS_USER_ROLE
 from cloud.base import InvalidRequestError, LaunchRequest, PermissionDeniedError
+from cloud.bootstrap import render_units
 from cloud.secrets import AzureKeyVaultStore, SecretRef
 from tests.cloud.arm_server import ArmServer, Fault
 from tests.cloud.keyvault_server import KeyVaultServer, key_vault
@@ -277,3 +292,135 @@ def test_the_local_arm_lists_role_assignments_with_the_filters_arm_supports(
     provider.release_all("job-id8")
     assert assignments(arm) == [] and arm.role_assignments() == []
     client.close()
+
+
+# -- the dead-man's switch's self-deallocation -------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+VM_SCOPE = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/{RG}/providers/Microsoft.Compute/virtualMachines/"
+
+
+class Imds:
+    """The instance metadata service of one VM: its resource id and a token for its identity; `Metadata: true`
+    required, as Azure's is. `asked` holds the paths it answered."""
+
+    def __init__(self, resource_id: str, token: str) -> None:
+        imds = self
+        self.asked: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = urllib.parse.urlsplit(self.path).path
+                if self.headers.get("Metadata") != "true":
+                    self._answer(400, b'{"error": "Bad request. Required metadata header not specified"}')
+                elif path == "/metadata/instance/compute/resourceId":
+                    imds.asked.append(path)
+                    self._answer(200, resource_id.encode())
+                elif path == "/metadata/identity/oauth2/token":
+                    imds.asked.append(path)
+                    self._answer(200, json.dumps({"access_token": token, "token_type": "Bearer"}).encode())
+                else:
+                    self._answer(404, b"{}")
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _selfstop(imds: Imds, arm: ArmServer) -> subprocess.CompletedProcess[str]:
+    """The host's stop step, as a process of its own trusting the ARM server's CA."""
+    return subprocess.run([sys.executable, "-m", "cloud.azure.selfstop", "--imds", imds.url, "--arm", arm.url,
+                           "--attempts", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "SSL_CERT_FILE": str(arm.ca_path)})
+
+
+@pytest.fixture
+def imds_for() -> Iterator[Any]:
+    made: list[Imds] = []
+
+    def make(resource_id: str, token: str) -> Imds:
+        made.append(Imds(resource_id, token))
+        return made[-1]
+
+    yield make
+    for imds in made:
+        imds.close()
+
+
+def test_each_vm_may_deallocate_itself_until_it_is_terminated_or_its_job_released(
+    arm: ArmServer, vault: Any
+) -> None:
+    _, store = vault
+    provider = granting_provider(arm, store)
+    ref = store.put("job-ds1", "s" * 64)
+    spec = dataclasses.replace(bootstrap_for("job-ds1", ref), orphan_deallocate=True)
+    vms = [vm.instance_id for vm in provider.launch(LaunchRequest("job-ds1", "worker", CPU, count=3, bootstrap=spec))]
+    plain = provider.launch(LaunchRequest("job-ds1", "standby", CPU, bootstrap=bootstrap_for("job-ds1", ref)))
+
+    assert provider.self_deallocating("job-ds1") == sorted(vms)
+    for vm in vms:
+        (assignment,) = arm.role_assignments(VM_SCOPE + vm)
+        props = assignment["properties"]
+        assert props["scope"] == VM_SCOPE + vm, "the VM itself, nothing above it"
+        assert props["principalId"] == arm.principal_id(vm, RG), "its own identity"
+        assert props["roleDefinitionId"].endswith(f"/roleDefinitions/{VIRTUAL_MACHINE_CONTRIBUTOR_ROLE}")
+    assert arm.role_assignments(VM_SCOPE + plain[0].instance_id) == [], "a host without the switch gets nothing"
+
+    provider.terminate([vms[0]])
+    assert arm.role_assignments(VM_SCOPE + vms[0]) == [] and provider.self_deallocating("job-ds1") == sorted(vms[1:])
+
+    report = provider.release_all("job-ds1")
+    assert report.failed == ()
+    assert arm.role_assignments(VM_SCOPE) == [] and provider.self_deallocating("job-ds1") == []
+
+
+def test_the_orphaned_host_deallocates_itself_through_its_own_identity(arm: ArmServer, vault: Any,
+                                                                       imds_for: Any) -> None:
+    _, store = vault
+    provider = granting_provider(arm, store)
+    ref = store.put("job-ds2", "s" * 64)
+    spec = dataclasses.replace(bootstrap_for("job-ds2", ref), orphan_deallocate=True)
+    (vm,) = provider.launch(LaunchRequest("job-ds2", "worker", CPU, bootstrap=spec))
+    imds = imds_for(VM_SCOPE + vm.instance_id, "the-vms-own-token")
+
+    done = _selfstop(imds, arm)
+
+    assert done.returncode == 0, done.stderr
+    assert f"asked Azure to deallocate {vm.instance_id}" in done.stderr
+    assert imds.asked == ["/metadata/instance/compute/resourceId", "/metadata/identity/oauth2/token"]
+    (call,) = arm.calls("POST", r"/deallocate$")
+    assert call.path == f"{VM_SCOPE}{vm.instance_id}/deallocate"
+    assert call.headers["authorization"] == "Bearer the-vms-own-token", "as the VM, with its own token"
+    assert arm.vm(vm.instance_id, RG)["power"] in ("deallocating", "deallocated")
+    # The unit's stop step runs it as root before powering off, only when the dead-man's switch fired.
+    unit = next(iter(render_units(spec).values()))
+    assert "python -m cloud.azure.selfstop; systemctl poweroff" in unit and '"$EXIT_STATUS" = 5' in unit
+    assert "cloud.azure.selfstop" not in next(iter(render_units(bootstrap_for("job-ds2", ref)).values()))
+
+
+def test_a_vm_refused_the_deallocation_says_why_and_the_unit_still_powers_it_off(arm: ArmServer, vault: Any,
+                                                                                 imds_for: Any) -> None:
+    _, store = vault
+    provider = granting_provider(arm, store)
+    ref = store.put("job-ds3", "s" * 64)
+    (vm,) = provider.launch(LaunchRequest("job-ds3", "worker", CPU, bootstrap=bootstrap_for("job-ds3", ref)))
+    arm.inject(Fault("deallocate", "AuthorizationFailed", status=403))
+    imds = imds_for(VM_SCOPE + vm.instance_id, "the-vms-own-token")
+
+    done = _selfstop(imds, arm)
+
+    assert done.returncode == 1
+    assert "ARM refused the deallocation (HTTP 403)" in done.stderr and "deallocate/action" in done.stderr
+    assert "it powers off and stays allocated" in done.stderr and "the-vms-own-token" not in done.stderr
