@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -69,18 +70,43 @@ def error_text(exc: BaseException) -> str:
 TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
+@dataclass(frozen=True, slots=True)
+class Sockets:
+    """This process's TCP sockets at one moment, from one read of the network namespace's tables (which list every
+    socket of the namespace: thousands on a busy host, so read once per use)."""
+
+    connections: frozenset[int]
+    """The inodes of its open TCP connections (IPv4 and IPv6), listening sockets left out: Gloo's listener must
+    never be shut (its accept thread aborts the process on an error)."""
+    listeners: dict[int, tuple[int, str, int]]
+    """Its listening TCP sockets: inode -> (address family, address, port)."""
+
+    @classmethod
+    def now(cls) -> Sockets:
+        connections: set[int] = set()
+        listeners: dict[int, tuple[int, str, int]] = {}
+        for table, family in (("/proc/self/net/tcp", socket.AF_INET), ("/proc/self/net/tcp6", socket.AF_INET6)):
+            with contextlib.suppress(OSError), open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) <= 9 or not fields[9].isdigit():
+                        continue
+                    if fields[3] != TCP_LISTEN:
+                        connections.add(int(fields[9]))
+                        continue
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)
+                    # The kernel prints each 32-bit word of the address in host order (little-endian here).
+                    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    listeners[int(fields[9])] = (family, socket.inet_ntop(family, packed), int(port, 16))
+        owned = _socket_fds().keys()
+        return cls(frozenset(connections & owned), {i: w for i, w in listeners.items() if i in owned})
+
+
 def tcp_socket_inodes() -> set[int]:
-    """The inodes of this process's open TCP connections (IPv4 and IPv6), listening sockets left out: Gloo's
-    listener must never be shut (its accept thread aborts the process on an error)."""
-    tcp: set[int] = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f, None)
-            for line in f:
-                fields = line.split()
-                if len(fields) > 9 and fields[9].isdigit() and fields[3] != TCP_LISTEN:
-                    tcp.add(int(fields[9]))
-    return tcp & _socket_fds().keys()
+    """The inodes of this process's open TCP connections (`Sockets.connections`)."""
+    return set(Sockets.now().connections)
 
 
 def _socket_fds() -> dict[int, int]:
@@ -93,24 +119,6 @@ def _socket_fds() -> dict[int, int]:
                 if target.startswith("socket:["):
                     out.setdefault(int(target[8:-1]), int(name))
     return out
-
-
-def listening_sockets() -> dict[int, tuple[int, str, int]]:
-    """This process's listening TCP sockets: inode -> (address family, address, port)."""
-    found: dict[int, tuple[int, str, int]] = {}
-    for table, family in (("/proc/self/net/tcp", socket.AF_INET), ("/proc/self/net/tcp6", socket.AF_INET6)):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f, None)
-            for line in f:
-                fields = line.split()
-                if len(fields) > 9 and fields[3] == TCP_LISTEN and fields[9].isdigit():
-                    address, port = fields[1].split(":")
-                    raw = bytes.fromhex(address)
-                    # The kernel prints each 32-bit word of the address in host order (little-endian here).
-                    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                    found[int(fields[9])] = (family, socket.inet_ntop(family, packed), int(port, 16))
-    owned = _socket_fds().keys()
-    return {inode: where for inode, where in found.items() if inode in owned}
 
 
 def shut_sockets(inodes: set[int]) -> int:
@@ -151,12 +159,12 @@ class Connecting:
     began is handed one connection per peer rank (each closed at once, so the pair that took it fails), and every
     connection opened since then is shut."""
 
-    def __init__(self, gen: int, ranks: int) -> None:
+    def __init__(self, gen: int, ranks: int, before: Sockets | None = None) -> None:
+        """`before`: this process's sockets as the building begins (read now if not given)."""
         self.gen = gen
         self.ranks = ranks
         self.abandoned = False
-        self._sockets = tcp_socket_inodes()
-        self._listeners = set(listening_sockets())
+        self._before = before or Sockets.now()
         self._lock = threading.Lock()
 
     def store(self, inner: dist.Store) -> dist.Store:
@@ -170,8 +178,8 @@ class Connecting:
                 return 0
             self.abandoned = True
             made = []
-            for inode, (family, host, port) in listening_sockets().items():
-                if inode in self._listeners:
+            for inode, (family, host, port) in Sockets.now().listeners.items():
+                if inode in self._before.listeners:
                     continue
                 for peer in range(self.ranks):
                     with contextlib.suppress(OSError):
@@ -182,7 +190,7 @@ class Connecting:
                         s.sendall(SEQUENCE.pack(peer))
             for s in made:
                 s.close()
-            shut_sockets(tcp_socket_inodes() - self._sockets)
+            shut_sockets(set(Sockets.now().connections - self._before.connections))
             return len(made)
 
 
@@ -289,11 +297,12 @@ class Communicator:
             kwargs["pg_options"] = options
             kwargs["device_id"] = self.device
         failure: str | None = None
-        self._baseline, self._sockets = tcp_socket_inodes(), set()
+        before = Sockets.now()
+        self._baseline, self._sockets = set(before.connections), set()
         store: dist.Store = dist.PrefixStore(f"g{gen}", self.store)
         connecting = None
         if self.backend == "gloo":
-            connecting = Connecting(gen, world_size)
+            connecting = Connecting(gen, world_size, before)
             store = connecting.store(store)
             with self._connecting_lock:
                 self._connecting = connecting
