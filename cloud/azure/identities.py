@@ -194,15 +194,7 @@ class SecretReaders:
 
     def revoke(self, grant: SecretReaderGrant) -> bool:
         """Delete one assignment; False when it was already gone."""
-        client = self._client()
-        try:
-            deleted = self._call(
-                f"Microsoft.Authorization/roleAssignments/delete ({grant.name}, {grant.instance_id})",
-                lambda: client.role_assignments.delete(grant.scope, grant.name),
-            )
-        except NotFoundError:
-            return False
-        return deleted is not None  # ARM answers 204 (no body) when there was none
+        return _delete_assignment(self._call, self._client(), grant.scope, grant.name, grant.instance_id)
 
     def revoke_instances(self, instance_ids: Collection[str]) -> list[str]:
         """Delete the assignments of these VMs (terminated ones); what could not be deleted, each with why."""
@@ -229,6 +221,17 @@ class SecretReaders:
         for grant in found:
             steps.run(f"Key Vault role assignment {grant.name} ({grant.instance_id})",
                       lambda grant=grant: self.revoke(grant))  # type: ignore[misc]
+
+
+def _delete_assignment(call: Callable[[str, Callable[[], Any]], Any], client: Any, scope: str, name: str,
+                       of: str) -> bool:
+    """Delete one role assignment (`of`: whose, for the messages); False when it was already gone."""
+    try:
+        deleted = call(f"Microsoft.Authorization/roleAssignments/delete ({name}, {of})",
+                       lambda: client.role_assignments.delete(scope, name))
+    except NotFoundError:
+        return False
+    return deleted is not None  # ARM answers 204 (no body) when there was none
 
 
 VIRTUAL_MACHINE_CONTRIBUTOR_ROLE = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
@@ -272,9 +275,12 @@ class SelfDeallocation:
         self._call(f"Microsoft.Authorization/roleAssignments/write (self-deallocation of {instance_id})",
                    lambda: client.role_assignments.create(self.scope(instance_id), name, parameters))
 
-    def _ours(self, scope: str, job_id: str | None, instance_ids: Collection[str] | None) -> list[Any]:
+    def _ours(self, job_id: str | None, instance_ids: Collection[str] | None) -> list[Any]:
+        """This resource group's self-deallocation assignments (of `job_id`, of `instance_ids`): one listing of
+        the resource group's scope (ARM lists the assignments at, above and below it)."""
         client = self._client()
-        listed = self._call(f"Microsoft.Authorization/roleAssignments/read ({scope.rsplit('/', 1)[-1]})",
+        scope = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+        listed = self._call(f"Microsoft.Authorization/roleAssignments/read ({self.resource_group})",
                             lambda: list(client.role_assignments.list_for_scope(scope)))
         found = []
         for assignment in listed:
@@ -286,45 +292,37 @@ class SelfDeallocation:
             found.append(assignment)
         return found
 
-    def _delete(self, assignment: Any) -> bool:
-        """Delete one assignment; False when it was already gone."""
-        client = self._client()
-        try:
-            deleted = self._call(f"Microsoft.Authorization/roleAssignments/delete ({assignment.name})",
-                                 lambda: client.role_assignments.delete(assignment.scope, assignment.name))
-        except NotFoundError:
-            return False
-        return deleted is not None  # ARM answers 204 (no body) when there was none
-
     def grants(self, job_id: str) -> list[str]:
-        """The VMs of `job_id` whose identity may deallocate itself, as ARM lists them now (the resource group's
-        scope)."""
+        """The VMs of `job_id` whose identity may deallocate itself, as ARM lists them now."""
         validate_job_id(job_id, provider="azure")
-        rg = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
-        return sorted(str(a.scope).rsplit("/", 1)[-1] for a in self._ours(rg, job_id, None))
+        return sorted(str(a.scope).rsplit("/", 1)[-1] for a in self._ours(job_id, None))
 
     def revoke_instances(self, instance_ids: Collection[str]) -> list[str]:
-        """Delete the assignments of these (terminated) VMs; what could not be deleted, each with why."""
+        """Delete the assignments of these (terminated) VMs, found in one listing; what could not be deleted, each
+        with why."""
+        if not instance_ids:
+            return []
         steps = ReleaseSteps()
-        for vm in instance_ids:
-            steps.run(f"the self-deallocation role assignment of {vm}", functools.partial(self._revoke_one, vm))
+        self._revoke(f"the self-deallocation role assignments of {', '.join(sorted(instance_ids))}", steps,
+                     None, instance_ids)
         return list(steps.failed)
-
-    def _revoke_one(self, vm: str) -> bool:
-        return any([self._delete(a) for a in self._ours(self.scope(vm), None, {vm})])
 
     def release(self, job_id: str, steps: ReleaseSteps) -> None:
         """Delete every self-deallocation assignment of the job (VMs deleted outside TrainMover included)."""
-        rg = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
+        self._revoke(f"the self-deallocation role assignments of job {job_id}", steps, job_id, None)
+
+    def _revoke(self, what: str, steps: ReleaseSteps, job_id: str | None,
+                instance_ids: Collection[str] | None) -> None:
         try:
-            found = self._ours(rg, job_id, None)
+            found = self._ours(job_id, instance_ids)
         except CloudError as err:
-            steps.fail(f"the self-deallocation role assignments of job {job_id}", err)
+            steps.fail(what, err)
             return
-        for assignment in found:
-            vm = str(assignment.scope).rsplit("/", 1)[-1]
-            steps.run(f"self-deallocation role assignment {assignment.name} ({vm})", functools.partial(
-                self._delete, assignment))
+        client = self._client()
+        for a in found:
+            vm = str(a.scope).rsplit("/", 1)[-1]
+            steps.run(f"self-deallocation role assignment {a.name} ({vm})", functools.partial(
+                _delete_assignment, self._call, client, str(a.scope), str(a.name), vm))
 
 
 __all__ = [

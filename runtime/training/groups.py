@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from runtime.training.comm import (
     CommFailure,
     Connecting,
+    Sockets,
     connect_timeout,
     error_text,
     shut_sockets,
@@ -200,19 +201,22 @@ class GroupSet:
         t1 = time.perf_counter()
         timeout = connect_timeout(self.backend, connect_timeout_s)
         failure: str | None = None
-        connecting = Connecting(g, world) if self.backend == "gloo" else None
+        start = Sockets.now()  # one read of the socket tables (a busy host's are long) serves both uses
+        connecting = Connecting(g, world, start) if self.backend == "gloo" else None
         with self._lock:
             self._connecting = connecting
         if connecting is not None and self.newest_gen is not None and self.newest_gen() > g:
             connecting.abandon()  # a newer one formed before this process got here
         try:
+            before = set(start.connections)
             for key in sorted(k for k in mine if k in plan):
-                before = tcp_socket_inodes()
                 # Named after the group alone: torch's DTensor caches shardings that name a mesh's groups, and
                 # must find the new incarnation under the old name. Its rendezvous keys are the generation's.
                 pg = self._new_group(g, key, mine[key], rank, self.backend, timeout, connecting=connecting)
+                after = tcp_socket_inodes()
                 with self._lock:
-                    self.mesh[key] = _Group(pg, mine[key], g, tcp_socket_inodes() - before)
+                    self.mesh[key] = _Group(pg, mine[key], g, after - before)
+                before = after
             self._baseline = tcp_socket_inodes() - self._mesh_sockets()
             everyone = tuple(range(world))
             # Lazily connected: its pairs connect on first use, under the collective timeout.
