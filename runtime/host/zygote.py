@@ -40,7 +40,8 @@ PR_SET_CHILD_SUBREAPER = 36
 REQUEST_TIMEOUT_S = 5.0
 READY_WAIT_S = 5.0
 """How long a process to start waits for a zygote still importing (`ZygoteClient.wait_ready`) before it is started the
-ordinary way: well within the coordinator's wait for the answer (`runtime.control.hosts.SPAWN_ANSWER_S`)."""
+ordinary way: well within the coordinator's wait for the answer (`runtime.control.hosts.SPAWN_ANSWER_S`). Waited once:
+a zygote not ready by then (hung, stopped, or slow on a loaded machine) delays no later process."""
 KEEPALIVE_S = 0.1
 """How often a caller waiting for the zygote's answer is given the hand (`ZygoteClient.spawn`'s `while_waiting`)."""
 
@@ -148,6 +149,9 @@ class ZygoteClient:
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._ready = False
+        self._waited_out = False
+        """Whether a `wait_ready` already timed out: later ones only look (a stuck zygote costs one wait, not one per
+        process; one that finishes its imports later is still used)."""
         self._buffer = b""
         self.forked: set[int] = set()
         """Pids of the processes it forked for us, as it answered them."""
@@ -186,11 +190,13 @@ class ZygoteClient:
 
     def wait_ready(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> bool:
         """Whether the zygote is ready, waiting up to `timeout_s` for it to finish its imports (a job's first
-        processes are asked for while it still imports); `while_waiting` as in `spawn`."""
-        deadline = time.monotonic() + timeout_s
+        processes are asked for while it still imports); after one wait that timed out, it does not wait again.
+        `while_waiting` as in `spawn`."""
+        deadline = time.monotonic() + (0.0 if self._waited_out else timeout_s)
         while not self.ready():
             left = deadline - time.monotonic()
             if self.sock is None or left <= 0:
+                self._waited_out = self.sock is not None
                 return False
             select.select([self.sock], [], [], min(left, KEEPALIVE_S))
             if while_waiting is not None:

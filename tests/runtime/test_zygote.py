@@ -114,6 +114,34 @@ def test_a_dead_or_hung_zygote_is_abandoned_and_the_caller_falls_back(zygote: Zy
     assert zygote.pid is None and not zygote.ready()
 
 
+def test_a_zygote_still_importing_is_waited_for_once_and_used_once_it_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A zygote stopped (or slow) while importing costs the first process one bounded wait; the next ones are
+    started at once instead of each waiting again (a job's recovery would wait with them). Once it is ready after
+    all, it serves again."""
+    client = ZygoteClient(dict(os.environ))
+    try:
+        assert client.pid is not None
+        os.kill(client.pid, signal.SIGSTOP)
+        assert not client.wait_ready(0.2), "a stopped zygote is not ready"
+        monkeypatch.setattr("runtime.host.zygote.select.select", _no_wait_allowed)
+        assert not client.wait_ready(60.0), "the second wait only looks"
+        monkeypatch.undo()
+        os.kill(client.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while not client.ready() and time.monotonic() < deadline:
+            select.select([client.sock], [], [], 0.5)
+        assert client.wait_ready(0.0) and client.pid is not None, "a zygote that finished its imports is used"
+    finally:
+        client.close()
+
+
+def _no_wait_allowed(r: object, w: object, x: object, timeout: float = 0.0) -> tuple[list, list, list]:
+    assert timeout == 0, f"waited {timeout} s for a zygote already waited for once"
+    return [], [], []
+
+
 def test_a_zygote_that_answers_too_late_leaves_no_process_of_that_request(
     zygote: ZygoteClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
