@@ -40,7 +40,9 @@ class Job:
 
     def __init__(self, tmp_path: Path, *args: str, steps: int = STEPS, pace_ms: float = 0.0) -> None:
         self.events_path = tmp_path / "events.jsonl"
-        pace = ("--pace-ms", str(pace_ms)) if pace_ms else ()
+        self.fast = tmp_path / "full-speed"
+        """Created by `full_speed`: no process paces its steps from then on."""
+        pace = ("--pace-ms", str(pace_ms), "--full-speed-file", str(self.fast)) if pace_ms else ()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainmover", "run", "--nproc", "2", "--threads", "1", "--quiet",
              "--events", str(self.events_path), *args, str(TINY_JOB), "--steps", str(steps), *pace],
@@ -65,6 +67,10 @@ class Job:
             assert self.proc.poll() is None, f"the job ended before {count} {kind} event(s): {self.events()}"
             time.sleep(0.05)
         raise AssertionError(f"fewer than {count} {kind} event(s) within {timeout_s} s: {self.events()}")
+
+    def full_speed(self) -> None:
+        """The scenario's outside actions are done: the rest of the run without `--pace-ms`."""
+        self.fast.touch()
 
     def control(self) -> JobControl:
         (started,) = self.wait_for("job_started")
@@ -117,6 +123,8 @@ def test_a_raised_standby_target_starts_a_standby_that_then_covers_a_failure(
             control.set_standby_target(1)
         (changed,) = job.wait_for("standby_target_changed")
         assert (changed["old"], changed["new"]) == (0, 1)
+        job.wait_for("recovered")
+        job.full_speed()
         finished = job.finish()
 
     assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
@@ -143,6 +151,8 @@ def test_a_planned_move_hands_the_rank_to_the_standby_at_a_step_boundary_bit_exa
         with job.control() as control:
             outcome = control.wait_move(control.move([1], "spot_interruption"), timeout_s=60)
         assert outcome.accepted, outcome.reason
+        job.wait_for("moved")
+        job.full_speed()
         finished = job.finish()
 
     assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}
@@ -196,6 +206,7 @@ def test_garbage_in_the_control_keys_and_a_move_with_no_standby_are_rejected_and
                 control.set_standby_target(-1)  # the client refuses before anything is written
             outcome = control.wait_move(control.move([1], "maintenance"), timeout_s=10)
         assert not outcome.accepted and outcome.reason == "no standby ready"
+        job.full_speed()
         finished = job.finish()
 
     rejected = job.events("control_rejected")

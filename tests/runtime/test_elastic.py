@@ -102,6 +102,7 @@ def test_a_resize_shrinks_and_grows_the_job_at_step_boundaries_bit_exactly_with_
         assert outcome.accepted, outcome.reason
         (grew,) = job.wait_for("grew")
         assert grew["procs"] == ["s0"] and grew["cause"] == "resize to 2: capacity back"
+        job.full_speed()
         finished = job.finish()
     assert finished["digests"] == {"w0": reference_digest(2, 300), "s0": reference_digest(2, 300)}
     assert not job.events("member_failed") and not job.events("recovered") and not job.events("standby_lost")

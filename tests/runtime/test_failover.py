@@ -86,7 +86,7 @@ def test_two_coordinators_killed_a_worker_lost_while_none_ran_and_a_host_cut_off
        rank 1 to a standby;
     3. cut off w2's host: it cannot reach the store either, so its agent fences it as without a separate store,
        and the third coordinator moves both its ranks."""
-    steps = 500
+    steps = 300  # the reference run of test_multihost.test_host_killed_mid_exchange_then_an_agent_killed_alone
     job, store = _job_on_store(hosts, tmp_path, steps)
     try:
         gen0 = job.wait("generation 0", _gen(0), 120)

@@ -53,7 +53,7 @@ class Job:
                # Six processes import torch at once on two cores: a heartbeat can starve for seconds in start-up.
                "--hang-timeout", "6",
                *(["--faults", faults] if faults else []), *extra,
-               str(script), "--steps", str(steps), "--step-ms", str(step_ms), "--step-ms-until-file", str(self.fast),
+               str(script), "--steps", str(steps), "--step-ms", str(step_ms), "--full-speed-file", str(self.fast),
                *script_args]
         self.cmd = cmd
         self.env = {**os.environ, "TRAINMOVER_JOB_SECRET": self.secret}

@@ -129,6 +129,8 @@ def test_an_outsider_without_the_secret_steers_nothing_and_the_job_ends_bit_exac
             JobControl("127.0.0.1", port, timeout_s=5, secret="f" * 64)
         del outsider
 
+        job.wait_for("recovered")  # the planned kill, after every forgery
+        job.full_speed()
         finished = job.finish()
 
     assert not job.events("job_failed")
@@ -169,6 +171,7 @@ def test_heartbeats_deleted_and_overwritten_in_the_store_get_no_healthy_process_
                     outsider.set(key, "0" * 64 + "999999")  # and junk in its place now and then
             time.sleep(0.002)  # the attacker's own pace, not a synchronisation
         del outsider
+        job.full_speed()
         finished = job.finish()
     assert not job.events("member_failed") and not job.events("recovered"), "a healthy process was declared hung"
     assert set(finished["digests"].values()) == {reference_digest(2, STEPS)}

@@ -33,9 +33,9 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--step-ms-until-gen", type=int, default=0,
                    help="--step-ms only until the job reaches this generation (each recovery starts one), then full "
                         "speed: a test's window for its outside action stays wide on a loaded machine, the run short")
-    p.add_argument("--step-ms-until-file", default="",
-                   help="--step-ms only until this file exists: a test creates it after its last outside action, and "
-                        "the rest of the run goes at full speed")
+    p.add_argument("--full-speed-file", default="",
+                   help="neither --step-ms nor --pace-ms once this file exists: a test creates it after its last "
+                        "outside action, and the rest of the run goes at full speed")
     p.add_argument("--await-backup", type=lambda text: [int(x) for x in text.split(",")], default=[],
                    help="comma-separated steps: once the step after each is committed, wait (bounded) until its backup "
                         "is complete in the job's --backup-dir (so that the next one is not skipped, and a fault "
@@ -59,11 +59,12 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
     if args.say:
         print(f"step {result.step} by {job.proc}", flush=True)
         print(f"rank {result.rank} at step {result.step}", file=sys.stderr, flush=True)
-    if args.pace_ms and not job.store.check([k_chaos_done()]):
+    full_speed = bool(args.full_speed_file) and os.path.exists(args.full_speed_file)
+    if args.pace_ms and not full_speed and not job.store.check([k_chaos_done()]):
         factor = args.pace_end_factor if result.step > args.steps * 3 // 4 else 1.0
         time.sleep(args.pace_ms * factor / 1000)
-    if args.step_ms and (not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen) \
-            and not (args.step_ms_until_file and os.path.exists(args.step_ms_until_file)):
+    if args.step_ms and not full_speed and (
+            not args.step_ms_until_gen or job.heartbeat.latest_gen < args.step_ms_until_gen):
         time.sleep(args.step_ms / 1000)
     if result.step - 1 in args.await_backup:
         _await_backup(job, result.step - 1)
