@@ -190,18 +190,28 @@ class ZygoteClient:
 
     def wait_ready(self, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> bool:
         """Whether the zygote is ready, waiting up to `timeout_s` for it to finish its imports (a job's first
-        processes are asked for while it still imports); after one wait that timed out, it does not wait again.
-        `while_waiting` as in `spawn`."""
+        processes are asked for while it still imports); after one wait that timed out, and for a zygote that is
+        stopped or dead, it does not wait at all. `while_waiting` as in `spawn`."""
         deadline = time.monotonic() + (0.0 if self._waited_out else timeout_s)
         while not self.ready():
             left = deadline - time.monotonic()
-            if self.sock is None or left <= 0:
+            if self.sock is None or left <= 0 or self._stopped():
                 self._waited_out = self.sock is not None
                 return False
             select.select([self.sock], [], [], min(left, KEEPALIVE_S))
             if while_waiting is not None:
                 while_waiting()
         return True
+
+    def _stopped(self) -> bool:
+        """Whether the zygote is stopped (SIGSTOP, a debugger) or already dead: waiting for it would gain nothing."""
+        if self.proc is None:
+            return True
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+        except (OSError, IndexError):
+            return True
 
     def spawn(self, env: dict[str, str], argv: list[str], output_fd: int | None = None,
               while_waiting: Callable[[], None] | None = None) -> int | None:
@@ -233,9 +243,11 @@ class ZygoteClient:
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
             left = max(0.0, deadline - time.monotonic())
-            if not select.select([self.sock], [], [], min(left, KEEPALIVE_S) if while_waiting else left)[0]:
+            if not select.select([self.sock], [], [], min(left, KEEPALIVE_S))[0]:
                 if time.monotonic() >= deadline:
                     raise TimeoutError("the zygote did not answer")
+                if self._stopped():
+                    raise TimeoutError("the zygote is stopped")
                 if while_waiting is not None:
                     while_waiting()
                 continue

@@ -117,22 +117,39 @@ def test_a_dead_or_hung_zygote_is_abandoned_and_the_caller_falls_back(zygote: Zy
 def test_a_zygote_still_importing_is_waited_for_once_and_used_once_it_is_ready(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A zygote stopped (or slow) while importing costs the first process one bounded wait; the next ones are
-    started at once instead of each waiting again (a job's recovery would wait with them). Once it is ready after
-    all, it serves again."""
+    """A zygote slow to import costs the first process one bounded wait; the next ones are started at once instead
+    of each waiting again (a job's recovery would wait with them). Once it is ready after all, it serves."""
     client = ZygoteClient(dict(os.environ))
     try:
-        assert client.pid is not None
-        os.kill(client.pid, signal.SIGSTOP)
-        assert not client.wait_ready(0.2), "a stopped zygote is not ready"
+        assert not client.wait_ready(0.05), "its imports take longer than that"
         monkeypatch.setattr("runtime.host.zygote.select.select", _no_wait_allowed)
         assert not client.wait_ready(60.0), "the second wait only looks"
         monkeypatch.undo()
-        os.kill(client.pid, signal.SIGCONT)
         deadline = time.monotonic() + 60
         while not client.ready() and time.monotonic() < deadline:
             select.select([client.sock], [], [], 0.5)
         assert client.wait_ready(0.0) and client.pid is not None, "a zygote that finished its imports is used"
+    finally:
+        client.close()
+
+
+def test_a_stopped_zygote_is_not_waited_for_and_serves_again_once_continued(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = ZygoteClient(dict(os.environ))
+    try:
+        assert client.pid is not None
+        os.kill(client.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # the signal is delivered when the kernel next schedules it
+        while Path(f"/proc/{client.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the zygote never showed as stopped"
+            time.sleep(0.001)
+        with monkeypatch.context() as m:
+            m.setattr("runtime.host.zygote.select.select", _no_wait_allowed)
+            assert not client.wait_ready(60.0), "a stopped zygote is not waited for"
+        os.kill(client.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while not client.ready() and time.monotonic() < deadline:
+            select.select([client.sock], [], [], 0.5)
+        assert client.ready(), "continued, it finishes its imports and serves"
     finally:
         client.close()
 
