@@ -2,8 +2,9 @@
 
 The coordinator runs as its own process, exactly as `trainmover coordinator` builds it (runtime.launcher's store,
 runtime.control.hosts' HostPool, runtime.control.coordinator's loop) with its store wrapped to count requests. This
-process simulates the hosts: one thread speaks the agent protocol on every link (handshake, sealed beats, spawn
-orders answered, generations received), another plays every training process's part in the store (a sealed hello,
+process simulates the hosts: one thread speaks the agent protocol on every link (handshake, sealed beats every
+0.5 s, each a `proc_beats` frame with its processes' ages as a real agent's, spawn orders answered, generations
+received), another plays every training process's part in the store (a sealed hello,
 the warm record of a standby, a sealed heartbeat every 0.25 s, batched per beat; the reports of a recovery). No
 torch runs in a simulated process.
 
@@ -131,6 +132,7 @@ class SimHosts:
         from runtime.wire.protocol import (
             Beat,
             GenerationNotice,
+            ProcBeats,
             ProcessHello,
             Signal,
             Spawn,
@@ -187,10 +189,14 @@ class SimHosts:
             now = time.monotonic()
             if now >= beat_due:
                 beat_due = now + 0.5
+                with self.lock:
+                    ran: dict[int, dict[str, float]] = {}
+                    for proc, i in self.procs.items():
+                        ran.setdefault(i, {})[proc] = 0.1
                 for i, link in list(self.links.items()):
                     if i not in self.dead and link.key is not None:
-                        with contextlib.suppress(OSError):
-                            link.send(Beat())
+                        with contextlib.suppress(OSError):  # as an agent beats: its processes' ages, or a bare beat
+                            link.send(ProcBeats(ran[i]) if i in ran else Beat())
 
     def _beat_procs(self, store_port: int) -> None:
         """Every simulated process's sealed heartbeat, batched per beat in one multi_set."""

@@ -61,6 +61,11 @@ class Member:
     """Wall-clock moment its pidfd turned readable: when the process exited, to the loop's latency."""
     released: bool = False
     """A member a planned shrink left out: it leaves on its own once the others switched, and nothing replaces it."""
+    store_read_at: float = float("-inf")
+    """When its heartbeat was last read from the store (`HealthWatch.poll` reads it less often while its agent sees
+    it beat)."""
+    store_changed_at: float = 0.0
+    """When its heartbeat in the store last went up (or it started)."""
 
 
 def describe_exit(code: int) -> str:
@@ -102,6 +107,11 @@ class Verdicts:
     warm: list[Warm] = field(default_factory=list)
 
 
+STORE_EVERY_S = 1.0
+"""How often the store's heartbeat of a process is read while its agent reports it beating (`HealthWatch.poll`);
+every health tick otherwise."""
+
+
 @dataclass(eq=False)
 class HealthWatch:
     """Heartbeat and hang detection over the process table, one health tick at a time."""
@@ -117,39 +127,65 @@ class HealthWatch:
     missing from the store (deleted or overwritten there by someone else) is not a hang while its agent sees it."""
 
     def poll(self, procs: dict[str, Member], now: float) -> Verdicts:
-        """Read every live process's heartbeat (one round trip for those that beat before) and judge it."""
+        """Judge every live process by its latest beat: as its agent saw it (sealed on the agent's link, apart from
+        the store) or as its heartbeat in the store says (one round trip for those that beat before). While its
+        agent saw it beat within half the hang timeout, the store's heartbeat is read only every `STORE_EVERY_S`
+        (at 4,096 hosts, reading and verifying every heartbeat every tick was a third of the coordinator's CPU at
+        rest); a hung process stops beating to both, so its store heartbeat is read every tick again well before
+        its hang timeout."""
         out = Verdicts()
-        beating = [n for n, m in procs.items() if not m.dead and m.hello_ok and m.hb_value >= 0]
+        agent_saw: dict[str, float] = {}
+        for n, m in procs.items():
+            if not m.dead and m.hello_ok and m.hb_value >= 0 and now - m.store_read_at < STORE_EVERY_S:
+                seen = self.beat_seen(n)
+                if seen is not None and now - seen <= self.hang_timeout_s / 2:
+                    agent_saw[n] = seen
+        beating = [n for n, m in procs.items() if not m.dead and m.hello_ok and m.hb_value >= 0 and n not in agent_saw]
         beats = self.records.get_present_records([keys.k_heartbeat(n) for n in beating], Heartbeat)
         for name, m in procs.items():
             if m.dead:
+                continue
+            if name in agent_saw:
+                if agent_saw[name] > m.hb_changed_at:
+                    m.hb_changed_at, m.hb_changed_wall = agent_saw[name], self.wall() - (now - agent_saw[name])
+                self._check_warm(name, m, now, out)
                 continue
             if not m.hello_ok:
                 m.hello_ok = self.hello_ok(name, m)
             key = keys.k_heartbeat(name)
             beat = (beats[key] if key in beats else self.records.get_record(key, Heartbeat)) if m.hello_ok else None
             value = beat.count if beat is not None else -1  # -1 until the first beat
+            read_before, m.store_read_at = m.store_read_at, now if m.hello_ok else m.store_read_at
             if value > m.hb_value:  # a replayed older beat is no sign of life
-                m.hb_value, m.hb_changed_at, m.hb_changed_wall = value, now, self.wall()
+                # After a gap in the reads (its agent reported it meanwhile) the new value was written at some moment
+                # of the gap, not now: a hung process's last beat would otherwise look a second younger than it is.
+                at = max(m.hb_changed_at, read_before) if m.hb_value >= 0 and now - read_before >= STORE_EVERY_S / 2 \
+                    else now
+                if at > m.hb_changed_at:
+                    m.hb_changed_at, m.hb_changed_wall = at, self.wall() - (now - at)
+                m.hb_value, m.store_changed_at = value, now
+            elif m.hb_value >= 0 and now - m.store_changed_at > self.hang_timeout_s and (
+                    (seen := self.beat_seen(name)) is not None and now - seen <= self.hang_timeout_s):
+                # Its agent saw it beat: the store's heartbeat is what went missing. Counted, never a kill.
+                self.records.sealer.refuse(key, "silent in the store while its agent sees it beat")
+                if seen > m.hb_changed_at:
+                    m.hb_changed_at, m.hb_changed_wall = seen, self.wall() - (now - seen)
             elif m.hb_value < 0 and now - m.started_at > self.startup_timeout_s:
                 out.fence.append(Fencing(name, f"did not start within {self.startup_timeout_s:.0f} s"))
                 continue
             elif m.hb_value >= 0 and now - m.hb_changed_at > self.hang_timeout_s and not self.suspect(name):
-                seen = self.beat_seen(name)
-                if seen is not None and now - seen <= self.hang_timeout_s:
-                    # Its agent saw it beat: the store's heartbeat is what went missing. Counted, never a kill.
-                    self.records.sealer.refuse(key, "silent in the store while its agent sees it beat")
-                    m.hb_changed_at, m.hb_changed_wall = seen, self.wall() - (now - seen)
-                else:
-                    out.fence.append(Fencing(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)",
-                                             m.hb_changed_wall))
-                    continue
-            if m.handle.role == "standby" and not m.ready and m.hello_ok and (
-                warm := self.records.get_record(keys.k_ready(name), StandbyReady)
-            ) is not None:
-                m.ready = True
-                out.warm.append(Warm(name, warm.warmup_s, now - m.started_at))
+                out.fence.append(Fencing(name, f"hung (no heartbeat for {now - m.hb_changed_at:.1f} s)",
+                                         m.hb_changed_wall))
+                continue
+            self._check_warm(name, m, now, out)
         return out
+
+    def _check_warm(self, name: str, m: Member, now: float, out: Verdicts) -> None:
+        if m.handle.role == "standby" and not m.ready and m.hello_ok and (
+            warm := self.records.get_record(keys.k_ready(name), StandbyReady)
+        ) is not None:
+            m.ready = True
+            out.warm.append(Warm(name, warm.warmup_s, now - m.started_at))
 
     def looks_alive(self, m: Member, now: float) -> bool:
         """A warm standby whose heartbeat has been silent for half the hang timeout is not promoted (it may be

@@ -393,11 +393,19 @@ class HostPool:
     def _serve(self) -> None:
         check_due = beat_due = time.monotonic()
         while not self._halt:
+            batch: list[tuple[Host, list[tuple[Message, dict[str, Any]]]]] = []
             for key, _ in self._sel.select(max(0.0, min(check_due, beat_due) - time.monotonic())):
                 if key.data is None:
                     self._accept()
-                else:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
+                elif (got := self._read(key.fileobj)) is not None:  # type: ignore[arg-type]
+                    batch.append(got)
+            if batch:  # every link read in this turn, under one hold of the lock (thousands of beats a second)
+                seen, seen_wall = time.monotonic(), time.time()
+                with self._cond:
+                    for peer, messages in batch:
+                        peer.last_seen, peer.last_seen_wall = seen, seen_wall
+                        for msg, _ in messages:
+                            self._on_message(peer, msg)
             now = time.monotonic()
             if now >= check_due:  # silences are judged twice per beat; beats go out once per beat
                 check_due = now + self.timing.heartbeat_s / 2
@@ -419,10 +427,12 @@ class HostPool:
         with contextlib.suppress(OSError):
             sock.close()
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, sock: socket.socket) -> tuple[Host, list[tuple[Message, dict[str, Any]]]] | None:
+        """What a host's link brought, verified, for the caller to act on; None when there is nothing to act on
+        (a handshake frame, a closed or refused link: handled here)."""
         peer = self._by_sock.get(sock)
         if peer is None:
-            return
+            return None
         try:
             data = sock.recv(65536)
         except ConnectionResetError:  # the agent died with our frames unread: its kernel answers with a reset
@@ -436,7 +446,7 @@ class HostPool:
             if isinstance(peer, Host):
                 with self._cond:
                     self._lose(peer, err, time.time())
-            return
+            return None
         try:
             if isinstance(peer, _Pending):  # one frame at a time: the key changes after the first
                 peer.link.push(data)
@@ -444,7 +454,7 @@ class HostPool:
                     self._handshake(sock, peer, got[0])
                 if isinstance(self._by_sock.get(sock), Host):
                     self._read_buffered(sock)
-                return
+                return None
             messages = peer.link.feed(data)
         except ProtocolError as exc:
             self._drop(sock)
@@ -453,11 +463,8 @@ class HostPool:
                 self._events.append(AgentRefused(peer=_peer_name(sock), reason=str(exc)))
                 if isinstance(peer, Host):
                     self._lose(peer, f"it sent a bad frame ({exc})", time.time())
-            return
-        with self._cond:
-            peer.last_seen, peer.last_seen_wall = time.monotonic(), time.time()
-            for msg, _ in messages:
-                self._on_message(peer, msg)
+            return None
+        return peer, messages
 
     def _read_buffered(self, sock: socket.socket) -> None:
         """Frames that came with the agent's proof, now that it is a host."""

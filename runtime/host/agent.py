@@ -632,11 +632,13 @@ class Agent:
             sel.close()
 
     def _send_beats(self, link: Link) -> None:
-        """This host's beat, with the ages of its processes' latest beats."""
+        """This host's beat: the ages of its processes' latest beats, or a bare beat when it runs none (one frame
+        either way: every frame is a sign of life to the coordinator)."""
         if self._beats:
             at = time.monotonic()
             link.send(ProcBeats({p: round(at - t, 4) for p, (_, t) in self._beats.items()}))
-        link.send(Beat())
+        else:
+            link.send(Beat())
 
     def _keepalive(self, link: Link) -> Callable[[], None]:
         """For a wait inside the loop (the fork server's answer): beat as the loop would, so that neither this host
