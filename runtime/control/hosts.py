@@ -259,9 +259,10 @@ class HostPool:
                 self._cond.wait(left)
 
     def beat_seen(self, name: str) -> float | None:
-        """When (time.monotonic) process `name` last beat as its agent saw it, apart from the store; None: never."""
-        with self._cond:
-            return self._beat_at.get(name)
+        """When (time.monotonic) process `name` last beat as its agent saw it, apart from the store; None: never.
+        Without the pool's lock: one read of a dict the link thread only ever sets values in (atomic in CPython),
+        asked for every process at every health tick, which must not queue behind the link thread's batches."""
+        return self._beat_at.get(name)
 
     def free_slots(self) -> int:
         """Free slots on the hosts that may run a standby (role "any" or "standby")."""
@@ -393,17 +394,13 @@ class HostPool:
     def _serve(self) -> None:
         check_due = beat_due = time.monotonic()
         while not self._halt:
-            batch: list[tuple[Host, list[tuple[Message, dict[str, Any]]]]] = []
             for key, _ in self._sel.select(max(0.0, min(check_due, beat_due) - time.monotonic())):
                 if key.data is None:
                     self._accept()
                 elif (got := self._read(key.fileobj)) is not None:  # type: ignore[arg-type]
-                    batch.append(got)
-            if batch:  # every link read in this turn, under one hold of the lock (thousands of beats a second)
-                seen, seen_wall = time.monotonic(), time.time()
-                with self._cond:
-                    for peer, messages in batch:
-                        peer.last_seen, peer.last_seen_wall = seen, seen_wall
+                    peer, messages = got
+                    with self._cond:
+                        peer.last_seen, peer.last_seen_wall = time.monotonic(), time.time()
                         for msg, _ in messages:
                             self._on_message(peer, msg)
             now = time.monotonic()
