@@ -261,7 +261,7 @@ class HostPool:
     def beat_seen(self, name: str) -> float | None:
         """When (time.monotonic) process `name` last beat as its agent saw it, apart from the store; None: never.
         Without the pool's lock: one read of a dict the link thread only ever sets values in (atomic in CPython),
-        asked for every process at every health tick, which must not queue behind the link thread's batches."""
+        asked for every process at every health tick, which must not queue behind the link thread."""
         return self._beat_at.get(name)
 
     def free_slots(self) -> int:
