@@ -284,9 +284,15 @@ class HandoffStats:
 
 def run_handoff(
     plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, extra: Any = None,
-    links: Links | None = None,
+    links: Links | None = None, keep_own: bool = False, on_own_lost: Callable[[], None] | None = None,
 ) -> tuple[HandoffStats, StateMeta | None]:
-    """Run this member's part of the plan. Returns its stats and, for a receiver, the metadata it applied."""
+    """Run this member's part of the plan. Returns its stats and, for a receiver, the metadata it applied.
+
+    `keep_own`: this receiver holds a complete state of an older step (a survivor that was behind when a peer
+    died). It receives into a second copy and writes its own tensors only once every chunk is verified, so that a
+    handoff cut short (its only source lost) leaves it holding that older state, from which every member can
+    replay; without it, a survivor one step behind whose sole source died took the last copy of the state with it.
+    `on_own_lost` is called if matching the sender's optimizer layout changed its own state before that."""
     t0 = time.perf_counter()
     links = links or GlooLinks()
     meta_in: StateMeta | None = None
@@ -297,7 +303,7 @@ def run_handoff(
             for receiver in plan.receivers:
                 stats.bytes += _serve(plan, session, rank, receiver, state, extra, links, stats)
         elif rank in plan.receivers:
-            meta_in = _receive(plan, session, rank, state, links, stats)
+            meta_in = _receive(plan, session, rank, state, links, stats, keep_own, on_own_lost)
             stats.bytes = state.state_bytes()
     except (RuntimeError, OSError) as exc:
         if isinstance(exc, HandoffError):
@@ -372,8 +378,14 @@ def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors:
     return sent
 
 
+def _layout_of(state: TrainingState) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
+    """Which tensors a state holds and where (its storage), to tell whether matching a sender's changed them."""
+    return [(k, t.data_ptr(), tuple(t.shape), t.dtype) for k, t in state.tensors()]
+
+
 def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, links: Links,
-             stats: HandoffStats) -> StateMeta:
+             stats: HandoffStats, keep_own: bool = False,
+             on_own_lost: Callable[[], None] | None = None) -> StateMeta:
     nonces = {s: secrets.token_bytes(NONCE_BYTES) for s in plan.sources}
     pending = [links.isend(_as_tensor(nonces[s]), s, TAG_NONCE) for s in plan.sources]
     for source in plan.sources:
@@ -403,10 +415,17 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
         raise HandoffError(f"the metadata from source rank {first} failed its MAC")
     meta = StateMeta.from_bytes(payload)
     session.fault("handoff_recv", role="receiver")
+    own_before = _layout_of(state) if keep_own else []
     tensors = [t for _, t in state.prepare_receive(meta)]
+    if keep_own and _layout_of(state) != own_before:
+        keep_own = False  # its optimizer's layout was not the sender's: what it held is no longer whole
+        if on_own_lost is not None:
+            on_own_lost()
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
-    # Write straight into our own tensors where they are contiguous; else into a buffer copied after.
-    targets = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    # Write straight into our own tensors where they are contiguous (and nothing of ours is to be kept); else into
+    # a buffer copied after.
+    targets = [t if t.is_contiguous() and not keep_own else torch.empty_like(t, memory_format=torch.contiguous_format)
+               for t in tensors]
     shares = _shares(plan, len(layout))
     owner = {j: share for share, mine in enumerate(shares) for j in mine}
     works = [links.irecv(_slice(targets[c.tensor], c), plan.sources[owner[j]], TAG_CHUNK0 + j)

@@ -732,14 +732,18 @@ class Trainer:
                 f"rank(s) {list(plan.receivers)} lost their state, and with broadcast_buffers=False each rank's "
                 "buffers (BatchNorm statistics) are its own: no surviving replica holds them, so the job cannot "
                 "continue exactly. Use broadcast_buffers=True (DDP's default) to make them recoverable.")
-        if rank in plan.receivers:
-            self.has_state = False  # a half-received state is garbage until the handoff completes
+        # A survivor behind the newest step keeps its own state whole until the handoff completes (it may be the
+        # last copy left if the sources die); any other receiver's half-received state is garbage until then.
+        behind = rank in plan.receivers and self.has_state
+        if rank in plan.receivers and not behind:
+            self.has_state = False
         session = HandoffSession(g, record.members, cfg.job_id, cfg.job_token, cfg.chunk_bytes,
                                  fault=lambda phase, **kw: self.job.faults.at(phase, rank=rank, gen=g, **kw))
         if cfg.handoff_transport == "tls":
-            stats = self._handoff_over_tls(plan, session, rank, g, interrupt)
+            stats = self._handoff_over_tls(plan, session, rank, g, interrupt, behind)
         else:
-            stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s))
+            stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s),
+                                   keep_own=behind, on_own_lost=self._lost_own_state)
         self.committed = plan.target_step
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
@@ -771,8 +775,11 @@ class Trainer:
         )
         self._post_steps = []
 
+    def _lost_own_state(self) -> None:
+        self.has_state = False
+
     def _handoff_over_tls(self, plan: HandoffPlan, session: HandoffSession, rank: int, g: int,
-                          interrupt: Callable[[], str | None]) -> HandoffStats:
+                          interrupt: Callable[[], str | None], behind: bool = False) -> HandoffStats:
         """The handoff over mutual-TLS connections (`--handoff-transport tls`): encrypted, for standbys across a
         trust boundary. Its proofs and MACs are the same as over the group."""
         from runtime.training.tls_transport import TlsConfig, TlsLinkError, open_tls_links
@@ -784,7 +791,8 @@ class Trainer:
         except TlsLinkError as exc:
             raise CommFailure(f"could not open the TLS links of generation {g}: {exc}") from None
         with links:
-            stats, _ = run_handoff(plan, session, rank, self.state, links=links)
+            stats, _ = run_handoff(plan, session, rank, self.state, links=links, keep_own=behind,
+                                   on_own_lost=self._lost_own_state)
         return stats
 
     def _broadcast_initial_model(self) -> None:

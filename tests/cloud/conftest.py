@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,16 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+def vault(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A local Key Vault (tests.cloud.keyvault_server) and a store that reads and writes it: (server, store)."""
+    from cloud.secrets import AzureKeyVaultStore
+    from tests.cloud.keyvault_server import key_vault
+    from tests.cloud.test_azure import FAST, FakeVaultCredential
+
+    (tmp_path / "kv").mkdir()
+    with key_vault(tmp_path / "kv") as (server, _):
+        yield server, AzureKeyVaultStore(server.url, credential=FakeVaultCredential(server.tokens.issue()),
+                                         budget=FAST, ssl_context=server.client_ssl_context())

@@ -43,15 +43,13 @@ from cloud.base import InvalidRequestError, LaunchRequest, PermissionDeniedError
 from cloud.bootstrap import render_units
 from cloud.secrets import AzureKeyVaultStore, SecretRef
 from tests.cloud.arm_server import ArmServer, Fault
-from tests.cloud.keyvault_server import KeyVaultServer, key_vault
+from tests.cloud.keyvault_server import KeyVaultServer
 from tests.cloud.test_azure import (
     CPU,
-    FAST,
     RG,
     SUBSCRIPTION,
     TOKEN,
     FakeCredential,
-    FakeVaultCredential,
     bootstrap_for,
     make_provider,
 )
@@ -69,15 +67,6 @@ def arm(tmp_path: Path) -> Iterator[ArmServer]:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def vault(tmp_path: Path) -> Iterator[tuple[KeyVaultServer, AzureKeyVaultStore]]:
-    (tmp_path / "kv").mkdir()
-    with key_vault(tmp_path / "kv") as (server, _):
-        store = AzureKeyVaultStore(server.url, credential=FakeVaultCredential(server.tokens.issue()), budget=FAST,
-                                   ssl_context=server.client_ssl_context())
-        yield server, store
 
 
 @pytest.fixture(autouse=True)

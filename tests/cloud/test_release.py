@@ -27,14 +27,12 @@ from cloud.cli import release_job_resources
 from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, AzureKeyVaultStore, secret_name_for
 from tests.cloud.arm_server import ArmServer
 from tests.cloud.aws_servers import FaultProxy, PlacementGroups, fault_proxy
-from tests.cloud.keyvault_server import KeyVaultServer, key_vault
+from tests.cloud.keyvault_server import KeyVaultServer
 from tests.cloud.test_azure import (
     CPU,
-    FAST,
     LOCATION,
     RG,
     SUBSCRIPTION,
-    FakeVaultCredential,
     bootstrap_for,
     make_provider,
 )
@@ -216,15 +214,6 @@ def arm(tmp_path: Path) -> Iterator[ArmServer]:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def vault(tmp_path: Path) -> Iterator[tuple[KeyVaultServer, AzureKeyVaultStore]]:
-    (tmp_path / "kv").mkdir()
-    with key_vault(tmp_path / "kv") as (server, _):
-        store = AzureKeyVaultStore(server.url, credential=FakeVaultCredential(server.tokens.issue()), budget=FAST,
-                                   ssl_context=server.client_ssl_context())
-        yield server, store
 
 
 def azure_leftovers(arm: ArmServer, kv: KeyVaultServer, job_id: str) -> dict[str, list[str]]:

@@ -133,11 +133,14 @@ def test_a_real_agent_starts_kills_and_reports_and_its_death_loses_the_host(pool
     assert not thread.is_alive() and agent.fenced >= 1
 
 
-def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_nothing(tmp_path: Path) -> None:
-    """The agent's loop is held past its lease and past the coordinator's host timeout: its fork server (stopped here)
-    answers a standby's fork 2 s late, as a fork of a big process on a loaded machine can. The agent beats while it
-    waits, and the coordinator's beats, which waited in the socket, count before it judges the silence: it neither
-    fences itself nor is its host lost."""
+def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's loop is held past its lease and past the coordinator's host timeout: its fork server answers a
+    standby's fork 2 s late, as a fork of a big process on a loaded machine can. (It is stopped here for those 2 s,
+    and made to look runnable: an agent gives up at once on a zygote it sees stopped, test_zygote.py.) The agent
+    beats while it waits, and the coordinator's beats, which waited in the socket, count before it judges the
+    silence: it neither fences itself nor is its host lost."""
     import signal
 
     from runtime.control.hosts import HostTiming
@@ -160,12 +163,14 @@ def test_an_agent_kept_busy_past_its_lease_while_its_coordinator_beats_fences_no
         while not zygote.ready():  # the agent leaves the zygote alone until a standby is to be forked
             assert time.monotonic() < deadline, "the zygote did not finish its imports within 60 s"
             time.sleep(0.05)
+        monkeypatch.setattr(zygote, "_stopped", lambda: False)  # a slow fork, not a stopped zygote
         os.kill(zygote.pid, signal.SIGSTOP)
         resume = threading.Timer(2.0, os.kill, (zygote.pid, signal.SIGCONT))  # the fault: 2 host timeouts late
         resume.start()
         standby = p.spawn("s0", "standby")
         resume.join()
         assert standby.pid > 0 and standby.exit_cause() is None
+        assert zygote.pid is not None and standby.pid in zygote.forked, "forked, after the 2 s wait"
         worker = p.spawn("w0", "worker")  # the link is still up
         assert worker.pid > 0
         assert agent.fenced == 0 and of_type(p.take_events(), HostLost) == []
