@@ -90,12 +90,12 @@ def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path
 def test_a_receiver_behind_keeps_its_own_state_when_its_only_source_dies_mid_handoff(
     tmp_path: Path, keep_own: bool
 ) -> None:
-    """A survivor one step behind when a peer died receives the newest step from the only rank that holds it, which
-    dies as it is about to send its 40th chunk (of about 70). Kept (`keep_own`, what the trainer does for a
-    survivor that holds a state), its own older state is whole and the job can replay from it; received in place,
-    part of it is the dead source's."""
+    """A survivor one step behind when a peer died receives the newest step from the only rank that holds it. A
+    chunk arrives corrupted, and the source dies when asked to send it again (every other chunk has landed). Kept
+    (`keep_own`, what the trainer does for a survivor that holds a state), its own older state is whole and the
+    job can replay from it; received in place, most of it is the dead source's."""
     source, receiver = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
-                                 die=[0, 40], keep_own=keep_own)
+                                 corrupt=[0, 5], die_on_repair=0, keep_own=keep_own)
     assert source.get("died") and not receiver["ok"], receiver
     if keep_own:
         assert receiver["after"] == receiver["before"] and not receiver.get("own_lost")

@@ -3,9 +3,9 @@
 
 Sources hold a trained state (3 steps); receivers hold a different one. Each rank writes a JSON result.
 TOKEN is the receivers' secret; the sources hold "the-secret". Options: `source_token` (the sources' secret
-instead), `corrupt` ([rank, chunk]: that source flips a bit of its chunk-th chunk), `die` ([rank, chunk]: that
-source is SIGKILLed as it is about to send its chunk-th chunk), `keep_own` (receivers hold a complete state of an
-older step and keep it until the handoff completes).
+instead), `corrupt` ([rank, chunk]: that source flips a bit of its chunk-th chunk), `die_on_repair` (that
+source is SIGKILLed as it reads the receiver's repair request: every chunk of its share has landed by then),
+`keep_own` (receivers hold a complete state of an older step and keep it until the handoff completes).
 """
 
 from __future__ import annotations
@@ -20,8 +20,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.training.handoff import HandoffError, HandoffSession, MemberStatus, plan_handoff, run_handoff
+from runtime.training.handoff import (
+    TAG_REPAIR,
+    GlooLinks,
+    HandoffError,
+    HandoffSession,
+    MemberStatus,
+    plan_handoff,
+    run_handoff,
+)
 from runtime.training.state import TrainingState
+
+
+class DyingLinks(GlooLinks):
+    """This source's links, until the receiver asks it to resend a chunk: then it is SIGKILLed (its result says so)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        if tag == TAG_REPAIR:
+            with open(self.out, "w") as f:
+                json.dump({"died": True}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().recv(t, peer, tag)
 
 
 def main() -> None:
@@ -48,18 +71,14 @@ def main() -> None:
     result: dict[str, object] = {"rank": rank, "before": before}
     try:
         def fault(phase: str, **where: object) -> bool:
-            die = options.get("die")
-            if die is not None and rank == die[0] and phase == "handoff_send" and where.get("chunk") == die[1]:
-                with open(out, "w") as f:
-                    json.dump({"rank": rank, "died": True}, f)
-                os.kill(os.getpid(), signal.SIGKILL)
             return corrupt is not None and rank == corrupt[0] and phase == "handoff_send" \
                 and where.get("chunk") == corrupt[1]
 
         session = HandoffSession(1, tuple(f"p{r}" for r in range(world)), "job",
                                  token if rank in receivers else options.get("source_token", "the-secret"), chunk,
                                  fault=fault)
-        stats, meta = run_handoff(plan, session, rank, state, keep_own=bool(options.get("keep_own")),
+        links = DyingLinks(out) if options.get("die_on_repair") == rank else GlooLinks()
+        stats, meta = run_handoff(plan, session, rank, state, links=links, keep_own=bool(options.get("keep_own")),
                                   on_own_lost=lambda: result.update(own_lost=True))
         result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta.step,
                       refetched=stats.refetched,
