@@ -39,6 +39,10 @@ def add_cloud_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     check.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     check.add_argument("--job", help="AWS: dry-run as this job (a per-job policy allows only its own tag)")
     check.add_argument("--instance-type", help="AWS: the type the launch dry run asks for (default t3.micro)")
+    check.add_argument("--node-role-arn", metavar="ARN",
+                       help="AWS: the instances' role, which a launch passes: adds iam:PassRole to the simulation")
+    check.add_argument("--artifact-bucket", metavar="BUCKET",
+                       help="AWS: where the flows stage the job's files: adds S3 to the simulation")
     job_help = f"the job id (tag trainmover:job), matched exactly: {JOB_ID_RULE}"
     describe = actions.add_parser("describe", help="list the instances tagged with a job")
     _add_provider_options(describe)
@@ -178,10 +182,14 @@ def format_instances(instances: Sequence[Instance]) -> str:
 def _check(ns: argparse.Namespace) -> int:
     provider = _provider(ns)
     options: dict[str, Any] = {}
-    if ns.job is not None or ns.instance_type is not None:
+    aws_only = _given(job_id=ns.job, instance_type=ns.instance_type, node_role_arn=ns.node_role_arn,
+                      artifact_bucket=ns.artifact_bucket)
+    if aws_only:
         if ns.provider != "aws":
-            raise InvalidRequestError("--job and --instance-type apply to `cloud check --provider aws` only")
-        options = _given(job_id=ns.job, instance_type=ns.instance_type)
+            raise InvalidRequestError(
+                "--job, --instance-type, --node-role-arn and --artifact-bucket apply to `cloud check --provider aws` "
+                "only")
+        options = aws_only
     results = provider.check(**options)
     print(format_checks(provider.name, results))
     if ns.json:

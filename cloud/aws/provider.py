@@ -8,6 +8,7 @@ into the `CloudError` hierarchy); nothing here sees a botocore exception. boto3 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cloud.accelerators import Accelerators, from_ec2_instance_type, table_for
 from cloud.aws.client import AwsApi, api_name, did_you_mean
+from cloud.aws.iam import AwsJobScope
 from cloud.aws.network import AwsJobNetwork
 from cloud.aws.notices import (
     NoticeEvent,
@@ -29,6 +31,7 @@ from cloud.aws.notices import (
     parse_event,
 )
 from cloud.aws.secrets import delete_job_secrets
+from cloud.aws.simulation import simulate_job_permissions
 from cloud.base import (
     DESCRIBE,
     JOB_TAG,
@@ -128,6 +131,7 @@ METADATA_OPTIONS: Mapping[str, Any] = {
 }
 # EC2 answers NotFound for an id that never existed; a placeholder lets check() dry-run without an instance.
 _PLACEHOLDER_INSTANCE = "i-00000000000000000"
+_PLACEHOLDER_IMAGE = "ami-00000000000000000"  # the simulation's launch image when the provider has none
 
 
 class AwsProvider(Provider):
@@ -748,13 +752,31 @@ class AwsProvider(Provider):
 
     # check --------------------------------------------------------------------------------------------------
 
-    def check(self, instance_type: str = "t3.micro", *, job_id: str = "trainmover-check") -> list[CheckResult]:
-        """Credentials, then each EC2 permission the provider uses (DryRun for mutating calls); creates nothing.
+    def check(
+        self,
+        instance_type: str = "t3.micro",
+        *,
+        job_id: str = "trainmover-check",
+        node_role_arn: str | None = None,
+        artifact_bucket: str | None = None,
+    ) -> list[CheckResult]:
+        """Credentials, then each EC2 permission the provider uses (DryRun for mutating calls), then every permission
+        of the job's policy through IAM's policy simulator (cloud.aws.simulation); creates nothing.
 
-        `instance_type` and `job_id` are what the dry runs ask for: with a per-job policy (cloud.aws.iam), pass the
-        job and a type that the policy allows.
+        `instance_type` and `job_id` are what the dry runs and the simulation ask for: with a per-job policy
+        (cloud.aws.iam), pass the job and a type that the policy allows. `node_role_arn` (the instances' role, which
+        a launch passes) and `artifact_bucket` (where the flows stage the job's files) add iam:PassRole and S3 to the
+        simulation. A simulated action that a dry run also checked is named "ACTION (simulated)".
         """
         validate_job_id(job_id, provider="aws")
+        scope = AwsJobScope(  # validated before anything is sent
+            job_id=job_id,
+            regions=(self.region,),
+            images=(self.image or _PLACEHOLDER_IMAGE,),
+            instance_types=(instance_type,),
+            node_role_arn=node_role_arn,
+            artifact_bucket=artifact_bucket,
+        )
         try:
             identity = self._api.call("sts", "get_caller_identity", self.describe_budget)
         except CloudError as err:
@@ -813,6 +835,14 @@ class AwsProvider(Provider):
                 results.append(CheckResult(name, False, str(err)))
             else:
                 results.append(CheckResult(name, True, "allowed"))
+        account = str(identity.get("Account", ""))
+        if _ACCOUNT_ID.fullmatch(account):
+            scope = dataclasses.replace(scope, account_id=account)
+        checked = {r.name for r in results}
+        for result in simulate_job_permissions(self._api, str(identity.get("Arn", "")), scope, self.describe_budget):
+            if result.name in checked:
+                result = CheckResult(f"{result.name} (simulated)", result.ok, result.detail)
+            results.append(result)
         return results
 
     def _check_target(self, job_id: str) -> tuple[str, bool]:

@@ -10,6 +10,7 @@ provider makes, behind the same proxy.
 
 from __future__ import annotations
 
+import fnmatch
 import http.client
 import json
 import threading
@@ -315,6 +316,135 @@ class PlacementGroups:
             f'<DeletePlacementGroupResponse xmlns="{_EC2_NS}"><requestId>{uuid.uuid4()}</requestId>'
             "<return>true</return></DeletePlacementGroupResponse>"
         ).encode()
+
+
+_IAM_NS = "https://iam.amazonaws.com/doc/2010-05-08/"
+
+
+class IamSimulator:
+    """IAM's SimulatePrincipalPolicy (moto 5.2.5 lacks it), evaluating the principal's policy as IAM does for what
+    job policies use: Action and Resource patterns with `*` and `?`, the condition operators StringEquals,
+    StringLike, ArnEquals, ArnLike, Bool and ForAllValues:StringEquals over the request's context entries (a key
+    the request does not carry fails a condition, but passes ForAllValues), an explicit Deny over any Allow.
+    `policy` None allows everything (a principal with AdministratorAccess, as moto behaves). It also answers STS's
+    GetCallerIdentity with `caller_arn`, an assumed role's session by default (moto names its caller in a form AWS
+    never returns, `arn:aws:sts::ACCOUNT:user/moto`)."""
+
+    ACCOUNT = "123456789012"  # moto's
+
+    def __init__(self, page_size: int = 1000,
+                 caller_arn: str = f"arn:aws:sts::{ACCOUNT}:assumed-role/trainmover-orchestrator/check") -> None:
+        self.policy: dict[str, Any] | None = None
+        self.page_size = page_size
+        self.caller_arn = caller_arn
+        self.requests: list[dict[str, Any]] = []
+
+    def install(self, proxy: FaultProxy) -> None:
+        proxy.emulate("SimulatePrincipalPolicy", self._simulate)
+        proxy.emulate("GetCallerIdentity", self._caller)
+
+    def reset(self) -> None:
+        self.policy = None
+        self.requests.clear()
+
+    def _caller(self, params: dict[str, Any]) -> tuple[int, bytes]:
+        return 200, (
+            '<GetCallerIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><GetCallerIdentityResult>'
+            f"<Arn>{self.caller_arn}</Arn><UserId>AROAEXAMPLE:check</UserId><Account>{self.ACCOUNT}</Account>"
+            f"</GetCallerIdentityResult><ResponseMetadata><RequestId>{uuid.uuid4()}</RequestId></ResponseMetadata>"
+            "</GetCallerIdentityResponse>"
+        ).encode()
+
+    def _simulate(self, params: dict[str, Any]) -> tuple[int, bytes]:
+        actions = _members(params, "ActionNames")
+        resources = _members(params, "ResourceArns") or ["*"]
+        context: dict[str, list[str]] = {}
+        n = 1
+        while f"ContextEntries.member.{n}.ContextKeyName" in params:
+            key = str(params[f"ContextEntries.member.{n}.ContextKeyName"]).lower()
+            context[key] = _members(params, f"ContextEntries.member.{n}.ContextKeyValues")
+            n += 1
+        self.requests.append({"principal": params.get("PolicySourceArn"), "actions": actions,
+                              "resources": resources, "context": context})
+        rows = [(a, [(r, self._decide(a, r, context)) for r in resources]) for a in actions]
+        start = int(params.get("Marker") or 0)
+        page = rows[start:start + self.page_size]
+        more = start + self.page_size < len(rows)
+        members = "".join(
+            "<member>"
+            f"<EvalActionName>{action}</EvalActionName><EvalResourceName>*</EvalResourceName>"
+            f"<EvalDecision>{_overall(decisions)}</EvalDecision>"
+            "<ResourceSpecificResults>" + "".join(
+                f"<member><EvalResourceName>{r}</EvalResourceName><EvalResourceDecision>{d}</EvalResourceDecision>"
+                "</member>" for r, d in decisions) + "</ResourceSpecificResults>"
+            "</member>"
+            for action, decisions in page
+        )
+        marker = f"<Marker>{start + self.page_size}</Marker>" if more else ""
+        return 200, (
+            f'<SimulatePrincipalPolicyResponse xmlns="{_IAM_NS}"><SimulatePrincipalPolicyResult>'
+            f"<IsTruncated>{str(more).lower()}</IsTruncated>{marker}<EvaluationResults>{members}</EvaluationResults>"
+            "</SimulatePrincipalPolicyResult>"
+            f"<ResponseMetadata><RequestId>{uuid.uuid4()}</RequestId></ResponseMetadata>"
+            "</SimulatePrincipalPolicyResponse>"
+        ).encode()
+
+    def _decide(self, action: str, resource: str, context: dict[str, list[str]]) -> str:
+        if self.policy is None:
+            return "allowed"
+        allowed = False
+        for statement in self.policy["Statement"]:
+            if not (_any_match(statement["Action"], action, fold=True)
+                    and _any_match(statement.get("Resource", "*"), resource)
+                    and _conditions_hold(statement.get("Condition", {}), context)):
+                continue
+            if statement["Effect"] == "Deny":
+                return "explicitDeny"
+            allowed = True
+        return "allowed" if allowed else "implicitDeny"
+
+
+def _members(params: dict[str, Any], prefix: str) -> list[str]:
+    return _numbered(params, f"{prefix}.member")
+
+
+def _overall(decisions: list[tuple[str, str]]) -> str:
+    for worst in ("explicitDeny", "implicitDeny"):
+        if any(d == worst for _, d in decisions):
+            return worst
+    return "allowed"
+
+
+def _any_match(patterns: str | list[str], value: str, *, fold: bool = False) -> bool:
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        p, v = (pattern.lower(), value.lower()) if fold else (pattern, value)
+        if fnmatch.fnmatchcase(v, p.replace("[", "[[]")):
+            return True
+    return False
+
+
+def _conditions_hold(condition: dict[str, dict[str, Any]], context: dict[str, list[str]]) -> bool:
+    for operator, keys in condition.items():
+        for key, allowed in keys.items():
+            wanted = [allowed] if isinstance(allowed, str) else list(allowed)
+            given = context.get(key.lower())
+            if operator.startswith("ForAllValues:"):
+                if given is not None and not all(v in wanted for v in given):
+                    return False
+                continue
+            if not given:
+                return False
+            if operator in ("StringEquals", "ArnEquals"):
+                ok = any(v in wanted for v in given)
+            elif operator in ("StringLike", "ArnLike"):
+                ok = any(_any_match(wanted, v) for v in given)
+            elif operator == "Bool":
+                ok = any(v.lower() in [w.lower() for w in wanted] for v in given)
+            else:
+                raise ValueError(f"IamSimulator: condition operator {operator} is not emulated")
+            if not ok:
+                return False
+    return True
 
 
 @contextmanager

@@ -1,5 +1,5 @@
-"""Fixtures the cloud tests share: moto's server, the placement groups moto lacks, and AWS settings that keep this
-machine's own AWS configuration out."""
+"""Fixtures the cloud tests share: moto's server, the placement groups and the IAM policy simulator moto lacks, and
+AWS settings that keep this machine's own AWS configuration out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.cloud.aws_servers import PlacementGroups, moto_server
+from tests.cloud.aws_servers import IamSimulator, PlacementGroups, moto_server
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,13 @@ def moto_url() -> Iterator[str]:
 def placement_groups() -> PlacementGroups:
     """The region's placement groups (moto has none), behind every proxy of a module."""
     return PlacementGroups()
+
+
+@pytest.fixture(scope="module")
+def iam_simulator() -> IamSimulator:
+    """IAM's policy simulator and STS's caller (moto has the one, not the other as AWS answers it), behind every
+    proxy of a module that installs it."""
+    return IamSimulator()
 
 
 @pytest.fixture

@@ -58,7 +58,14 @@ from cloud.bootstrap import AGENT_UNIT, AgentBootstrap, render_cloud_init, rende
 from cloud.capacity import Fallbacks, wake_or_replace
 from cloud.local import LocalProvider
 from cloud.secrets import AwsParameterStore, AwsSecretsManagerStore, SecretRef
-from tests.cloud.aws_servers import FaultProxy, ImdsServer, PlacementGroups, fault_proxy, imds_server
+from tests.cloud.aws_servers import (
+    FaultProxy,
+    IamSimulator,
+    ImdsServer,
+    PlacementGroups,
+    fault_proxy,
+    imds_server,
+)
 
 REGION = "us-east-1"
 AMI = "ami-12c6146b"  # one of the AMIs moto ships
@@ -83,9 +90,12 @@ def session_with_instance_profile(moto_url: str, job: str) -> tuple[boto3.Sessio
 
 
 @pytest.fixture(scope="module")
-def module_proxy(moto_url: str, placement_groups: PlacementGroups) -> Iterator[FaultProxy]:
+def module_proxy(
+    moto_url: str, placement_groups: PlacementGroups, iam_simulator: IamSimulator
+) -> Iterator[FaultProxy]:
     with fault_proxy(moto_url) as proxy:
         placement_groups.install(proxy)
+        iam_simulator.install(proxy)
         yield proxy
 
 
@@ -820,7 +830,7 @@ def test_check_against_moto_allows_everything_and_creates_nothing(aws: AwsProvid
     results = aws.check()
 
     assert [r for r in results if not r.ok] == []
-    assert {r.name for r in results} == {
+    exact = {
         "credentials",
         "ec2:RunInstances",
         "ec2:StartInstances",
@@ -832,7 +842,15 @@ def test_check_against_moto_allows_everything_and_creates_nothing(aws: AwsProvid
         "ec2:DescribeInstanceTypes",
         "ec2:DescribeSpotPriceHistory",
     }
-    mutating = {"RunInstances", "StartInstances", "StopInstances", "TerminateInstances", "CreateTags"}
+    assert exact <= {r.name for r in results}
+    # Every other permission of the job policy (no PassRole without a node role), through IAM's simulator.
+    statements = aws_job_policy(AwsJobScope("trainmover-check", (REGION,), (AMI,), ("t3.micro",)))["Statement"]
+    granted = {a for st in statements for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    simulated = {r.name.removesuffix(" (simulated)") for r in results if r.name not in exact}
+    assert simulated == granted
+    assert {"ec2:CreateSecurityGroup", "ssm:PutParameter", "sqs:CreateQueue", "events:PutRule"} <= simulated
+    mutating = {"RunInstances", "StartInstances", "StopInstances", "TerminateInstances", "CreateTags",
+                "CreateSecurityGroup", "CreatePlacementGroup", "PutParameter", "CreateQueue", "PutRule"}
     assert all(s.dry_run for s in proxy.seen() if s.action in mutating)
 
 
@@ -1226,6 +1244,7 @@ def test_the_iam_policy_lists_exactly_the_actions_the_provider_calls(
     called = {_PERMISSION_OF.get(f"{s.service}:{s.action}", f"{s.service}:{s.action}") for s in proxy.seen()}
     called |= {implied for action in list(called) for implied in _IMPLIED.get(action, set())}
     called.discard("sts:GetCallerIdentity")  # needs no permission and cannot be denied
+    called.discard("iam:SimulatePrincipalPolicy")  # check's question about the caller, not a call the job makes
     # EC2 calls KMS on the caller's behalf for CMK-encrypted volumes (moto encrypts nothing).
     called |= {*KMS_FOR_EBS_VOLUMES, "kms:CreateGrant"}
     statements = aws_job_policy(AWS_EXAMPLE)["Statement"]

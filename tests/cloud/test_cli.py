@@ -71,6 +71,12 @@ def test_aws_without_a_region_says_how_to_give_one(
     assert capsys.readouterr().err == "trainmover cloud check: error: no AWS region: pass --region or set AWS_REGION\n"
 
 
+def test_aws_only_check_options_are_refused_for_another_provider(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "check", "--provider", "local", "--node-role-arn", "arn:aws:iam::1:role/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apply to `cloud check --provider aws` only" in err
+
+
 def test_azure_without_a_subscription_names_every_missing_setting(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -250,13 +256,14 @@ def _options(provider: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def moto_url() -> Iterator[str]:
-    """moto's server, behind a proxy that adds the placement groups moto lacks (release looks for the job's)."""
-    from tests.cloud.aws_servers import PlacementGroups, fault_proxy, moto_server
+    """moto's server, behind a proxy that adds the placement groups (release looks for the job's) and the IAM policy
+    simulator (check asks it) that moto lacks."""
+    from tests.cloud.aws_servers import IamSimulator, PlacementGroups, fault_proxy, moto_server
 
     with moto_server() as url, fault_proxy(url) as proxy:
         PlacementGroups().install(proxy)
+        IamSimulator().install(proxy)
         yield proxy.url
-
 
 
 
@@ -274,8 +281,11 @@ def test_aws_check_describe_and_release_through_the_cli(
     ami = _an_ami(moto_url)
     aws = ["--provider", "aws", "--endpoint-url", moto_url]
 
-    assert main(["cloud", "check", *aws, "--image", ami]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("aws: all ")
+    role = "arn:aws:iam::123456789012:role/trainmover-node"
+    assert main(["cloud", "check", *aws, "--image", ami, "--node-role-arn", role]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("aws: all ")
+    assert any(" iam:PassRole" in line for line in out)  # the simulation asked about the node role
 
     provider = make_provider("aws", region="us-east-1", endpoint_url=moto_url, image=ami)
     job = "job-cli-aws"
