@@ -17,6 +17,7 @@ import pytest
 # urllib3's first import probes IPv6 by binding a socket to ::1: done here, before any test, not inside whichever
 # test imports it first (a developer-tier test would then fail its tier check, depending on the order).
 import urllib3  # noqa: F401
+from threadpoolctl import threadpool_limits
 
 from tests.tiers import GROUPS, MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
 
@@ -113,7 +114,10 @@ class _FixtureWatch:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    with _observer.watching("test", _test_id(item)):
+    # One OpenMP and one BLAS thread in this process (scikit-learn, NumPy, torch in-process): beside the other worker's
+    # jobs, a team of OpenMP threads spin-waits for a core and a fit runs about 4x slower (the predictor's tests:
+    # 52 s against 14 s, the machine loaded). Processes the tests start keep their own settings.
+    with threadpool_limits(limits=1), _observer.watching("test", _test_id(item)):
         return (yield)
 
 

@@ -66,12 +66,29 @@ def events_of(result: JobResult, kind: type[E]) -> list[E]:
 _REFERENCES: dict[tuple[int, int, str, tuple[str, ...]], str] = {}
 
 
+PACING = frozenset({"--pace-ms", "--pace-end-factor", "--step-ms", "--step-ms-until-gen", "--full-speed-file"})
+"""The scenario's options that only add wall time (tests/runtime/scripts/scenario.py): a reference runs without them."""
+
+
+def without_pacing(script_args: tuple[str, ...]) -> tuple[str, ...]:
+    """`script_args` less the pacing options and their values (each is `--option VALUE`)."""
+    kept: list[str] = []
+    words = iter(script_args)
+    for word in words:
+        if word in PACING:
+            next(words, None)
+        elif word.split("=", 1)[0] not in PACING:
+            kept.append(word)
+    return tuple(kept)
+
+
 def clean_digest(nproc: int, steps: int, script: Path = TINY_JOB, script_args: tuple[str, ...] = ()) -> str:
-    """The final-state digest of an uninterrupted run with the same seed, world size, steps and script."""
-    key = (nproc, steps, str(script), script_args)
+    """The final-state digest of an uninterrupted run with the same seed, world size, steps and script (run at full
+    speed: pacing changes no number)."""
+    key = (nproc, steps, str(script), without_pacing(script_args))
     OBSERVER.needs([sys.executable, str(script)])  # a job, whether this call runs it or the cache holds it
     if key not in _REFERENCES:
-        result = run_job(nproc=nproc, standby=0, steps=steps, script=script, script_args=script_args)
+        result = run_job(nproc=nproc, standby=0, steps=steps, script=script, script_args=key[3])
         assert result.exit_code == 0, result.message
         digests = set(result.digests.values())
         assert len(result.digests) == nproc and len(digests) == 1, "replicas of a clean run must agree"
