@@ -77,19 +77,25 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float)
 
 
 @contextlib.contextmanager
-def azurite_service(*containers: str) -> Iterator[str]:
+def azurite_service(*containers: str, oauth_tls: tuple[Path, Path] | None = None) -> Iterator[str]:
     """Azurite's blob service on a free port of 127.0.0.1 with `containers` made, stopped afterwards; yields the
-    connection string of its development account."""
+    connection string of its development account.
+
+    `oauth_tls` (certificate, key): HTTPS with that certificate, and Azure AD bearer tokens accepted beside the
+    account key (`--oauth basic`: a token's audience, issuer and lifetime are checked, not its signature), which is
+    what Get User Delegation Key needs. The clients must then trust the certificate (`connection_verify`)."""
 
     command = azurite_blob()
     port = free_port()
+    tls = ["--oauth", "basic", "--cert", str(oauth_tls[0]), "--key", str(oauth_tls[1])] if oauth_tls else []
+    scheme = "https" if oauth_tls else "http"
     with tempfile.TemporaryDirectory(prefix="tm-azurite-") as workspace:
         log_path = Path(workspace) / "azurite.log"
         with open(log_path, "wb") as log:
             t0 = time.monotonic()
             process = subprocess.Popen(
                 [command, "--silent", "--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck",
-                 "--blobHost", "127.0.0.1", "--blobPort", str(port)],
+                 "--blobHost", "127.0.0.1", "--blobPort", str(port), *tls],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workspace)
         try:
             if not wait_for_port(port, process, START_S):
@@ -97,9 +103,10 @@ def azurite_service(*containers: str) -> Iterator[str]:
                 pytest.fail(f"Azurite ({command}) did not answer on port {port} within {START_S:.0f} s (exit code "
                             f"{process.poll()}; its output: {output or 'none'}): {INSTALL}")
             print(f"Azurite's blob service answered in {time.monotonic() - t0:.2f} s")
-            connection_string = (f"DefaultEndpointsProtocol=http;AccountName={DEV_ACCOUNT};AccountKey={DEV_KEY};"
-                                 f"BlobEndpoint=http://127.0.0.1:{port}/{DEV_ACCOUNT};")
-            service = BlobServiceClient.from_connection_string(connection_string)
+            connection_string = (f"DefaultEndpointsProtocol={scheme};AccountName={DEV_ACCOUNT};AccountKey={DEV_KEY};"
+                                 f"BlobEndpoint={scheme}://127.0.0.1:{port}/{DEV_ACCOUNT};")
+            verify = {"connection_verify": str(oauth_tls[0])} if oauth_tls else {}
+            service = BlobServiceClient.from_connection_string(connection_string, **verify)
             for name in containers:
                 service.create_container(name)
             yield connection_string
