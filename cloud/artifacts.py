@@ -310,18 +310,24 @@ def render_fetch(artifacts: Sequence[Artifact], directory: str, *, attempts: int
     return lines
 
 
-PYTHONS = ("/opt/conda/envs/pytorch/bin/python", "/opt/conda/bin/python",
+BAKED_PYTHON = "/opt/trainmover/python/bin/python"
+"""The Python environment a baked image carries when its base had none with the job's torch (cloud.image)."""
+PYTHONS = (BAKED_PYTHON, "/opt/conda/envs/pytorch/bin/python", "/opt/conda/bin/python",
            "/anaconda/envs/azureml_py310_sdkv2/bin/python", "python3.13", "python3.12", "python3.11", "python3")
-"""Where the image's Python is looked for, first found first: the Deep Learning AMI's conda environment (torch
-lives there), a conda base, the Azure DSVM's, then the system's."""
+"""Where the image's Python is looked for, first found first: a baked image's own (cloud.image), the Deep Learning
+AMI's conda environment (torch lives there), a conda base, the Azure DSVM's, then the system's."""
 
 
-def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, int] = (3, 11)) -> list[str]:
+def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, int] = (3, 11), *,
+                         torch_version: str | None = None, required: bool = True) -> list[str]:
     """Bash lines that set `tm_python` to the first of `pythons` that exists, is at least `minimum` and imports
-    torch, or exit 1 naming what each candidate lacked."""
+    torch (of `torch_version`, local tag aside, when given), or exit 1 naming what each candidate lacked; with
+    `required` False, leave `tm_python` empty instead."""
     want = f"{minimum[0]}.{minimum[1]}"
+    pinned = (f"; v = torch.__version__.split('+')[0]; assert v == {torch_version!r}, 'torch ' + v"
+              if torch_version else "")
     check = (f"import sys; assert sys.version_info >= {minimum!r}, sys.version.split()[0]; "
-             "import torch  # noqa")
+             f"import torch{pinned}  # noqa")
     lines = [
         'tm_python=""',
         'tm_tried=""',
@@ -333,17 +339,22 @@ def render_python_select(pythons: Sequence[str] = PYTHONS, minimum: tuple[int, i
         "  fi",
         '  tm_tried="$tm_tried $candidate ($(echo "$why" | tail -n 1))"',
         "done",
-        'if [ -z "$tm_python" ]; then',
-        f'  echo "trainmover: this image has no Python {want}+ with torch installed '
-        f'(tried:${{tm_tried:- none found}}): use an image with one (docs/cloud-bootstrap.md, the image contract)" >&2',
-        "  exit 1",
-        "fi",
     ]
+    if required:
+        lines += [
+            'if [ -z "$tm_python" ]; then',
+            f'  echo "trainmover: this image has no Python {want}+ with torch installed '
+            f'(tried:${{tm_tried:- none found}}): use an image with one (docs/cloud-bootstrap.md, the image '
+            'contract)" >&2',
+            "  exit 1",
+            "fi",
+        ]
     return lines
 
 
 __all__ = [
     "AZ_CONNECTION_STRING",
+    "BAKED_PYTHON",
     "PYTHONS",
     "S3_PREFIX",
     "URL_TTL_S",

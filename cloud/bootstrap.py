@@ -72,6 +72,8 @@ SERVICE_USER = "trainmover"
 ORPHAN_TIMEOUT_S = 900.0
 """The hosts' dead-man's switch: no coordinator of the job reachable for this long powers the host off."""
 INSTALL_ATTEMPTS = 3
+IMPORTED_FROM_THE_IMAGE = ("torch", "numpy", "pydantic", "cryptography", "blake3")
+"""TrainMover's dependencies (pyproject.toml), which the image provides: its wheel is installed without them."""
 ORPHANED_EXIT = 5
 """`runtime.host.agent.ORPHANED_EXIT`: the agent's status once its dead-man's switch fired (written twice: cloud
 imports nothing of the runtime; a test checks they agree)."""
@@ -465,6 +467,15 @@ def render_coordinator_start(spec: AgentBootstrap) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_service_user() -> list[str]:
+    """Bash lines that make the unprivileged user the agent runs as, and its working directory (idempotent)."""
+    return [
+        f"id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --no-create-home --home-dir {WORK} "
+        f"--shell /usr/sbin/nologin {SERVICE_USER}",
+        f"mkdir -p {WORK} && chown {SERVICE_USER}: {WORK} && chmod 0750 {WORK}",
+    ]
+
+
 def render_install(spec: AgentBootstrap) -> str:
     """The once-per-instance installer: the job's service user, the image's Python (a Deep Learning AMI's or
     DSVM's conda environment first; 3.11+ with torch, or one clear failure), a venv over it that sees its packages,
@@ -476,9 +487,7 @@ def render_install(spec: AgentBootstrap) -> str:
         f"# Rendered by cloud.bootstrap for job {spec.job_id}: install TrainMover and the job's files.",
         "set -euo pipefail",
         "umask 022",
-        f"id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --no-create-home --home-dir {WORK} "
-        f"--shell /usr/sbin/nologin {SERVICE_USER}",
-        f"mkdir -p {WORK} && chown {SERVICE_USER}: {WORK} && chmod 0750 {WORK}",
+        *render_service_user(),
         *render_python_select(),
         f'"$tm_python" -m venv --system-site-packages {VENV}',
         # A venv made from a venv (or a conda env) sees the base interpreter's packages only: point it at the
@@ -508,7 +517,11 @@ def render_install(spec: AgentBootstrap) -> str:
         target = spec.script
         lines += [f"mkdir -p {_q(target.rsplit('/', 1)[0] or '/')}",
                   f"install -m 0644 {_q(DIST + '/' + spec.script_file.name)} {_q(target)}"]
-    lines.append(f'"{VENV}/bin/python" -c "import runtime, cloud"  # the install works, or the unit never starts')
+    # The install works, or the unit never starts: the wheel came without its dependencies, so the image's own are
+    # imported too (a missing one fails here, at boot, not at the job's first handoff).
+    lines.append(f'"{VENV}/bin/python" -c "import {", ".join(IMPORTED_FROM_THE_IMAGE)}, runtime, cloud" || '
+                 '{ echo "trainmover: the image lacks a package TrainMover needs (above); bake it in '
+                 '(docs/cloud-bootstrap.md, Baking a host image)" >&2; exit 1; }')
     return "\n".join(lines) + "\n"
 
 
