@@ -13,11 +13,12 @@ In one run:
    The burst-aware pool (`policy.bursts`, a compound Poisson count fitted on the first half) is judged the same
    way on every fleet and trace.
 4. The chosen policy with its fall-back (`policy.history.evaluate_trace`): on each real trace a history-only model
-   fitted on the first half, the burst-aware learned policy and the burst-aware pool are kept only with an edge
+   fitted on the first half, the burst-aware learned policy, the burst-aware pool and the reactive hold
+   (`policy.reactive`) are kept only with an edge
    inside the first half (at three rolling origins, larger than the spread between them), else the static cheapest
    there is run; judged on the second half. The same on bursty synthetic fleets of the held-out seeds
    (`burst_share` 0.3), there with a predictor trained on bursty fleets of the training seeds (telemetry hazards,
-   alone and with the burst tail).
+   alone and with the burst tail, beside the reactive hold).
 5. Spot standbys: the cheapest pool on each real trace with and without the spot tier (`tuning.sweep`, hindsight),
    and the static chosen on the first half with and without spot, judged on the second (`verdict.choose_static`),
    on the real traces and the bursty held-out fleets, with where the chosen static's cost goes and the best that
@@ -53,6 +54,7 @@ from policy.pipeline import (
     train_predictor,
 )
 from policy.predictor import FailurePredictor
+from policy.reactive import fit_reactive_hold
 from policy.simulator import (
     HazardPolicy,
     Oracle,
@@ -152,13 +154,15 @@ def _bursty_choices(n_nodes: int, days: float, held_out: tuple[int, ...], teleme
         table = hazard_table(model.predict_proba(features.X)[:, 1], features)
 
         def candidates(
-            until_h: float, trace: FaultTrace = trace, table: HazardTable = table
+            until_h: float, trace: FaultTrace = trace, table: HazardTable = table,
+            nodes: tuple[str, ...] = tuple(fleet.node_ids),
         ) -> dict[str, StandbyPolicy]:
             head, _ = split_trace(trace, until_h)
             lead = job_costs(n_nodes).lead_time_h
             return {
                 "learned": learned_policy(table, lead),
                 "learned-burst": burst_aware_learned(table.hazard_fn(lead), head, lead, name="learned-burst"),
+                "reactive-hold": fit_reactive_hold(head, job_costs(n_nodes), nodes),
             }
 
         started = time.perf_counter()

@@ -280,6 +280,11 @@ def add_policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="share of the window, from its start, on which the reference static is chosen; the rest is judged "
         "(default: %(default)s)",
     )
+    ev.add_argument(
+        "--candidates",
+        help="with --trace: the candidates to fit and judge, comma-separated (default: all of learned-history, "
+        "learned-burst, burst-aware, reactive-hold)",
+    )
     ev.add_argument("--json", metavar="FILE", help="also write the evaluation as JSON")
     _add_cost_flags(ev)
     ev.set_defaults(nodes=None)  # 256 for a synthetic fleet; a trace's own size (required for a CSV)
@@ -614,7 +619,7 @@ def _score_line(name: str, score: ModelScore) -> str:
 
 
 def _evaluate_trace(ns: argparse.Namespace) -> int:
-    from policy.history import INNER_ORIGINS, evaluate_trace
+    from policy.history import CANDIDATES, INNER_ORIGINS, evaluate_trace
     from policy.pipeline import baseline_policies
     from policy.simulator import format_table
 
@@ -623,6 +628,10 @@ def _evaluate_trace(ns: argparse.Namespace) -> int:
             "--model and --trace: a trace has no telemetry for a saved model; leave --model out (a history-only "
             "model is fitted on the trace's training part)"
         )
+    only = CANDIDATES if ns.candidates is None else tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
+    unknown = sorted(set(only) - set(CANDIDATES))
+    if unknown or not only:
+        raise PolicyUsageError(f"--candidates {ns.candidates!r}: name one or more of {', '.join(CANDIDATES)}")
     ns.job_nodes = None
     trace = _trace(ns)
     costs = _costs(ns, trace.n_nodes)
@@ -632,7 +641,8 @@ def _evaluate_trace(ns: argparse.Namespace) -> int:
         raise PolicyUsageError(f"--horizon-h {horizon_h:g}: must be > 0 hours, e.g. 3")
     try:
         result = evaluate_trace(
-            trace, costs, baseline_policies(costs.tiers), train_fraction=ns.train_fraction, horizon_h=horizon_h
+            trace, costs, baseline_policies(costs.tiers), train_fraction=ns.train_fraction, horizon_h=horizon_h,
+            only=only,
         )
     except ValueError as exc:
         raise PolicyUsageError(f"--trace {ns.trace}: {exc}") from None
@@ -647,6 +657,8 @@ def _evaluate_trace(ns: argparse.Namespace) -> int:
         ratio = "-" if math.isnan(c.cost_ratio) else f"{c.cost_ratio:.3f} +- {c.spread:.3f}"
         stretches = " ".join(f"{r:.3f}" for r in c.stretch_ratios)
         print(f"  {c.candidate:<16} mean inner ratio {ratio:>14}  ({stretches})  {mark}")
+    for name, what in result.fitted.items():
+        print(f"  {name} fitted on the training part: {what}")
     shown = result.judgements.get(result.chosen) or next(iter(result.judgements.values()))
     print("test part ('*': Pareto frontier of the judged hours):")
     print(format_table(shown.test_rows))
@@ -667,6 +679,8 @@ def _evaluate(ns: argparse.Namespace) -> int:
         raise PolicyUsageError(f"--train-fraction {ns.train_fraction:g}: must lie strictly between 0 and 1, e.g. 0.5")
     if ns.trace is not None:
         return _evaluate_trace(ns)
+    if ns.candidates is not None:
+        raise PolicyUsageError("--candidates applies to --trace: a synthetic fleet is judged with --model")
     if ns.model is None:
         raise PolicyUsageError(
             "--model is required for a synthetic fleet (write one with `trainmover policy train`), or pass --trace"

@@ -10,7 +10,8 @@ edge on the data it was fitted on:
    of the training part whose label is known there (`fit_history_model`).
 2. Candidates, each fitted on training data only: the learned policy on those hazards (`learned-history`), the
    burst-aware learned policy (the same hazards for the single failures plus a compound-Poisson tail of the
-   clusters, `bursts.burst_aware_learned`) and the burst-aware pool (`bursts.BurstAwarePool`).
+   clusters, `bursts.burst_aware_learned`), the burst-aware pool (`bursts.BurstAwarePool`) and the reactive hold
+   (one more warm standby for a while after each failure, `reactive.ReactiveHold`).
 3. The edge check, on the training part alone, at several rolling origins (`INNER_ORIGINS`): at each origin every
    candidate is fitted on the training part before it and judged on the stretch up to the next origin (or to the
    end of the training part) against the static it would fall back to there, the one cheapest per useful hour
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +40,7 @@ from policy.costs import StandbyCosts
 from policy.features import DEFAULT_HORIZON_H, REPAIR_CAP_H
 from policy.learned import HazardTable, learned_policy
 from policy.predictor import FailurePredictor
+from policy.reactive import fit_reactive_hold
 from policy.simulator import ComparisonRow, StandbyPolicy, fleet_node_ids
 from policy.traces import FaultTrace, split_trace
 from policy.verdict import DEFAULT_TRAIN_FRACTION, Judgement, cheapest_static, judge
@@ -52,7 +54,8 @@ training part, so that each holds some failures even on a short trace."""
 MAX_TRAINING_ROWS = 300_000
 """Training rows are taken every hour per node, or sparser (up to every 6 h) so that they stay about this many:
 hourly rows of a year-long fleet are millions and add little."""
-CANDIDATES = ("learned-history", "learned-burst", "burst-aware")
+CANDIDATES = ("learned-history", "learned-burst", "burst-aware", "reactive-hold")
+"""The candidates `evaluate_trace` fits and judges (`--candidates` picks some)."""
 
 
 def history_features(trace: FaultTrace, hours: npt.ArrayLike, node_ids: Sequence[str]) -> npt.NDArray[np.float64]:
@@ -149,11 +152,17 @@ def history_table(
 
 
 def candidates(
-    trace: FaultTrace, fit_until_h: float, costs: StandbyCosts, node_ids: Sequence[str], *, horizon_h: float
+    trace: FaultTrace, fit_until_h: float, costs: StandbyCosts, node_ids: Sequence[str], *, horizon_h: float,
+    only: Sequence[str] = CANDIDATES,
 ) -> dict[str, StandbyPolicy]:
-    """Every candidate fitted on the hours before `fit_until_h` of `trace` (hazards read on the trace's clock)."""
+    """The candidates in `only`, each fitted on the hours before `fit_until_h` of `trace` (hazards read on the
+    trace's clock)."""
     head, _ = split_trace(trace, fit_until_h)
     out: dict[str, StandbyPolicy] = {}
+    if "reactive-hold" in only and head.records:
+        out["reactive-hold"] = fit_reactive_hold(head, costs, node_ids)
+    if not {"learned-history", "learned-burst", "burst-aware"} & set(only):
+        return out
     model = fit_history_model(trace, fit_until_h, horizon_h=horizon_h, node_ids=node_ids)
     if model is not None:
         every_h = decision_every_h(trace)
@@ -261,6 +270,8 @@ class TraceEvaluation:
     """One sentence: kept or fell back, and the figures."""
     judgements: dict[str, Judgement]
     """Every candidate refitted on the training part and judged on the test part (for the record)."""
+    fitted: dict[str, str] = field(default_factory=dict)
+    """What a candidate chose on the training part, in words, where it says (`ReactiveHold.description`)."""
 
     def to_dict(self) -> dict[str, object]:
         from policy.pipeline import rows_json
@@ -307,7 +318,7 @@ def evaluate_trace(
             raise ValueError(f"candidates {unknown or 'none'}: pick from {', '.join(CANDIDATES)}")
 
         def make_candidates(until_h: float) -> dict[str, StandbyPolicy]:
-            return candidates(trace, until_h, costs, nodes, horizon_h=horizon_h)
+            return candidates(trace, until_h, costs, nodes, horizon_h=horizon_h, only=only)
 
     split_h = train_fraction * trace.duration_h
     fitted = [make_candidates(o * split_h) for o in origins]
@@ -365,4 +376,5 @@ def evaluate_trace(
         edge_checks=tuple(checks),
         summary=summary,
         judgements=judgements,
+        fitted={n: str(p.description) for n, p in final.items() if hasattr(p, "description")},
     )
