@@ -376,6 +376,9 @@ class LaunchConfig:
         "--backend", "gloo (CPU) or nccl (one GPU per process: workers and standbys alike; default %(default)s)"))
     events_path: str | None = field(default=None, metadata=flag(
         "--events", "write membership and recovery events as JSON lines", metavar="FILE"))
+    metrics: str | None = field(default=None, metadata=flag(
+        "--metrics", "serve the job's Prometheus metrics at http://HOST:PORT/metrics while it runs (docs/metrics.md; "
+        "needs the metrics extra)", metavar="HOST:PORT"))
     rank_logs: str | None = field(default=None, metadata=flag(
         "--rank-logs", "collect every process's output here, one file per rank that follows the rank across "
         "failovers (rank-R.log; standby-NAME.log before a promotion)", metavar="DIR"))
@@ -495,6 +498,13 @@ class LaunchConfig:
         if self.agents:
             try:
                 self.host_timing().validate()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.metrics is not None:
+            from runtime.control.metrics import parse_address
+
+            try:
+                parse_address(self.metrics)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         if self.store and not self.agents:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -35,6 +36,9 @@ from runtime.wire.auth import ENV_SECRET, Sealer
 from runtime.wire.events import EventLog
 from runtime.wire.netaddr import interface_of
 from runtime.wire.tunnel import StoreDoor, StoreGate, TunnelError, is_loopback
+
+if TYPE_CHECKING:
+    from runtime.control.metrics import JobMetrics
 
 log = logging.getLogger("trainmover.launcher")
 
@@ -214,13 +218,19 @@ def launch(cfg: LaunchConfig) -> JobResult:
         server, gate = open_store(cfg.host, cfg.port, token)
         public_port = gate.port if gate is not None else server.port
     events = EventLog(cfg.events_path)
+    metrics: JobMetrics | None = None
     try:
+        metrics = _serve_metrics(cfg)
+        if metrics is not None:
+            events.listeners.append(metrics.observe)
         if cfg.store:
             pool, lease = start_pool_on_store(cfg, server, token, tls)
         else:
             pool = (start_host_pool if cfg.agents else start_local_pool)(cfg, public_port, token, tls)
     except ConfigError:
         events.close()
+        if metrics is not None:
+            metrics.close()
         for closing in (gate, door):
             if closing is not None:
                 closing.close()
@@ -238,6 +248,8 @@ def launch(cfg: LaunchConfig) -> JobResult:
     coordinator: Coordinator | None = None
     try:
         coordinator = Coordinator(settings, server, pool, events, lease=lease)
+        if metrics is not None:
+            coordinator.on_progress = metrics.committed
         if gate is not None:  # refused connections counted and reported with the refused records
             gate.on_refused = coordinator.records.sealer.refuse
         if lease is not None and lease.previous is not None:
@@ -256,6 +268,8 @@ def launch(cfg: LaunchConfig) -> JobResult:
             if closing is not None:
                 closing.close()
         events.close()
+        if metrics is not None:
+            metrics.close()
         if scratch is not None:
             scratch.cleanup()
     if result.exit_code == 0:
@@ -263,6 +277,25 @@ def launch(cfg: LaunchConfig) -> JobResult:
     else:
         log.error("%s", result.message)
     return result
+
+
+def _serve_metrics(cfg: LaunchConfig) -> JobMetrics | None:
+    """The job's Prometheus endpoint (`--metrics HOST:PORT`), listening; None without the flag."""
+    if cfg.metrics is None:
+        return None
+    from runtime.control.metrics import JobMetrics, MetricsUnavailable, parse_address
+
+    host, port = parse_address(cfg.metrics)
+    try:
+        metrics = JobMetrics(cfg.job_id)
+        bound = metrics.serve(host, port)
+    except MetricsUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--metrics {cfg.metrics}: cannot listen there ({exc.strerror or exc}): pick a free port "
+                          "of an address of this machine") from None
+    log.info("job %s: Prometheus metrics at http://%s:%d/metrics", cfg.job_id, host, bound)
+    return metrics
 
 
 def start_host_pool(cfg: LaunchConfig, store_port: int, token: str, tls: tuple[str, str, str] | None) -> HostPool:

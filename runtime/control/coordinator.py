@@ -288,6 +288,8 @@ class Coordinator:
         tick, and every generation is claimed through it; None: the store lives and dies with this process."""
         self.deposed = False
         """Another coordinator took the job over: this one leaves the processes and the store alone."""
+        self.on_progress: Callable[[int], None] | None = None
+        """Told, at each health tick, the step the members' heartbeats published (the job's metrics)."""
         self.store = store
         self.pool = pool
         self.events = events
@@ -569,6 +571,8 @@ class Coordinator:
                 self._poll_health(now)
                 self._poll_control()
                 self._tick_chaos(now)
+            if self.on_progress is not None and (progress := self.records.get_record(keys.k_progress(), Progress)):
+                self.on_progress(progress.step)
         if due or busy or exited:
             self._health_due = due
             return self._progress(now)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -29,6 +29,8 @@ class EventLog:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.events: list[Event] = []
+        self.listeners: list[Callable[[Event], None]] = []
+        """Called with each event once it is written (the job's metrics, runtime.control.metrics)."""
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         if path is not None:
@@ -41,6 +43,8 @@ class EventLog:
             if self._file is not None:
                 self._file.write(json.dumps(event.to_dict()) + "\n")
                 self._file.flush()
+            for listener in self.listeners:
+                listener(event)
         return event
 
     def of_type(self, cls: type[E]) -> list[E]:
