@@ -124,6 +124,15 @@ class Flag:
     """A positional that takes every argument left (the script's arguments)."""
 
 
+def metrics_address(text: str) -> tuple[str, int]:
+    """HOST:PORT of `--metrics` (runtime.control.metrics); ValueError saying what to give."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--metrics must be HOST:PORT (for example 127.0.0.1:9464; port 0 picks a free one), got "
+                         f"{text!r}")
+    return host.strip("[]"), int(port)
+
+
 def flag(name: str, help: str, **kw: Any) -> dict[str, Flag]:
     """The metadata of a field that is an option: `field(default=..., metadata=flag("--x", "what it does"))`."""
     return {"flag": Flag(name, help, **kw)}
@@ -501,10 +510,8 @@ class LaunchConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         if self.metrics is not None:
-            from runtime.control.metrics import parse_address
-
             try:
-                parse_address(self.metrics)
+                metrics_address(self.metrics)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         if self.store and not self.agents:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from runtime.config import ConfigError, LaunchConfig, ProcessConfig
+from runtime.config import ConfigError, LaunchConfig, ProcessConfig, metrics_address
 from runtime.control.coordinator import Coordinator, CoordinatorSettings, JobFailed, JobResult, configure_logging
 from runtime.control.hosts import Host, HostPool, HostTiming, RemoteProcess
 from runtime.control.lease import Lease, LeaseError
@@ -283,9 +283,9 @@ def _serve_metrics(cfg: LaunchConfig) -> JobMetrics | None:
     """The job's Prometheus endpoint (`--metrics HOST:PORT`), listening; None without the flag."""
     if cfg.metrics is None:
         return None
-    from runtime.control.metrics import JobMetrics, MetricsUnavailable, parse_address
+    from runtime.control.metrics import JobMetrics, MetricsUnavailable
 
-    host, port = parse_address(cfg.metrics)
+    host, port = metrics_address(cfg.metrics)
     try:
         metrics = JobMetrics(cfg.job_id)
         bound = metrics.serve(host, port)

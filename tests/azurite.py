@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from azure.storage.blob import BlobServiceClient
 
+from tests.servers import stop
+
 AZURITE_VERSION = "3.37.0"
 AZURITE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainmover" / \
     f"azurite-{AZURITE_VERSION}"
@@ -111,9 +113,4 @@ def azurite_service(*containers: str, oauth_tls: tuple[Path, Path] | None = None
                 service.create_container(name)
             yield connection_string
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop(process)

@@ -189,13 +189,4 @@ class JobMetrics:
             self._server = None
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT of `--metrics`; ValueError saying what to give."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--metrics must be HOST:PORT (for example 127.0.0.1:9464; port 0 picks a free one), got "
-                         f"{text!r}")
-    return host.strip("[]"), int(port)
-
-
-__all__ = ["CAUSES", "PHASES", "JobMetrics", "MetricsUnavailable", "cause_label", "parse_address"]
+__all__ = ["CAUSES", "PHASES", "JobMetrics", "MetricsUnavailable", "cause_label"]

@@ -19,7 +19,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.control.metrics import CAUSES, PHASES, JobMetrics, cause_label, parse_address
+from runtime.config import metrics_address
+from runtime.control.metrics import CAUSES, PHASES, JobMetrics, cause_label
 from runtime.wire.event_records import (
     Coverage,
     GenerationStarted,
@@ -33,6 +34,7 @@ from runtime.wire.event_records import (
     UntrustedValue,
 )
 from tests.runtime.test_control import running
+from tests.servers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "metrics.md"
@@ -102,10 +104,10 @@ def test_every_metric_is_documented_and_every_label_is_bounded() -> None:
     assert {cause_label(c) for c in ("exit code -9", "hung", "host h1 lost", "spot notice", "planned_move: x",
                                      "weird")} <= set(CAUSES)
     assert len(PHASES) == 5
-    assert parse_address("127.0.0.1:0") == ("127.0.0.1", 0) and parse_address("[::1]:9464") == ("::1", 9464)
+    assert metrics_address("127.0.0.1:0") == ("127.0.0.1", 0) and metrics_address("[::1]:9464") == ("::1", 9464)
     for bad in ("9464", ":9464", "host:port", "h:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
-            parse_address(bad)
+            metrics_address(bad)
 
 
 def _free_port() -> int:
@@ -145,12 +147,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, int]]:
             time.sleep(0.1)
         yield url, target
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc, grace_s=20)
         log.close()
 
 

@@ -91,8 +91,12 @@ def test_a_script_that_leaves_before_joining_stops_the_job_with_one_message(mode
 
 @pytest.mark.untimed
 def test_losing_both_workers_at_once_stops_the_job_and_says_the_state_is_gone() -> None:
+    # Both killed as they enter step 5's exchange. Rank 1 can miss its own: when rank 0's death is published before
+    # rank 1 ends its backward pass (a loaded machine), rank 1 leaves step 5 for the next generation, as the only
+    # holder of the state (seen in CI). Then it dies as it starts to send it: the state is gone either way.
     result = run_job(nproc=2, standby=2, steps=12,
-                     faults="kill:rank=0,step=5,phase=exchange;kill:rank=1,step=5,phase=exchange")
+                     faults="kill:rank=0,step=5,phase=exchange;kill:rank=1,step=5,phase=exchange;"
+                            "kill:rank=1,phase=handoff_send")
     assert result.exit_code == 1
     assert "every copy of the training state was lost" in result.message
     assert len(events_of(result, GenerationStarted)) <= 2  # generation 0, at most one attempt: no rebuild loop
