@@ -8,6 +8,7 @@ Every process runs this file, standbys too: they build the same model, warm up, 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--min-step-ms", type=float, default=0.0,
+                        help="wall time each step takes at least (a sleep after a faster one: a bigger model's pace "
+                             "without its CPU, numbers unchanged); the demo's drill needs the run to outlast it")
     args = parser.parse_args()
 
     job = tm.init()  # joins the job; a standby learns here that it is one
@@ -47,10 +51,14 @@ def main() -> None:
     data = tm.ShardedLoader(make_dataset(), batch_size=args.batch_size, seed=0)
 
     trainer = tm.Trainer(model, optimizer, loss_fn, data, scheduler=scheduler, seed=0)
+    last = time.monotonic()
     for result in trainer.fit(args.steps):
         if result.rank == 0 and result.step % 10 == 0:
             print(f"step {result.step:4d}  loss {result.loss:.4f}  world {result.world_size}  "
                   f"generation {result.generation}", flush=True)
+        if args.min_step_ms > 0:
+            time.sleep(max(0.0, last + args.min_step_ms / 1000 - time.monotonic()))
+        last = time.monotonic()
     if trainer.rank == 0:
         print(f"{job.proc}: done, state digest {trainer.digest}", flush=True)
 

@@ -34,6 +34,9 @@ def demo_run(steps: int = 1500) -> Any:
         job_nodes=512,
         standby=StandbyLimits(min_warm=0, max_warm=2, max_stopped=1),
         script=str(Path(examples.train_mlp.__file__)),
+        # At least 12 ms a step (18 s for 1,500): on an idle machine the tiny model trains faster than the drill's
+        # wall-clock telemetry degrades a node, and the second kill found training already over.
+        script_args=("--min-step-ms", "12"),
         steps=steps,
     )
 
