@@ -29,6 +29,7 @@ from policy.simulator import (
     static_pools,
 )
 from policy.traces import FaultTrace
+from policy.verdict import cheapest_static
 
 HOLDS_H: tuple[float, ...] = (1.0, 3.0, 6.0, 12.0, 24.0, 48.0, 96.0)
 """The hold times `fit_reactive_hold` tries, in hours."""
@@ -101,9 +102,8 @@ def fit_reactive_hold(
     """On `head` (the hours it may learn from): the cheapest static per useful hour, less one `tier` standby, as
     the base; then the hold time whose policy is cheapest per useful hour there (ties: the shorter hold)."""
     statics: list[StandbyPolicy] = [NoStandby(), *static_pools(costs.tiers)]
-    rows = compare_policies(head, costs, statics, node_ids=node_ids)
-    chosen = min(zip(statics, rows, strict=True), key=lambda pr: (pr[1].cost_per_useful_hour, -pr[1].ettr))[0]
-    pool = chosen if isinstance(chosen, StaticPool) else StaticPool()
+    cheapest = cheapest_static(compare_policies(head, costs, statics, node_ids=node_ids)).name
+    pool = next((p for p in statics if p.name == cheapest and isinstance(p, StaticPool)), StaticPool())
     base = _without_one(pool, tier)
     tried = [ReactiveHold(base, h, tier, label=f"{name}-{h:g}h") for h in holds_h]
     scored = compare_policies(head, costs, list(tried), node_ids=node_ids)

@@ -137,24 +137,19 @@ def _verdicts(results: Iterable[Mapping[str, Any]], question: Question) -> dict[
 
 
 def simulate_job_permissions(
-    api: AwsApi, caller_arn: str, scope: AwsJobScope, budget: RetryBudget, *, skip: Iterable[str] = ()
+    api: AwsApi, caller_arn: str, scope: AwsJobScope, budget: RetryBudget
 ) -> list[CheckResult]:
-    """One `CheckResult` per action of the job policy (those in `skip`, checked exactly elsewhere, left out): allowed
-    when the simulator allows it on every resource, in every context, that the job uses it with."""
+    """One `CheckResult` per action of the job policy: allowed when the simulator allows it on every resource, in
+    every context, that the job uses it with."""
     principal = principal_of(caller_arn)
     if principal is None:
         return [CheckResult(SIMULATE, False, f"not verified: {caller_arn} cannot be simulated (the root user or a "
                                              "federated user); run check as the IAM user or role the job will use")]
-    skipped = set(skip)
-    refused: dict[str, str] = {}
-    asked: list[str] = []
+    outcome: dict[str, str | None] = {}
+    """Action -> None while allowed everywhere asked, else its first refusal (in the policy's order)."""
     for question in questions(aws_job_policy(scope)):
-        wanted = tuple(a for a in question.actions if a not in skipped)
-        if not wanted:
-            continue
-        ask = Question(question.sid, wanted, question.resources, question.context)
         try:
-            results = _simulate(api, ask.request(principal), budget)
+            results = _simulate(api, question.request(principal), budget)
         except PermissionDeniedError:
             return [CheckResult(SIMULATE, False, (
                 f"not verified: {principal} may not call {SIMULATE} on itself, so the permissions that have no dry run "
@@ -162,12 +157,10 @@ def simulate_job_permissions(
                 f"allow {SIMULATE} on the principal's own ARN, or run check with credentials that may"))]
         except CloudError as err:
             return [CheckResult(SIMULATE, False, f"not verified: {err}")]
-        for action, why in _verdicts(results, ask).items():
-            if action not in asked:
-                asked.append(action)
-            if why is not None:
-                refused.setdefault(action, why)
-    return [CheckResult(a, a not in refused, refused.get(a, "allowed (IAM policy simulation)")) for a in asked]
+        for action, why in _verdicts(results, question).items():
+            if outcome.get(action) is None:
+                outcome[action] = why
+    return [CheckResult(a, why is None, why or "allowed (IAM policy simulation)") for a, why in outcome.items()]
 
 
 def _simulate(api: AwsApi, params: dict[str, Any], budget: RetryBudget) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ The official client (`prometheus_client`, the `metrics` extra) is imported only 
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from runtime.wire.event_records import (
@@ -119,16 +118,12 @@ class JobMetrics:
             self.resizes.labels(direction=direction)
         self.up.set(1)
         self._hosts: set[str] = set()
-        self._lock = threading.Lock()
         self._server: Any = None
 
     # -- the events ------------------------------------------------------------------------------------------------
-    def observe(self, event: Event) -> None:
-        """Count one event (the coordinator's thread; scrapes read the registry concurrently, as the client allows)."""
-        with self._lock:
-            self._observe(event)
-
-    def _observe(self, e: Event) -> None:
+    def observe(self, e: Event) -> None:
+        """Count one event (called by the event log, one event at a time; scrapes read the registry concurrently, as
+        the client allows)."""
         if isinstance(e, GenerationStarted):
             self.generation.set(e.generation)
             self.workers.set(e.world_size)
