@@ -70,6 +70,7 @@ def recovery_metrics(deaths: Sequence[tuple[float, float]], reports: Sequence[Re
         "detect_s": deaths[0][1] - failure_at,
         "reconfigure_s": group_ready - declared_at,
         "handoff_s": max(r.handoff_s for r in reports),
+        "handoff_overlapped_s": max(r.handoff_rest_s for r in reports),
         "replay_s": replay_done - handoff_end,
         "warmup_penalty_s": statistics.mean(penalties) if penalties else 0.0,
         # Where reconfiguration went: the slowest member's teardown of the broken group, the barrier, group init.

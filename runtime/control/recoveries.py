@@ -130,6 +130,7 @@ class Recoveries:
             replay_s=m["replay_s"], warmup_penalty_s=m["warmup_penalty_s"],
             reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
             failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
+            handoff_overlapped_s=m["handoff_overlapped_s"],
         ))
         if rec.left_out:
             out = [d for d in rec.deaths if d.proc in rec.left_out]

@@ -402,6 +402,11 @@ class Communicator:
                     return message
         return None
 
+    def keep_stuck(self, objs: list[object]) -> None:
+        """Work of the current group that a thread of this process is still blocked in (a handoff's rest): the group
+        is then kept alive for good at `teardown` rather than destroyed under that thread."""
+        self._stuck.extend(objs)
+
     def take_stuck(self) -> list[object]:
         """The work abandoned in the current group (`wait`), forgotten here: for a caller that fails it itself."""
         stuck, self._stuck = self._stuck, []

@@ -27,6 +27,7 @@ import hmac
 import os
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -275,11 +276,15 @@ class HandoffStats:
     role: str
     bytes: int = 0
     seconds: float = 0.0
+    """Until `start_handoff` returned: the whole handoff, or with `overlap` its first phase (what the member waited
+    for before training on)."""
     refetched: int = 0
     """Chunks that failed their MAC and were fetched again (a receiver's count)."""
     mac_s: float = 0.0
     """Time this member spent computing chunk MACs (a source while its chunks are on the wire, a receiver
-    while later chunks arrive): what authenticating the state costs, inside `seconds`."""
+    while later chunks arrive): what authenticating the state costs, inside `seconds` (and `rest_s`)."""
+    rest_s: float = 0.0
+    """With `overlap`: the optimizer's state, streamed on a thread after `seconds`, beside the replayed step."""
 
 
 def run_handoff(
@@ -293,26 +298,120 @@ def run_handoff(
     handoff cut short (its only source lost) leaves it holding that older state, from which every member can
     replay; without it, a survivor one step behind whose sole source died took the last copy of the state with it.
     `on_own_lost` is called if matching the sender's optimizer layout changed its own state before that."""
+    return start_handoff(plan, session, rank, state, extra, links, keep_own, on_own_lost).wait()
+
+
+class Handoff:
+    """A member's part of a handoff, begun by `start_handoff`: `wait()` ends it. With `overlap`, what the next step's
+    forward and backward passes read has arrived (and is verified and applied) when `start_handoff` returns; the
+    optimizer's state still streams, on a thread of its own, until `wait()`."""
+
+    def __init__(self, stats: HandoffStats, meta: StateMeta | None, rest: Callable[[], None] | None) -> None:
+        self.stats = stats
+        self.meta = meta
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if rest is not None:
+            self._thread = threading.Thread(target=self._run, args=(rest,), name="tm-handoff-rest", daemon=True)
+            self._thread.start()
+
+    def _run(self, rest: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            rest()
+        except BaseException as exc:  # handed to wait(), in the member's own thread
+            self._error = exc
+        self.stats.rest_s = time.perf_counter() - t0
+
+    @property
+    def pending(self) -> bool:
+        """Whether the optimizer's state is still streaming."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> tuple[HandoffStats, StateMeta | None]:
+        """The end of the handoff: this member's stats and, for a receiver, the metadata it applied. Raises what
+        the handoff failed with (`HandoffError`, or `CommFailure` for a lost peer); `timeout_s` bounds the wait
+        (the streaming thread's own waits are bounded by its links' timeout)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise CommFailure(f"handoff interrupted: the optimizer state did not arrive in {timeout_s} s")
+        if self._error is not None:
+            raise _as_handoff_failure(self._error)
+        return self.stats, self.meta
+
+
+def _as_handoff_failure(exc: BaseException) -> BaseException:
+    if isinstance(exc, HandoffError | CommFailure):
+        return exc
+    if isinstance(exc, RuntimeError | OSError):
+        return CommFailure(f"handoff interrupted: {error_text(exc) if isinstance(exc, RuntimeError) else exc}")
+    return exc
+
+
+def _in_optimizer(key: str) -> bool:
+    """Whether a streamed tensor is the optimizer's (`TrainingState.tensors` names them `optim.*`): the part of the
+    state that only the optimizer step reads."""
+    return key.startswith("optim.")
+
+
+def _phases(layout: list[Chunk], keys: list[str], overlap: bool) -> list[list[int]]:
+    """The chunk indices of each phase: everything at once; or (`overlap`) what the forward and backward passes
+    read (the model, the registered state), then the optimizer's state."""
+    if not overlap:
+        return [list(range(len(layout)))]
+    early = [j for j, c in enumerate(layout) if not _in_optimizer(keys[c.tensor])]
+    late = [j for j, c in enumerate(layout) if _in_optimizer(keys[c.tensor])]
+    return [early, late] if late else [early]
+
+
+def start_handoff(
+    plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, extra: Any = None,
+    links: Links | None = None, keep_own: bool = False, on_own_lost: Callable[[], None] | None = None,
+    overlap: bool = False,
+) -> Handoff:
+    """Begin this member's part of the plan (`run_handoff` for the arguments); `Handoff.wait()` ends it.
+
+    `overlap` (not with `keep_own`, and the same in every member of the handoff): the state travels in two phases,
+    each with its chunks, their MACs and its repair round. First the model's tensors and the registered state, with
+    the metadata applied: all that the next step's forward and backward passes read. Then the optimizer's state,
+    on a thread, while the members run those passes; a member waits for it (`Handoff.wait`) before its optimizer
+    step, a source because the step changes what it sends. The replayed step and the larger part of the transfer
+    (Adam's two moments) then overlap instead of following one another."""
     t0 = time.perf_counter()
     links = links or GlooLinks()
-    meta_in: StateMeta | None = None
-    failure: str | None = None
+    overlap = overlap and not keep_own
     stats = HandoffStats("source" if rank in plan.sources else "receiver" if rank in plan.receivers else "none")
+    meta_in: StateMeta | None = None
+    rest: Callable[[], None] | None = None
     try:
         if rank in plan.sources:
-            for receiver in plan.receivers:
-                stats.bytes += _serve(plan, session, rank, receiver, state, extra, links, stats)
+            served = [_open_source(plan, session, rank, receiver, state, extra, links, overlap)
+                      for receiver in plan.receivers]
+            for s in served:
+                stats.bytes += s.serve(0, stats)
+            if any(len(s.phases) > 1 for s in served):
+                def rest() -> None:
+                    for s in served:
+                        stats.bytes += s.serve(1, stats)
         elif rank in plan.receivers:
-            meta_in = _receive(plan, session, rank, state, links, stats, keep_own, on_own_lost)
+            receiving = _open_receiver(plan, session, rank, state, links, keep_own, on_own_lost, overlap)
+            receiving.receive(0, stats)
             stats.bytes = state.state_bytes()
+            if len(receiving.phases) > 1:
+                receiving.finish(0)  # the forward pass may read what arrived; the optimizer's state follows
+                meta_in = receiving.meta
+
+                def rest() -> None:
+                    receiving.receive(1, stats)
+                    receiving.finish(1)
+            else:
+                receiving.finish(None)
+                meta_in = receiving.meta
     except (RuntimeError, OSError) as exc:
-        if isinstance(exc, HandoffError):
-            raise
-        failure = error_text(exc) if isinstance(exc, RuntimeError) else str(exc)
-    if failure is not None:
-        raise CommFailure(f"handoff interrupted: {failure}")
+        raise _as_handoff_failure(exc) from None
     stats.seconds = time.perf_counter() - t0
-    return stats, meta_in
+    return Handoff(stats, meta_in, rest)
 
 
 def _shares(plan: HandoffPlan, n_chunks: int) -> list[list[int]]:
@@ -321,8 +420,50 @@ def _shares(plan: HandoffPlan, n_chunks: int) -> list[list[int]]:
     return [[j for j in range(n_chunks) if j % k == share] for share in range(k)]
 
 
-def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int, state: TrainingState,
-           extra: Any, links: Links, stats: HandoffStats) -> int:
+def _phase_tags(phase: int) -> tuple[int, int, int]:
+    """(MACs, repair request, repair MACs) tags of a phase."""
+    return TAG_MACS + 2 * phase, TAG_REPAIR + phase, TAG_MACS + 2 * phase + 1
+
+
+@dataclass
+class _Serving:
+    """A source's side of the handoff to one receiver, once both proved themselves and the metadata went."""
+
+    plan: HandoffPlan
+    session: HandoffSession
+    receiver: int
+    links: Links
+    key: bytes
+    tensors: list[torch.Tensor]
+    layout: list[Chunk]
+    share: list[int]
+    phases: list[list[int]]
+    sent_chunks: int = 0
+
+    def serve(self, phase: int, stats: HandoffStats) -> int:
+        """Send this source's share of a phase's chunks, their MACs, then what the receiver asks again."""
+        macs_tag, repair_tag, repair_macs_tag = _phase_tags(phase)
+        mine = set(self.share)
+        indices = [j for j in self.phases[phase] if j in mine]
+        sent = _send_chunks(self.session, self.key, self.plan.target_step, self.tensors, self.layout, indices,
+                            self.receiver, macs_tag, self.links, stats, first=self.sent_chunks)
+        self.sent_chunks += len(indices)
+        # The repair round: the receiver names the chunks that failed their MAC and that this source is to resend.
+        count = torch.zeros(1, dtype=torch.int64)
+        self.links.recv(count, self.receiver, repair_tag)
+        if int(count.item()) > 0:
+            wanted = torch.zeros(int(count.item()), dtype=torch.int64)
+            self.links.recv(wanted, self.receiver, repair_tag)
+            asked = wanted.tolist()
+            if any(j not in self.phases[phase] for j in asked if 0 <= j < len(self.layout)):
+                raise HandoffError("the receiver asked again for a chunk of another phase of the handoff")
+            sent += _send_chunks(self.session, self.key, self.plan.target_step, self.tensors, self.layout, asked,
+                                 self.receiver, repair_macs_tag, self.links, stats, repair=True)
+        return sent
+
+
+def _open_source(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int, state: TrainingState,
+                 extra: Any, links: Links, overlap: bool) -> _Serving:
     nonce_r = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
     links.recv(nonce_r, receiver, TAG_NONCE)
     nonce_s = secrets.token_bytes(NONCE_BYTES)
@@ -333,29 +474,22 @@ def _serve(plan: HandoffPlan, session: HandoffSession, rank: int, receiver: int,
     if not hmac.compare_digest(answer.numpy().tobytes(), session.proof("receiver", rank, receiver, r_nonce, nonce_s)):
         raise UntrustedReceiver(receiver)
     key = session.chunk_key()
-    tensors = [t for _, t in state.tensors()]
+    named = state.tensors()
+    tensors = [t for _, t in named]
     if rank == plan.sources[0]:
         payload = state.meta(plan.target_step, extra).to_bytes()
         links.send(torch.tensor([len(payload)], dtype=torch.int64), receiver, TAG_META)
         links.send(_as_tensor(payload + chunk_mac(key, receiver, plan.target_step, -1, payload)), receiver, TAG_META)
     layout = chunk_layout([(list(t.shape), t.element_size()) for t in tensors], session.chunk_bytes)
-    share = plan.sources.index(rank)
-    sent = _send_chunks(session, key, plan.target_step, tensors, layout, _shares(plan, len(layout))[share],
-                        receiver, TAG_MACS, links, stats)
-    # The repair round: the receiver names the chunks that failed their MAC and that this source is to resend.
-    count = torch.zeros(1, dtype=torch.int64)
-    links.recv(count, receiver, TAG_REPAIR)
-    if int(count.item()) > 0:
-        wanted = torch.zeros(int(count.item()), dtype=torch.int64)
-        links.recv(wanted, receiver, TAG_REPAIR)
-        sent += _send_chunks(session, key, plan.target_step, tensors, layout, wanted.tolist(), receiver,
-                             TAG_MACS + 1, links, stats, repair=True)
-    return sent
+    share = _shares(plan, len(layout))[plan.sources.index(rank)]
+    return _Serving(plan, session, receiver, links, key, tensors, layout, share,
+                    _phases(layout, [k for k, _ in named], overlap))
 
 
 def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors: list[torch.Tensor],
                  layout: list[Chunk], indices: list[int], receiver: int, macs_tag: int, links: Links,
-                 stats: HandoffStats, repair: bool = False) -> int:
+                 stats: HandoffStats, repair: bool = False, first: int = 0) -> int:
+    """`first`: chunks this source already sent this receiver (in earlier phases): fault points count on."""
     works = []
     macs = []
     sent = 0
@@ -365,7 +499,7 @@ def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors:
         c = layout[j]
         piece = _slice(tensors[c.tensor].contiguous(), c)
         macs.append(_mac_later(key, receiver, target_step, j, _bytes_of(piece)))  # read-only, beside the send
-        if not repair and session.fault("handoff_send", role="sender", chunk=n + 1):
+        if not repair and session.fault("handoff_send", role="sender", chunk=first + n + 1):
             piece = piece.clone()
             piece.view(torch.uint8)[0] ^= 1  # one bit flipped on the way, after the MAC was taken
         works.append(links.isend(piece, receiver, TAG_CHUNK0 + j))
@@ -383,9 +517,94 @@ def _layout_of(state: TrainingState) -> list[tuple[str, int, tuple[int, ...], to
     return [(k, t.data_ptr(), tuple(t.shape), t.dtype) for k, t in state.tensors()]
 
 
-def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, links: Links,
-             stats: HandoffStats, keep_own: bool = False,
-             on_own_lost: Callable[[], None] | None = None) -> StateMeta:
+@dataclass
+class _Receiving:
+    """A receiver's side of the handoff, once every source proved itself and the metadata arrived."""
+
+    plan: HandoffPlan
+    session: HandoffSession
+    rank: int
+    links: Links
+    state: TrainingState
+    key: bytes
+    meta: StateMeta
+    tensors: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    layout: list[Chunk]
+    phases: list[list[int]]
+    refetched: int = 0
+
+    def receive(self, phase: int, stats: HandoffStats) -> None:
+        """Take a phase's chunks from every source, check each against its MAC as the later ones arrive, and have
+        the bad ones sent again."""
+        plan, links, layout, targets = self.plan, self.links, self.layout, self.targets
+        macs_tag, repair_tag, repair_macs_tag = _phase_tags(phase)
+        indices = self.phases[phase]
+        shares = _shares(plan, len(layout))
+        owner = {j: share for share, mine in enumerate(shares) for j in mine}
+        works = [links.irecv(_slice(targets[layout[j].tensor], layout[j]), plan.sources[owner[j]], TAG_CHUNK0 + j)
+                 for j in indices]
+        expected: dict[int, bytes] = {}
+        wanted = set(indices)
+        for share, source in enumerate(plan.sources):
+            theirs = [j for j in shares[share] if j in wanted]
+            macs = torch.zeros(len(theirs) * TAG_BYTES, dtype=torch.uint8)
+            links.recv(macs, source, macs_tag)
+            raw_macs = macs.numpy().tobytes()
+            expected.update((j, raw_macs[i * TAG_BYTES : (i + 1) * TAG_BYTES]) for i, j in enumerate(theirs))
+        checks = []
+        for j, w in zip(indices, works, strict=True):
+            w.wait()  # in order: each chunk is checked while the later ones are still arriving
+            piece = _bytes_of(_slice(targets[layout[j].tensor], layout[j]))
+            checks.append((j, _mac_later(self.key, self.rank, plan.target_step, j, piece)))
+        bad = []
+        for j, f in checks:
+            got, took = f.result()
+            stats.mac_s += took
+            if not hmac.compare_digest(got, expected[j]):
+                bad.append(j)
+        # The repair round: every source hears which chunks it is to resend (usually none). A bad chunk goes to the
+        # next source after the one that sent it, so that a bad link or a bad source is not asked twice.
+        again: dict[int, list[int]] = {s: [] for s in range(len(plan.sources))}
+        for j in bad:
+            again[(owner[j] + 1) % len(plan.sources)].append(j)
+        for share, source in enumerate(plan.sources):
+            links.send(torch.tensor([len(again[share])], dtype=torch.int64), source, repair_tag)
+            if again[share]:
+                links.send(torch.tensor(again[share], dtype=torch.int64), source, repair_tag)
+        for share, source in enumerate(plan.sources):
+            if not again[share]:
+                continue
+            redo = [links.irecv(_slice(targets[layout[j].tensor], layout[j]), source, TAG_CHUNK0 + j)
+                    for j in again[share]]
+            macs = torch.zeros(len(again[share]) * TAG_BYTES, dtype=torch.uint8)
+            links.recv(macs, source, repair_macs_tag)
+            raw_macs = macs.numpy().tobytes()
+            for i, (j, w) in enumerate(zip(again[share], redo, strict=True)):
+                w.wait()
+                c = layout[j]
+                got = chunk_mac(self.key, self.rank, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c)))
+                if not (hmac.compare_digest(got, raw_macs[i * TAG_BYTES : (i + 1) * TAG_BYTES])
+                        and hmac.compare_digest(got, expected[j])):
+                    name = self.meta.tensors[c.tensor].key
+                    raise HandoffError(f"chunk {j} of tensor {name!r} failed its MAC from two sources (ranks "
+                                       f"{plan.sources[owner[j]]} and {source}); the state was not applied")
+        self.refetched += len(bad)
+        stats.refetched = self.refetched
+
+    def finish(self, phase: int | None) -> None:
+        """Write what a phase (None: the whole handoff) received into the state's own tensors where it landed
+        elsewhere; the metadata is applied with the first phase, or at the end of the whole."""
+        tensors = set() if phase is None else {self.layout[j].tensor for j in self.phases[phase]}
+        for i, (t, target) in enumerate(zip(self.tensors, self.targets, strict=True)):
+            if target is not t and (phase is None or i in tensors):
+                t.copy_(target)
+        if phase in (None, 0):
+            self.state.apply_meta(self.meta)
+
+
+def _open_receiver(plan: HandoffPlan, session: HandoffSession, rank: int, state: TrainingState, links: Links,
+                   keep_own: bool, on_own_lost: Callable[[], None] | None, overlap: bool) -> _Receiving:
     nonces = {s: secrets.token_bytes(NONCE_BYTES) for s in plan.sources}
     pending = [links.isend(_as_tensor(nonces[s]), s, TAG_NONCE) for s in plan.sources]
     for source in plan.sources:
@@ -416,7 +635,8 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
     meta = StateMeta.from_bytes(payload)
     session.fault("handoff_recv", role="receiver")
     own_before = _layout_of(state) if keep_own else []
-    tensors = [t for _, t in state.prepare_receive(meta)]
+    named = state.prepare_receive(meta)
+    tensors = [t for _, t in named]
     if keep_own and _layout_of(state) != own_before:
         keep_own = False  # its optimizer's layout was not the sender's: what it held is no longer whole
         if on_own_lost is not None:
@@ -426,55 +646,5 @@ def _receive(plan: HandoffPlan, session: HandoffSession, rank: int, state: Train
     # a buffer copied after.
     targets = [t if t.is_contiguous() and not keep_own else torch.empty_like(t, memory_format=torch.contiguous_format)
                for t in tensors]
-    shares = _shares(plan, len(layout))
-    owner = {j: share for share, mine in enumerate(shares) for j in mine}
-    works = [links.irecv(_slice(targets[c.tensor], c), plan.sources[owner[j]], TAG_CHUNK0 + j)
-             for j, c in enumerate(layout)]
-    expected: dict[int, bytes] = {}
-    for share, source in enumerate(plan.sources):
-        macs = torch.zeros(len(shares[share]) * TAG_BYTES, dtype=torch.uint8)
-        links.recv(macs, source, TAG_MACS)
-        raw_macs = macs.numpy().tobytes()
-        expected.update((j, raw_macs[i * TAG_BYTES : (i + 1) * TAG_BYTES]) for i, j in enumerate(shares[share]))
-    checks = []
-    for j, (w, c) in enumerate(zip(works, layout, strict=True)):
-        w.wait()  # in order: each chunk is checked while the later ones are still arriving
-        checks.append(_mac_later(key, rank, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c))))
-    bad = []
-    for j, f in enumerate(checks):
-        got, took = f.result()
-        stats.mac_s += took
-        if not hmac.compare_digest(got, expected[j]):
-            bad.append(j)
-    # The repair round: every source hears which chunks it is to resend (usually none). A bad chunk goes to the
-    # next source after the one that sent it, so that a bad link or a bad source is not asked twice.
-    again: dict[int, list[int]] = {s: [] for s in range(len(plan.sources))}
-    for j in bad:
-        again[(owner[j] + 1) % len(plan.sources)].append(j)
-    for share, source in enumerate(plan.sources):
-        links.send(torch.tensor([len(again[share])], dtype=torch.int64), source, TAG_REPAIR)
-        if again[share]:
-            links.send(torch.tensor(again[share], dtype=torch.int64), source, TAG_REPAIR)
-    for share, source in enumerate(plan.sources):
-        if not again[share]:
-            continue
-        redo = [links.irecv(_slice(targets[layout[j].tensor], layout[j]), source, TAG_CHUNK0 + j)
-                for j in again[share]]
-        macs = torch.zeros(len(again[share]) * TAG_BYTES, dtype=torch.uint8)
-        links.recv(macs, source, TAG_MACS + 1)
-        raw_macs = macs.numpy().tobytes()
-        for i, (j, w) in enumerate(zip(again[share], redo, strict=True)):
-            w.wait()
-            c = layout[j]
-            got = chunk_mac(key, rank, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c)))
-            if not (hmac.compare_digest(got, raw_macs[i * TAG_BYTES : (i + 1) * TAG_BYTES])
-                    and hmac.compare_digest(got, expected[j])):
-                name = meta.tensors[c.tensor].key
-                raise HandoffError(f"chunk {j} of tensor {name!r} failed its MAC from two sources (ranks "
-                                   f"{plan.sources[owner[j]]} and {source}); the state was not applied")
-    stats.refetched = len(bad)
-    for t, target in zip(tensors, targets, strict=True):
-        if target is not t:
-            t.copy_(target)
-    state.apply_meta(meta)
-    return meta
+    return _Receiving(plan, session, rank, links, state, key, meta, tensors, targets, layout,
+                      _phases(layout, [k for k, _ in named], overlap))

@@ -55,6 +55,7 @@ from runtime.training.data import StepData, as_step_data, derive_seed
 from runtime.training.elastic import CURSOR_STATE, DataCursor, Layout
 from runtime.training.handoff import (
     GlooLinks,
+    Handoff,
     HandoffError,
     HandoffPlan,
     HandoffSession,
@@ -64,6 +65,7 @@ from runtime.training.handoff import (
     UntrustedPeer,
     plan_handoff,
     run_handoff,
+    start_handoff,
 )
 from runtime.training.job import Job, init
 from runtime.training.state import Stateful, TrainingState, spec_difference
@@ -89,6 +91,9 @@ from runtime.wire.protocol import (
 log = logging.getLogger("trainmover.runtime")
 
 POST_RECOVERY_STEPS = 3
+STALE_HANDOFF_S = 5.0
+"""How long a member leaving a broken generation waits for the rest of its handoff to end (a newer generation cuts
+the group's sockets, which fails it at once)."""
 STANDBY_WAIT = datetime.timedelta(hours=1)
 
 
@@ -288,6 +293,8 @@ class Trainer:
         """The units of data consumed (lr-* shrink modes only; with accumulation it follows from the step)."""
         self._switch_to: tuple[int, int] | None = None
         """A planned generation the members switch to, and the step after which they do."""
+        self._handoff: Handoff | None = None
+        """A handoff whose optimizer state still streams beside the replayed step (`_settle_handoff`)."""
         self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
@@ -462,6 +469,7 @@ class Trainer:
             if self._plateau:
                 global_loss = units_loss / n_units
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
+        self._settle_handoff()  # the optimizer's state streamed beside this step's passes, or changes once sent
         self._optimizer_step(layout.lr_factor())
         if self.cursor is not None:
             self.cursor.units += n_units
@@ -742,12 +750,50 @@ class Trainer:
         if cfg.handoff_transport == "tls":
             stats = self._handoff_over_tls(plan, session, rank, g, interrupt, behind)
         else:
-            stats, _ = run_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s),
-                                   keep_own=behind, on_own_lost=self._lost_own_state)
+            # The optimizer's state streams beside the replayed step's passes, unless a receiver keeps an older
+            # state of its own until the end (every member reads that in the same statuses: the same phases).
+            overlap = not any(statuses[r].has_state for r in plan.receivers)
+            handoff = start_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s),
+                                    keep_own=behind, on_own_lost=self._lost_own_state, overlap=overlap)
+            stats = handoff.stats
+            if handoff.pending:
+                self.committed = plan.target_step
+                self._handoff = handoff
+                self._start_report(joining, stats, plan.target_step, failure_seen)
+                return  # it holds the state once `_settle_handoff` saw the rest arrive
+            handoff.wait()
         self.committed = plan.target_step
         self.has_state = True
         records.put(keys.k_holds(g, rank), HoldsState(self.committed))
         self._start_report(joining, stats, plan.target_step, failure_seen)
+
+    def _settle_handoff(self) -> None:
+        """Wait for the optimizer's state still streaming from the last handoff (a receiver then holds the whole
+        state); raises `CommFailure` or `HandoffError` if it cannot arrive (a source lost), as a failed step does."""
+        handoff = self._handoff
+        if handoff is None:
+            return
+        self._handoff = None
+        stats, _ = handoff.wait(self.job.cfg.recovery_timeout_s)
+        if self._report is not None:
+            self._report = dataclasses.replace(self._report, handoff_rest_s=stats.rest_s,
+                                               handoff_bytes=stats.bytes, refetched_chunks=stats.refetched)
+        self.has_state = True
+        assert self.gen is not None and self.rank is not None
+        self.job.records.put(keys.k_holds(self.gen, self.rank), HoldsState(self.committed))
+
+    def _drop_handoff(self) -> None:
+        """A failure ended the generation: the rest of its handoff ends with its group (its sockets are cut when a
+        newer generation forms). A receiver holds no state then; a source's was only read."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is None:
+            return
+        try:
+            handoff.wait(STALE_HANDOFF_S)
+        except (CommFailure, HandoffError) as exc:
+            log.info("%s: the rest of the handoff ended with its generation: %s", self.job.proc, exc)
+            if handoff.pending:  # still blocked: the group must outlive the thread (never destroyed under it)
+                self.comm.keep_stuck([handoff])
 
     def _enter_generation_0(self, rank: int) -> None:
         """Every member starts from the backup `--resume-from` names, else from rank 0's model (as DDP does)."""
@@ -810,6 +856,7 @@ class Trainer:
                  kind: Literal["comm", "state_lost"] = "comm") -> int:
         """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
         records, cfg = self.job.records, self.job.cfg
+        self._drop_handoff()
         self._leave_groups()
         self._restore_uncommitted()
         records.put(keys.k_failed(g, cfg.proc), FailureReport(
@@ -830,6 +877,7 @@ class Trainer:
         """Stay available as a source until every member has committed the last step."""
         assert self.gen is not None and self.rank is not None
         records = self.job.records
+        self._settle_handoff()
         self._finish_backups()
         records.put(keys.k_done(self.gen, self.rank), Finished(self.committed))
         records.wait_records([keys.k_done(self.gen, r) for r in range(self.world_size)], Finished,

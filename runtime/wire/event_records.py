@@ -154,6 +154,9 @@ class Recovered(Event):
     generations: int = 1
     failed_attempts: list[dict[str, Any]] = field(default_factory=list)
     refetched_chunks: int = 0
+    handoff_overlapped_s: float = 0.0
+    """The optimizer's state streamed after `handoff_s`, beside the replayed step's forward and backward passes
+    (inside `replay_s`): the slowest member's."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -930,10 +930,14 @@ class RecoveryReport(StoreRecord):
     """The member's part in the handoff: "source", "receiver" or "idle"."""
     group_ready_at: float
     handoff_s: float
+    """Until the member could train on: the whole handoff, or its first phase when the optimizer's state streamed
+    beside the replayed step (`handoff_rest_s`)."""
     handoff_bytes: int
     handoff_end_at: float
     replay_step: int
     proc: str = ""
+    handoff_rest_s: float = 0.0
+    """The optimizer's state, streamed beside the replayed step's passes (runtime.training.handoff, overlap)."""
     failure_seen_at: float | None = None
     gen_seen_at: float | None = None
     refetched_chunks: int = 0

@@ -111,6 +111,41 @@ def test_a_chunk_corrupted_by_the_only_source_is_sent_again(tmp_path: Path) -> N
     assert recv["after"] == src["after"]
 
 
+@pytest.mark.untimed
+def test_overlapped_the_model_arrives_first_and_the_optimizer_state_after(tmp_path: Path) -> None:
+    """`start_handoff(overlap=True)` returns once the model (what a forward pass reads) is in place; the optimizer's
+    state follows on a thread; both sources' shares end in the same bits as without the overlap."""
+    src0, src1, recv = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
+                                 overlap=True)
+
+    assert recv["ok"] and recv["step"] == 3 and recv["refetched"] == 0
+    assert recv["model_early"] == src0["model_after"] != recv["before"]
+    assert recv["after"] == src0["after"] == src1["after"]
+    assert recv["sched_epoch"] == 3 and recv["lr"] == src0["lr"]
+
+
+@pytest.mark.untimed
+def test_overlapped_a_chunk_of_the_optimizer_state_corrupted_is_sent_again(tmp_path: Path) -> None:
+    # The model is 36 chunks of 1000 bytes: the source's 40th chunk is Adam's, in the second phase.
+    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 40],
+                          overlap=True)
+
+    assert recv["ok"] and recv["refetched"] == 1
+    assert recv["after"] == src["after"]
+
+
+@pytest.mark.untimed
+def test_overlapped_a_source_lost_while_the_optimizer_state_streams_fails_the_wait(tmp_path: Path) -> None:
+    """The source dies in the second phase (asked to resend a corrupted chunk of Adam's state): the receiver already
+    has the model, but its wait fails, so the trainer never counts it as holding the state."""
+    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 40],
+                          die_on_repair=0, die_on_repair_phase=1, overlap=True)
+
+    assert src.get("died") and not recv["ok"], recv
+    assert "handoff interrupted" in str(recv["error"])
+    assert recv["model_early"] != recv["before"]
+
+
 def test_plan_takes_the_newest_committed_state_and_brings_everyone_to_it() -> None:
     plan = plan_handoff([MemberStatus(0, 12, True), MemberStatus(1, 11, True), MemberStatus(2, 0, False),
                          MemberStatus(3, 12, True)])

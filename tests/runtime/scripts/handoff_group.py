@@ -5,12 +5,16 @@ Sources hold a trained state (3 steps); receivers hold a different one. Each ran
 TOKEN is the receivers' secret; the sources hold "the-secret". Options: `source_token` (the sources' secret
 instead), `corrupt` ([rank, chunk]: that source flips a bit of its chunk-th chunk), `die_on_repair` (that
 source is SIGKILLed as it reads the receiver's repair request: every chunk of its share has landed by then),
-`keep_own` (receivers hold a complete state of an older step and keep it until the handoff completes).
+`keep_own` (receivers hold a complete state of an older step and keep it until the handoff completes), `overlap`
+(`start_handoff(overlap=True)`: the result also has `model_early`, the model's digest once `start_handoff` returned,
+before the optimizer's state arrived), `die_on_repair_phase` (the phase whose repair request kills that source:
+default 0).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -27,7 +31,7 @@ from runtime.training.handoff import (
     HandoffSession,
     MemberStatus,
     plan_handoff,
-    run_handoff,
+    start_handoff,
 )
 from runtime.training.state import TrainingState
 
@@ -35,16 +39,24 @@ from runtime.training.state import TrainingState
 class DyingLinks(GlooLinks):
     """This source's links, until the receiver asks it to resend a chunk: then it is SIGKILLed (its result says so)."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, phase: int = 0) -> None:
         super().__init__()
         self.out = out
+        self.phase = phase
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> None:
-        if tag == TAG_REPAIR:
+        if tag == TAG_REPAIR + self.phase:
             with open(self.out, "w") as f:
                 json.dump({"died": True}, f)
             os.kill(os.getpid(), signal.SIGKILL)
         super().recv(t, peer, tag)
+
+
+def model_digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def main() -> None:
@@ -77,15 +89,19 @@ def main() -> None:
         session = HandoffSession(1, tuple(f"p{r}" for r in range(world)), "job",
                                  token if rank in receivers else options.get("source_token", "the-secret"), chunk,
                                  fault=fault)
-        links = DyingLinks(out) if options.get("die_on_repair") == rank else GlooLinks()
-        stats, meta = run_handoff(plan, session, rank, state, links=links, keep_own=bool(options.get("keep_own")),
-                                  on_own_lost=lambda: result.update(own_lost=True))
+        links = DyingLinks(out, options.get("die_on_repair_phase", 0)) if options.get("die_on_repair") == rank \
+            else GlooLinks()
+        handoff = start_handoff(plan, session, rank, state, links=links, keep_own=bool(options.get("keep_own")),
+                                on_own_lost=lambda: result.update(own_lost=True), overlap=bool(options.get("overlap")))
+        result["model_early"] = model_digest(model)
+        stats, meta = handoff.wait(60)
         result.update(ok=True, role=stats.role, bytes=stats.bytes, step=None if meta is None else meta.step,
                       refetched=stats.refetched,
                       lr=opt.param_groups[0]["lr"], sched_epoch=sched.last_epoch)
     except (HandoffError, RuntimeError) as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     result["after"] = state.digest()
+    result["model_after"] = model_digest(model)
     with open(out, "w") as f:
         json.dump(result, f)
 
