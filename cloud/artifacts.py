@@ -21,10 +21,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
 from cloud.base import InvalidRequestError, validate_job_id
@@ -154,20 +154,35 @@ def s3_key(prefix: str, job_id: str, name: str) -> str:
     return "/".join(p for p in (prefix.strip("/"), job_id, name) if p)
 
 
-def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = S3_PREFIX,
-             client: Any, ttl_s: int = URL_TTL_S) -> list[Artifact]:
-    """Upload `files` under `s3://bucket/prefix/job_id/` and give presigned GET URLs (`ttl_s`): a host fetches them
-    with no AWS credentials of its own. `client`: a boto3 S3 client (the job's credentials)."""
+def _upload(files: Sequence[Path], job_id: str, prefix: str, put: Callable[[str, BinaryIO, str], None],
+            url: Callable[[str], str]) -> list[Artifact]:
+    """Each of `files` stored as `prefix/job_id/NAME` by `put(key, body, sha256)`, with the URL `url(key)` gives:
+    what `stage_s3` and `stage_blob` share."""
     validate_job_id(job_id)
     out = []
     for f in _checked(files):
         key = s3_key(prefix, job_id, f.name)
         digest = sha256_of(f)
         with open(f, "rb") as body:
-            client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": digest})
-        url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=ttl_s)
-        out.append(Artifact(f.name, url, digest))
+            put(key, body, digest)
+        out.append(Artifact(f.name, url(key), digest))
     return out
+
+
+def _presigned_get(client: Any, bucket: str, key: str, ttl_s: int) -> str:
+    """A presigned GET URL of `bucket`/`key`, good for `ttl_s`."""
+    return client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=ttl_s)
+
+
+def stage_s3(files: Sequence[Path], *, job_id: str, bucket: str, prefix: str = S3_PREFIX,
+             client: Any, ttl_s: int = URL_TTL_S) -> list[Artifact]:
+    """Upload `files` under `s3://bucket/prefix/job_id/` and give presigned GET URLs (`ttl_s`): a host fetches them
+    with no AWS credentials of its own. `client`: a boto3 S3 client (the job's credentials)."""
+
+    def put(key: str, body: BinaryIO, digest: str) -> None:
+        client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={"sha256": digest})
+
+    return _upload(files, job_id, prefix, put, lambda key: _presigned_get(client, bucket, key, ttl_s))
 
 
 def presign_s3(artifacts: Sequence[Artifact], *, job_id: str, bucket: str, prefix: str = S3_PREFIX,
@@ -176,9 +191,8 @@ def presign_s3(artifacts: Sequence[Artifact], *, job_id: str, bucket: str, prefi
     URLs' `ttl_s`, or after the credentials that signed them expired (a URL signed by a role's session dies with
     it)."""
     validate_job_id(job_id)
-    return [Artifact(a.name, client.generate_presigned_url(
-        "get_object", Params={"Bucket": bucket, "Key": s3_key(prefix, job_id, a.name)}, ExpiresIn=ttl_s), a.sha256)
-        for a in artifacts]
+    return [Artifact(a.name, _presigned_get(client, bucket, s3_key(prefix, job_id, a.name), ttl_s), a.sha256)
+            for a in artifacts]
 
 
 def delete_s3(*, job_id: str, bucket: str, prefix: str = S3_PREFIX, client: Any) -> int:
@@ -255,15 +269,11 @@ class BlobSigner:
 def stage_blob(files: Sequence[Path], *, job_id: str, prefix: str = S3_PREFIX, signer: BlobSigner) -> list[Artifact]:
     """Upload `files` as blobs `prefix/job_id/NAME` of the signer's container (overwriting a run's before) and give
     read-only SAS URLs (`BlobSigner`): a host fetches them with no Azure credentials of its own."""
-    validate_job_id(job_id)
-    out = []
-    for f in _checked(files):
-        name = s3_key(prefix, job_id, f.name)
-        digest = sha256_of(f)
-        with open(f, "rb") as body:
-            signer.container.upload_blob(name, body, overwrite=True, metadata={"sha256": digest})
-        out.append(Artifact(f.name, signer.url(name), digest))
-    return out
+
+    def put(name: str, body: BinaryIO, digest: str) -> None:
+        signer.container.upload_blob(name, body, overwrite=True, metadata={"sha256": digest})
+
+    return _upload(files, job_id, prefix, put, signer.url)
 
 
 def sign_blobs(artifacts: Sequence[Artifact], *, job_id: str, prefix: str = S3_PREFIX,

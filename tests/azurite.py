@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from azure.storage.blob import BlobServiceClient
@@ -114,3 +115,15 @@ def azurite_service(*containers: str, oauth_tls: tuple[Path, Path] | None = None
             yield connection_string
         finally:
             stop(process)
+
+
+def azurite_fixture(container: str) -> Any:
+    """A test module's `azurite` fixture (`azurite = azurite_fixture(CONTAINER)`): Azurite's blob service with
+    `container` made, started once for the module; it yields the development account's connection string."""
+
+    @pytest.fixture(scope="module")
+    def azurite() -> Iterator[str]:
+        with azurite_service(container) as connection_string:
+            yield connection_string
+
+    return azurite

@@ -69,7 +69,8 @@ class StartedOnDemand:
 
 
 class MadeWithServer:
-    """A test server that makes its `LoopbackServer` when made (as `_server`): `start` gives the test server back."""
+    """A test server that makes its `LoopbackServer` when made (as `_server`): `start` gives the test server back,
+    and `with` starts it and stops it at the end of the block."""
 
     _server: LoopbackServer
     scheme = "http"
@@ -84,3 +85,9 @@ class MadeWithServer:
 
     def stop(self) -> None:
         self._server.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

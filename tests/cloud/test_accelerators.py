@@ -69,16 +69,13 @@ def test_aws_refuses_a_type_ec2_does_not_know(aws: AwsProvider, proxy: FaultProx
 
 @pytest.fixture
 def arm(tmp_path: Path) -> Iterator[ArmServer]:
-    server = ArmServer(
+    with ArmServer(
         tmp_path, subscription_id=SUBSCRIPTION, resource_groups=[RG],
         locations={LOCATION: ["Standard_ND96isr_H100_v5", "Standard_NC80adis_H100_v5", "Standard_NC24ads_A100_v4",
                               "Standard_ND96asr_v4", "Standard_D2s_v5"],
                    "westus3": ["Standard_D2s_v5"]},
-    ).start()
-    try:
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

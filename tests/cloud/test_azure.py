@@ -88,17 +88,14 @@ class UnavailableCredential:
 
 @pytest.fixture
 def arm(tmp_path: Path) -> Iterator[ArmServer]:
-    server = ArmServer(
+    with ArmServer(
         tmp_path,
         subscription_id=SUBSCRIPTION,
         resource_groups=[RG],
         locations={LOCATION: [CPU, GPU, "Standard_NC24ads_A100_v4"], "westus3": [CPU]},
         polls_per_operation=2,
-    ).start()
-    try:
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def make_provider(arm: ArmServer, *, location: str = LOCATION, credential: Any = None, **kwargs: Any) -> AzureProvider:
@@ -470,36 +467,31 @@ def test_server_errors_are_retried(provider: AzureProvider, arm: ArmServer) -> N
     assert len(arm.calls("GET", r"/virtualMachines$")) == 3
 
 
-def test_forbidden_names_the_action(provider: AzureProvider, arm: ArmServer) -> None:
-    arm.inject(
-        Fault(
-            "create",
-            "AuthorizationFailed",
-            status=403,
-            message="The client does not have authorization to perform action "
-            "'Microsoft.Compute/virtualMachines/write'",
-        )
-    )
-    with pytest.raises(PermissionDeniedError, match=r"Microsoft\.Compute/virtualMachines/write") as caught:
-        provider.launch(LaunchRequest("job-403", "worker", CPU))
-    assert "trainmover-azure-role.json" in str(caught.value)
+@pytest.mark.parametrize(
+    ("code", "status", "message", "error", "match"),
+    [
+        pytest.param(
+            "AuthorizationFailed", 403,
+            "The client does not have authorization to perform action 'Microsoft.Compute/virtualMachines/write'",
+            PermissionDeniedError, r"Microsoft\.Compute/virtualMachines/write.*trainmover-azure-role\.json",
+            id="forbidden-names-the-action-and-the-role",
+        ),
+        pytest.param(
+            "OperationNotAllowed", 409,
+            "Operation could not be completed as it results in exceeding approved standardNDSH100v5Family Cores quota.",
+            QuotaError, "quota",
+            id="quota-is-a-quota-error",
+        ),
+    ],
+)
+def test_a_refused_create_is_one_clear_error_not_retried(
+    provider: AzureProvider, arm: ArmServer, code: str, status: int, message: str, error: type[Exception], match: str
+) -> None:
+    arm.inject(Fault("create", code, status=status, message=message))
+    with pytest.raises(error, match=match):
+        provider.launch(LaunchRequest("job-refused", "worker", GPU))
     assert len(puts(arm)) == 1
-    release_and_assert_empty(provider, arm, "job-403")
-
-
-def test_quota_is_a_quota_error(provider: AzureProvider, arm: ArmServer) -> None:
-    arm.inject(
-        Fault(
-            "create",
-            "OperationNotAllowed",
-            status=409,
-            message="Operation could not be completed as it results in exceeding approved standardNDSH100v5Family "
-            "Cores quota.",
-        )
-    )
-    with pytest.raises(QuotaError, match="quota"):
-        provider.launch(LaunchRequest("job-quota", "worker", GPU))
-    release_and_assert_empty(provider, arm, "job-quota")
+    release_and_assert_empty(provider, arm, "job-refused")
 
 
 def test_unknown_location_is_invalid_before_any_put(arm: ArmServer) -> None:
@@ -696,11 +688,8 @@ def test_prices_from_the_table_overrides_and_spot(provider: AzureProvider, arm: 
 
 @pytest.fixture
 def imds() -> Iterator[ImdsServer]:
-    server = ImdsServer().start()
-    try:
+    with ImdsServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def event(event_id: str, event_type: str, resources: list[str], not_before_s: float | None = 30.0) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from cloud.azure import AzureProvider
 from cloud.azure.identities import VIRTUAL_MACHINE_CONTRIBUTOR_ROLE, reader_assignment_name
 from cloud.azure.provider import KEY_VAULT_RESOURCE_ID_ENV, ROLE_ASSIGNMENT_ACTIONS
 from cloud.azure.secrets import KEY_VAULT_SECRETS_USER_ROLE
-from cloud.base import InvalidRequestError, LaunchRequest, PermissionDeniedError
+from cloud.base import Instance, InvalidRequestError, LaunchRequest, PermissionDeniedError
 from cloud.bootstrap import render_units
 from cloud.secrets import AzureKeyVaultStore, SecretRef
 from tests.cloud.arm_server import ArmServer, Fault
@@ -61,12 +61,9 @@ GUID = re.compile(r"[0-9a-f]{8}-(?:[0-9a-f]{4}-){3}[0-9a-f]{12}")
 
 @pytest.fixture
 def arm(tmp_path: Path) -> Iterator[ArmServer]:
-    server = ArmServer(tmp_path, subscription_id=SUBSCRIPTION, resource_groups=[RG], locations={"eastus": [CPU]},
-                       polls_per_operation=1).start()
-    try:
+    with ArmServer(tmp_path, subscription_id=SUBSCRIPTION, resource_groups=[RG], locations={"eastus": [CPU]},
+                   polls_per_operation=1) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -78,10 +75,26 @@ def granting_provider(arm: ArmServer, store: AzureKeyVaultStore) -> AzureProvide
     return make_provider(arm, key_vault=store, key_vault_resource_id=VAULT_ID)
 
 
+def launched(arm: ArmServer, store: AzureKeyVaultStore, job_id: str,
+             count: int = 1) -> tuple[AzureProvider, SecretRef, list[Instance]]:
+    """A provider that grants readers, a secret of `job_id` in the vault, and `count` workers of that job launched
+    to read it."""
+    provider = granting_provider(arm, store)
+    ref = store.put(job_id, secrets.token_hex(32))
+    vms = provider.launch(LaunchRequest(job_id, "worker", CPU, count=count, bootstrap=bootstrap_for(job_id, ref)))
+    return provider, ref, vms
+
+
 def assignments(arm: ArmServer, secret_ref: SecretRef | None = None) -> list[dict[str, object]]:
     """What ARM holds on the vault (on the one secret): the ground truth, read from the server."""
     scope = VAULT_ID if secret_ref is None else f"{VAULT_ID}/secrets/{secret_ref.secret_name}"
     return arm.role_assignments(scope)
+
+
+def release(provider: AzureProvider, arm: ArmServer, job_id: str) -> None:
+    """Release `job_id`, after which the server holds no role assignment on the vault and no VM."""
+    provider.release_all(job_id)
+    assert assignments(arm) == [] and arm.vm_names() == []
 
 
 def test_each_launched_vm_may_read_exactly_its_jobs_secret_until_the_job_is_released(
@@ -122,17 +135,13 @@ def test_each_launched_vm_may_read_exactly_its_jobs_secret_until_the_job_is_rele
     assert assignments(arm, ref) == [] and provider.secret_reader_grants("job-id1") == []
     assert [a["properties"]["scope"] for a in assignments(arm)] == [f"{VAULT_ID}/secrets/{other.secret_name}"], \
         "another job's reader is untouched"
-    provider.release_all("job-id2")
-    assert assignments(arm) == [] and arm.vm_names() == []
+    release(provider, arm, "job-id2")
 
 
 def test_granting_again_puts_the_same_assignment_and_adds_none(
     arm: ArmServer, vault: tuple[KeyVaultServer, AzureKeyVaultStore]
 ) -> None:
-    _, store = vault
-    provider = granting_provider(arm, store)
-    ref = store.put("job-id3", secrets.token_hex(32))
-    [vm] = provider.launch(LaunchRequest("job-id3", "worker", CPU, bootstrap=bootstrap_for("job-id3", ref)))
+    provider, ref, [vm] = launched(arm, vault[1], "job-id3")
     readers = provider.secret_readers
     assert readers is not None
 
@@ -142,33 +151,24 @@ def test_granting_again_puts_the_same_assignment_and_adds_none(
     [first, second] = [p.path for p in arm.calls("PUT", r"/roleAssignments/")]
     assert first == second
     assert len(assignments(arm)) == 1
-    provider.release_all("job-id3")
-    assert assignments(arm) == []
+    release(provider, arm, "job-id3")
 
 
 def test_terminating_a_replaced_host_removes_its_assignment_only(
     arm: ArmServer, vault: tuple[KeyVaultServer, AzureKeyVaultStore]
 ) -> None:
-    _, store = vault
-    provider = granting_provider(arm, store)
-    ref = store.put("job-id4", secrets.token_hex(32))
-    replaced, kept = provider.launch(
-        LaunchRequest("job-id4", "worker", CPU, count=2, bootstrap=bootstrap_for("job-id4", ref)))
+    provider, _, [replaced, kept] = launched(arm, vault[1], "job-id4", count=2)
 
     provider.terminate([replaced.instance_id])
 
     assert [a["properties"]["principalId"] for a in assignments(arm)] == [arm.principal_id(kept.instance_id, RG)]
-    provider.release_all("job-id4")
-    assert assignments(arm) == [] and arm.vm_names() == []
+    release(provider, arm, "job-id4")
 
 
 def test_release_deletes_the_assignments_of_vms_deleted_outside_trainmover(
     arm: ArmServer, vault: tuple[KeyVaultServer, AzureKeyVaultStore]
 ) -> None:
-    _, store = vault
-    provider = granting_provider(arm, store)
-    ref = store.put("job-id5", secrets.token_hex(32))
-    [vm] = provider.launch(LaunchRequest("job-id5", "worker", CPU, bootstrap=bootstrap_for("job-id5", ref)))
+    provider, _, [vm] = launched(arm, vault[1], "job-id5")
     make_provider(arm).terminate([vm.instance_id])  # a provider that knows no vault: the assignment stays behind
     [left] = assignments(arm)
 
@@ -243,10 +243,7 @@ def test_the_local_arm_lists_role_assignments_with_the_filters_arm_supports(
 ) -> None:
     """The server's list answers what ARM answers, through the real SDK: at, above and below a scope; atScope();
     principalId eq; and a wrong api-version or filter refused."""
-    _, store = vault
-    provider = granting_provider(arm, store)
-    ref = store.put("job-id8", secrets.token_hex(32))
-    a, b = provider.launch(LaunchRequest("job-id8", "worker", CPU, count=2, bootstrap=bootstrap_for("job-id8", ref)))
+    provider, ref, [a, b] = launched(arm, vault[1], "job-id8", count=2)
     client = AuthorizationManagementClient(FakeCredential(), SUBSCRIPTION, base_url=arm.url, retry_total=0,
                                            connection_verify=str(arm.ca_path))
     secret_scope = f"{VAULT_ID}/secrets/{ref.secret_name}"
@@ -401,10 +398,7 @@ def test_the_orphaned_host_deallocates_itself_through_its_own_identity(arm: ArmS
 
 def test_a_vm_refused_the_deallocation_says_why_and_the_unit_still_powers_it_off(arm: ArmServer, vault: Any,
                                                                                  imds_for: Any) -> None:
-    _, store = vault
-    provider = granting_provider(arm, store)
-    ref = store.put("job-ds3", "s" * 64)
-    (vm,) = provider.launch(LaunchRequest("job-ds3", "worker", CPU, bootstrap=bootstrap_for("job-ds3", ref)))
+    _, _, [vm] = launched(arm, vault[1], "job-ds3")
     arm.inject(Fault("deallocate", "AuthorizationFailed", status=403))
     imds = imds_for(VM_SCOPE + vm.instance_id, "the-vms-own-token")
 

@@ -208,12 +208,9 @@ def test_a_launch_on_an_endpoint_without_placement_groups_fails_at_once_and_dele
 
 @pytest.fixture
 def arm(tmp_path: Path) -> Iterator[ArmServer]:
-    server = ArmServer(tmp_path, subscription_id=SUBSCRIPTION, resource_groups=[RG], locations={LOCATION: [CPU]},
-                       polls_per_operation=1).start()
-    try:
+    with ArmServer(tmp_path, subscription_id=SUBSCRIPTION, resource_groups=[RG], locations={LOCATION: [CPU]},
+                   polls_per_operation=1) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def azure_leftovers(arm: ArmServer, kv: KeyVaultServer, job_id: str) -> dict[str, list[str]]:

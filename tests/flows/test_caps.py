@@ -9,6 +9,8 @@ failures arrive as the coordinator's event records, as in tests/flows/test_host_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,19 @@ def failed(rank: int, at: float = 0.0) -> MemberFailed:
 def running(cloud: LocalProvider, job_id: str) -> dict[str, str]:
     """The job's instances that still exist: id -> state."""
     return {i.instance_id: i.state for i in cloud.describe(job_id=job_id) if i.state != "terminated"}
+
+
+@contextlib.contextmanager
+def supervising(run: TrainingRun, tmp_path: Path) -> Iterator[tuple[Supervisor, LocalProvider, FakeClock]]:
+    """A supervisor of `run` on the local provider (8 slots per host), its policy asked every hour of a fake clock;
+    released at the end: (supervisor, provider, clock)."""
+    clock = FakeClock()
+    cloud = LocalProvider(slots=8)
+    sup = Supervisor(run, cloud, tmp_path, clock=clock, policy_every_s=HOUR_S)
+    try:
+        yield sup, cloud, clock
+    finally:
+        sup.release()
 
 
 def caps_of(happenings: list[Happening]) -> list[Happening]:
@@ -91,10 +106,7 @@ def test_the_spend_cap_refuses_the_replacement_that_would_cross_it_and_the_run_g
     30 = 90) is ordered; the second (spent 90 + 30 = 120) is refused, announced once, and nothing is launched."""
     run = TrainingRun(job_id="cap-spend", workers=2, node_price_usd_per_h=10.0, max_spend_usd=100.0,
                       standby=StandbyLimits(min_warm=1, max_warm=1, max_stopped=0))
-    clock = FakeClock()
-    cloud = LocalProvider(slots=8)
-    sup = Supervisor(run, cloud, tmp_path, clock=clock, policy_every_s=HOUR_S)
-    try:
+    with supervising(run, tmp_path) as (sup, cloud, clock):
         sup.provision()
         assert len(running(cloud, run.job_id)) == 3
         clock.advance_h(2.0)
@@ -118,8 +130,6 @@ def test_the_spend_cap_refuses_the_replacement_that_would_cross_it_and_the_run_g
         # Terminated instances stop billing; what they cost stays spent.
         clock.advance_h(0.5)
         assert sup.spent_usd() == pytest.approx(90.0 + 0.5 * 20.0)
-    finally:
-        sup.release()
 
 
 def test_the_instance_cap_refuses_the_policys_prewarm_whole_and_the_policy_sees_what_is_held(tmp_path: Path) -> None:
@@ -127,10 +137,7 @@ def test_the_instance_cap_refuses_the_policys_prewarm_whole_and_the_policy_sees_
     launch of 2 is refused: no instance, no raised target, and the policy's fleet state says 0 warm."""
     run = TrainingRun(job_id="cap-prewarm", workers=2, job_nodes=100_000, hazard_multiplier=100.0, max_instances=3,
                       standby=StandbyLimits(min_warm=0, max_warm=2, max_stopped=0))
-    clock = FakeClock()
-    cloud = LocalProvider(slots=8)
-    sup = Supervisor(run, cloud, tmp_path, clock=clock, policy_every_s=HOUR_S)
-    try:
+    with supervising(run, tmp_path) as (sup, cloud, clock):
         sup.provision()
         decided = sup._decide(clock())
         (capped,) = caps_of(decided)
@@ -142,8 +149,6 @@ def test_the_instance_cap_refuses_the_policys_prewarm_whole_and_the_policy_sees_
         assert sup.fleet.warm == 0
         clock.advance_h(1.0)
         assert caps_of(sup._decide(clock())) == [] and sup.refusals == 2  # asked again: a log line, no event
-    finally:
-        sup.release()
 
 
 def test_the_spend_cap_refuses_waking_a_parked_standby_and_it_stays_parked(tmp_path: Path) -> None:
@@ -152,10 +157,7 @@ def test_the_spend_cap_refuses_waking_a_parked_standby_and_it_stays_parked(tmp_p
     run = TrainingRun(job_id="cap-wake", workers=2, node_price_usd_per_h=10.0, max_spend_usd=50.0,
                       standby=StandbyLimits(min_warm=0, max_warm=1, max_stopped=1))
     stopped_usd_per_h = run.tier_prices()["stopped"]
-    clock = FakeClock()
-    cloud = LocalProvider(slots=8)
-    sup = Supervisor(run, cloud, tmp_path, clock=clock, policy_every_s=HOUR_S)
-    try:
+    with supervising(run, tmp_path) as (sup, cloud, clock):
         sup.provision()
         (parked,) = [i.instance_id for i in sup._launch("standby", 1, kind="stopped")]  # as Supervisor._apply parks
         cloud.stop([parked])
@@ -171,8 +173,6 @@ def test_the_spend_cap_refuses_waking_a_parked_standby_and_it_stays_parked(tmp_p
         assert "trainmover.standby.woken" not in [h.event for h in happened]
         assert running(cloud, run.job_id)[parked] == "stopped" and sup.parked == [parked]
         assert 1 not in sup.workers or sup.workers[1] != parked
-    finally:
-        sup.release()
 
 
 def test_workers_a_cap_refuses_fail_the_provisioning_before_anything_is_launched(tmp_path: Path) -> None:
@@ -180,29 +180,21 @@ def test_workers_a_cap_refuses_fail_the_provisioning_before_anything_is_launched
     lower bound can still refuse them. The same state here, made by skipping submit's check (`model_copy`)."""
     run = TrainingRun(job_id="cap-workers", workers=4, standby=StandbyLimits(min_warm=0)).model_copy(
         update={"max_instances": 3})
-    cloud = LocalProvider(slots=8)
-    sup = Supervisor(run, cloud, tmp_path, clock=FakeClock())
-    try:
+    with supervising(run, tmp_path) as (sup, cloud, _):
         with pytest.raises(CapReached, match=r"^max_instances=3 refuses launching 4 worker instance\(s\) for 4 "
                                              r"rank\(s\).*raise run.max_instances, or lower run.workers$") as info:
             sup.provision()
         assert info.value.happening.event == CAP_EVENT and info.value.refusal.would_reach == 4
         assert cloud.describe(job_id=run.job_id) == []
-    finally:
-        sup.release()
 
 
 def test_a_standby_a_cap_refuses_at_provisioning_is_not_fatal(tmp_path: Path) -> None:
     run = TrainingRun(job_id="cap-standby", workers=2, standby=StandbyLimits(min_warm=1)).model_copy(
         update={"max_instances": 2})
-    cloud = LocalProvider(slots=8)
-    sup = Supervisor(run, cloud, tmp_path, clock=FakeClock())
-    try:
+    with supervising(run, tmp_path) as (sup, cloud, _):
         happened = sup.provision()
         assert [h.event for h in happened] == [CAP_EVENT, "trainmover.fleet.provisioned"]
         assert len(running(cloud, run.job_id)) == 2 and sup.warm == [] and sup.warm_target == 0
-    finally:
-        sup.release()
 
 
 @pytest.mark.usefixtures("prefect_harness")

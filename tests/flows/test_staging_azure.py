@@ -13,7 +13,6 @@ import hashlib
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from azure.storage.blob import BlobServiceClient
 
 from cloud.artifacts import AZ_CONNECTION_STRING, S3_PREFIX, build_wheel, sha256_of
 from cloud.bootstrap import azure_custom_data, render_cloud_init
-from tests.azurite import DEV_ACCOUNT, azurite_service
+from tests.azurite import DEV_ACCOUNT, azurite_fixture
 from tests.flows.cloud_runs import AZURE_LAUNCH
 from tests.flows.test_staging import _fetches
 
@@ -33,10 +32,7 @@ SCRIPT = ROOT / "examples" / "train_mlp.py"
 CONTAINER = "tm-staging"
 
 
-@pytest.fixture(scope="module")
-def azurite() -> Iterator[str]:
-    with azurite_service(CONTAINER) as connection_string:
-        yield connection_string
+azurite = azurite_fixture(CONTAINER)
 
 
 @pytest.fixture

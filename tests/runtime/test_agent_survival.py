@@ -91,12 +91,15 @@ class Job:
         return Lease(self.store, Sealer(self.token, "coordinator"), f"127.0.0.1:{c.port}", clock=time.monotonic,
                      sleep=time.sleep, wall=time.time)
 
-    def wait_fenced(self, timeout_s: float = 10.0) -> None:
-        """Until the agent fenced its host once (bounded)."""
+    def assert_fenced(self, pid: int, caplog: pytest.LogCaptureFixture, saying: str, timeout_s: float = 10.0) -> None:
+        """Until the agent fenced its host once (bounded), logging `saying`; the process `pid` it ran is gone."""
         deadline = time.monotonic() + timeout_s
-        while self.agent.fenced == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling another thread's counter, bounded
+        with caplog.at_level(logging.INFO, logger="trainmover.agent"):
+            while self.agent.fenced == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling another thread's counter, bounded
         assert self.agent.fenced == 1
+        assert saying in caplog.text
+        assert not _alive(pid)
 
     def close(self) -> None:
         self.first.close()
@@ -127,10 +130,7 @@ def test_a_silent_coordinator_that_still_renews_its_lease_gets_this_host_fenced(
 
         renewer = threading.Thread(target=renew, daemon=True)
         renewer.start()
-        with caplog.at_level(logging.INFO, logger="trainmover.agent"):
-            job.wait_fenced()
-        assert "still renews its lease: this host is cut off from it; fencing" in caplog.text
-        assert not _alive(pid)
+        job.assert_fenced(pid, caplog, "still renews its lease: this host is cut off from it; fencing")
     finally:
         stop.set()
         job.close()
@@ -176,9 +176,6 @@ def test_an_agent_that_cannot_reach_the_store_fences_at_once(caplog: pytest.LogC
         job.first.admit(1, nowhere)
         pid = job.first.spawn("w0", 0)
         job.first.close()
-        with caplog.at_level(logging.INFO, logger="trainmover.agent"):
-            job.wait_fenced()
-        assert "the job's store does not answer: fencing this host" in caplog.text
-        assert not _alive(pid)
+        job.assert_fenced(pid, caplog, "the job's store does not answer: fencing this host")
     finally:
         job.close()

@@ -206,6 +206,14 @@ def comes_back_from_the_store(url: str) -> None:
     assert set(result.digests.values()) == {clean_digest(2, steps, ema_job)}
 
 
+def backed_up_at_step_2(url: str) -> None:
+    """A fresh job's steps 1 and 2, its backup of step 2 written under `url` (an object store's prefix)."""
+    state, ema = make(0)
+    writer = BackupWriter(BackupSettings(url, 2), "job-b", state.spec())
+    train(state, ema, 1, 2)
+    assert writer.after_commit(2, state) and writer.wait(60.0)
+
+
 def backups_round_trip(url: str, names: Callable[[str], list[str]]) -> tuple[TrainingState, Any]:
     """Backups every 3 steps under `url` (an object store's prefix, `names(prefix)` listing its objects), the two
     newest kept: the newest comes back bit for bit. Returns the trained state and its EMA."""

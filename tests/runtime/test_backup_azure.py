@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +26,13 @@ from runtime.training.backup import (
     has_backup,
     step_dir,
 )
-from tests.azurite import DEV_KEY, azurite_service
-from tests.runtime.test_backup import backups_round_trip, comes_back_from_the_store, make, train
+from tests.azurite import DEV_KEY, azurite_fixture
+from tests.runtime.test_backup import backed_up_at_step_2, backups_round_trip, comes_back_from_the_store
 
 CONTAINER = "tm-backups"
 
 
-@pytest.fixture(scope="module")
-def azurite() -> Iterator[str]:
-    """Azurite's blob service with the backups' container; yields its development account's connection string."""
-    with azurite_service(CONTAINER) as connection_string:
-        yield connection_string
+azurite = azurite_fixture(CONTAINER)
 
 
 @pytest.fixture
@@ -70,10 +65,7 @@ def test_backups_go_to_the_container_the_newest_kept_and_come_back_bit_for_bit(a
 
 def test_a_backup_without_its_manifest_is_not_there(azure: str) -> None:
     url = f"az://{CONTAINER}/jobs/b"
-    state, ema = make(0)
-    writer = BackupWriter(BackupSettings(url, 2), "job-b", state.spec())
-    train(state, ema, 1, 2)
-    assert writer.after_commit(2, state) and writer.wait(60.0)
+    backed_up_at_step_2(url)
     assert has_backup(url)
     _container().delete_blob(f"jobs/b/{step_dir(2)}/{MANIFEST}")  # an upload cut short
     assert f"jobs/b/{step_dir(2)}/.metadata" in _names("jobs/b/")

@@ -13,15 +13,13 @@ import pytest
 from runtime.training.backup import (
     MANIFEST,
     BackupError,
-    BackupSettings,
-    BackupWriter,
     S3Mirror,
     find_backup,
     has_backup,
     step_dir,
 )
 from tests.cloud.aws_servers import moto_server
-from tests.runtime.test_backup import backups_round_trip, comes_back_from_the_store, make, train
+from tests.runtime.test_backup import backed_up_at_step_2, backups_round_trip, comes_back_from_the_store
 
 BUCKET = "tm-backups"
 
@@ -50,10 +48,7 @@ def test_backups_go_to_the_bucket_the_newest_kept_and_come_back_bit_for_bit(s3: 
 
 def test_a_backup_without_its_manifest_is_not_there_and_a_missing_bucket_says_so(s3: str) -> None:
     url = f"s3://{BUCKET}/jobs/b"
-    state, ema = make(0)
-    writer = BackupWriter(BackupSettings(url, 2), "job-b", state.spec())
-    train(state, ema, 1, 2)
-    assert writer.after_commit(2, state) and writer.wait(60.0)
+    backed_up_at_step_2(url)
     boto3.client("s3").delete_object(Bucket=BUCKET, Key=f"jobs/b/{step_dir(2)}/{MANIFEST}")  # an upload cut short
     assert not has_backup(url)
     with pytest.raises(BackupError, match="no complete backup under"):

@@ -130,6 +130,21 @@ def _published_then_killed(port: int) -> None:
                           options)
 
 
+def _kill_once_published(store: Any, peer: Any) -> None:
+    """Wait (bounded) until `peer` (`_published_then_killed`, a process) has published its address in `store`, then
+    kill it there."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while not store.check(["g0/0//cpu//0/1"]):  # its address, published
+        assert peer.is_alive() and time.monotonic() < deadline, "the peer never published its address"
+        time.sleep(0.02)
+    os.kill(peer.pid, signal.SIGKILL)
+    peer.join(timeout=30)
+
+
 def test_a_member_lost_after_publishing_its_address_holds_the_build_for_the_connect_timeout_at_most(
     monkeypatch: Any,
 ) -> None:
@@ -137,8 +152,6 @@ def test_a_member_lost_after_publishing_its_address_holds_the_build_for_the_conn
     between publishing its address and connecting held its peers 150 s with a 30 s connect timeout. The build is
     bounded by the connect timeout itself."""
     import datetime
-    import os
-    import signal
     import time
 
     import pytest
@@ -153,12 +166,7 @@ def test_a_member_lost_after_publishing_its_address_holds_the_build_for_the_conn
     peer = mp.get_context("spawn").Process(target=_published_then_killed, args=(port,))
     peer.start()
     try:
-        deadline = time.monotonic() + 60
-        while not store.check(["g0/0//cpu//0/1"]):  # its address, published
-            assert peer.is_alive() and time.monotonic() < deadline, "the peer never published its address"
-            time.sleep(0.02)
-        os.kill(peer.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        peer.join(timeout=30)
+        _kill_once_published(store, peer)
         comm = Communicator("gloo", store, timeout_s=600.0, device=torch.device("cpu"))
         t0 = time.monotonic()
         with pytest.raises(CommFailure, match="Connect timeout"):
@@ -222,8 +230,6 @@ def test_a_build_a_newer_generation_replaced_ends_at_once_whichever_wait_holds_i
     group's timeout). Once a newer generation forms, the heartbeat thread ends either wait at once
     (`Connecting.abandon`), instead of the 30 s the connect timeout allows."""
     import datetime
-    import os
-    import signal
     import threading
     import time
 
@@ -241,12 +247,7 @@ def test_a_build_a_newer_generation_replaced_ends_at_once_whichever_wait_holds_i
         proc.start()
     try:
         if proc is not None:
-            deadline = time.monotonic() + 60
-            while not store.check(["g0/0//cpu//0/1"]):  # its address, published
-                assert proc.is_alive() and time.monotonic() < deadline, "the peer never published its address"
-                time.sleep(0.02)
-            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            proc.join(timeout=30)
+            _kill_once_published(store, proc)
         newest = [0]
         comm = Communicator("gloo", store, timeout_s=600.0, device=torch.device("cpu"), newest_gen=lambda: newest[0])
 

@@ -327,9 +327,12 @@ def test_an_outsider_on_another_host_reads_writes_and_kills_nothing(hosts: Clust
         job.close()
 
 
-def _four_hosts_lost(hosts: Cluster, tmp_path: Path, nproc: int, standby: int, steps: int, faults: str) -> Job:
+@contextlib.contextmanager
+def _four_hosts_lost(hosts: Cluster, tmp_path: Path, nproc: int, standby: int, steps: int,
+                     faults: str) -> Iterator[Job]:
     """Seven one-slot hosts and their agents; the job with `faults` (four whole hosts) run to its end: exit 0,
-    four hosts lost. The caller closes the job."""
+    four hosts lost. After the caller's checks the job must have ended bit for bit with no process left; then it
+    is closed."""
     for _ in range(7):
         hosts.add_host()
     job = Job(hosts, tmp_path, agents=7, nproc=nproc, standby=standby, steps=steps, step_ms=20, faults=faults)
@@ -339,10 +342,11 @@ def _four_hosts_lost(hosts: Cluster, tmp_path: Path, nproc: int, standby: int, s
         assert job.finish() == 0, job.log.read_text()
         lost = job.events.of("host_lost")
         assert len(lost) == 4, [e["cause"] for e in lost]
-    except BaseException:
+        yield job
+        _exact(job, nproc, steps)
+        _no_process_left(hosts)
+    finally:
         job.close()
-        raise
-    return job
 
 
 def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster, tmp_path: Path) -> None:
@@ -350,11 +354,9 @@ def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster
     host dies mid-exchange; during the handoff that follows a sending host dies after
     two chunks, and a receiving host dies while taking the state. Each lost host's rank goes
     to a standby host; the one recovery spans the generations, and the job ends bit for bit."""
-    steps = 40
-    job = _four_hosts_lost(hosts, tmp_path, 3, 3, steps,
-                           "host:proc=s0,phase=warmup;host:rank=1,step=6,phase=exchange;"
-                           "host:role=sender,phase=handoff_send,chunk=2;host:role=receiver,phase=handoff_recv")
-    try:
+    with _four_hosts_lost(hosts, tmp_path, 3, 3, 40,
+                          "host:proc=s0,phase=warmup;host:rank=1,step=6,phase=exchange;"
+                          "host:role=sender,phase=handoff_send,chunk=2;host:role=receiver,phase=handoff_recv") as job:
         # The first: a standby host lost while its standby warmed up; a new standby took the spare host.
         assert job.events.of("standby_lost")[0]["proc"] == "s0"
         assert any(e["proc"] == "s3" for e in job.events.of("standby_ready"))
@@ -364,10 +366,6 @@ def test_hosts_killed_while_sending_and_while_receiving_the_state(hosts: Cluster
         assert all("lost" in a["failed"] for a in recovered["failed_attempts"])
         assert sorted({r["rank"] for r in recovered["ranks"]}) == sorted({e["rank"] for e in
                                                                           job.events.of("member_failed")})
-        _exact(job, 3, steps)
-        _no_process_left(hosts)
-    finally:
-        job.close()
 
 
 def test_hosts_killed_in_the_other_protocol_phases(hosts: Cluster, tmp_path: Path) -> None:
@@ -375,19 +373,13 @@ def test_hosts_killed_in_the_other_protocol_phases(hosts: Cluster, tmp_path: Pat
     standby waits warm, rank 0's host inside the optimizer step, rank 1's host just before its exchange and the
     new rank 0's host just after one. Each time the lost rank goes to a standby host, fed by the other rank;
     spare hosts take the replacement standbys, and the job ends bit for bit."""
-    steps = 30
-    job = _four_hosts_lost(hosts, tmp_path, 2, 2, steps,
-                           "host:proc=s1,phase=standby_wait;host:rank=0,step=4,phase=optimizer;"
-                           "host:rank=1,step=10,phase=before_exchange;host:rank=0,step=16,phase=after_exchange")
-    try:
+    with _four_hosts_lost(hosts, tmp_path, 2, 2, 30,
+                          "host:proc=s1,phase=standby_wait;host:rank=0,step=4,phase=optimizer;"
+                          "host:rank=1,step=10,phase=before_exchange;host:rank=0,step=16,phase=after_exchange") as job:
         assert job.events.of("standby_lost")[0]["proc"] == "s1"
         failed = job.events.of("member_failed")
         assert [e["rank"] for e in failed] == [0, 1, 0], failed
         assert len(job.events.of("recovered")) == 3
-        _exact(job, 2, steps)
-        _no_process_left(hosts)
-    finally:
-        job.close()
 
 
 # -- sharded jobs across hosts: two worker hosts of two ranks each (ranks 0-1, ranks 2-3), a standby host ----------
