@@ -26,7 +26,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "part alone: delta against the full rebuild), coordinator-loss (the coordinator SIGKILLed, "
                         "alone; data-parallel runs it too), backups (persistent backups' cost by period, and a "
                         "restore after every copy is lost), elastic (a shrink when no standby is left and the grow "
-                        "back, against a takeover and torchft) (default: %(default)s)")
+                        "back, against a takeover and torchft), overlap (the handoff beside the replayed step, against "
+                        "the handoff before it) (default: %(default)s)")
     c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
     c.add_argument("--interruptions", type=_positive, default=100,
                    help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
@@ -115,9 +116,9 @@ def bench_command(ns: argparse.Namespace) -> int:
                           targets=targets)
     sections = [x for x in ns.sections.split(",") if x]
     if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration", "coordinator-loss", "backups",
-                                     "elastic") for x in sections):
+                                     "elastic", "overlap") for x in sections):
         print("trainmover bench recovery: --sections takes data-parallel, sharded, reconfiguration, coordinator-loss, "
-              "backups, elastic, comma-separated; "
+              "backups, elastic, overlap, comma-separated; "
               f"got {ns.sections!r}")
         return 2
     from bench.recovery import main

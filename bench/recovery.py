@@ -3,13 +3,14 @@
 One invocation measures, on this machine: a plain all-reduce loop (the throughput baseline); TrainMover without
 and with a worker SIGKILLed mid gradient exchange, several times in one job; checkpoint-restart under real torchrun,
 killed at points spread over its checkpoint interval; torchft 0.2 with its Lighthouse, one kill per job; and the
-floor (state bytes over the measured point-to-point bandwidth, plus a step). Each system is killed ``KILLS`` times;
+floor (a step, plus the part of the handoff that cannot hide behind it: the model over the measured point-to-point
+bandwidth, or the whole state minus a step's worth). Each system is killed ``KILLS`` times;
 the report gives, per system, the median and the spread (min/max) of ``lost_time_s`` over its kills, and the
 ratios of the medians.
 
-A TrainMover kill whose lost time falls below its floor (the handoff at the measured bandwidth plus the part of
-the step it must redo, `bench.peers.trainmover`) is physically impossible here, so it can only be a disturbed
-measurement: it is flagged ``invalid``, kept in the JSON and left out of the median.
+A TrainMover kill whose lost time falls below its floor (the part of the step it must redo plus the handoff that
+cannot overlap it, at the measured bandwidth: `bench.peers.trainmover`) is physically impossible here, so it can
+only be a disturbed measurement: it is flagged ``invalid``, kept in the JSON and left out of the median.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ from bench.peers.common import rounded, spread, steady_step_s
 from bench.peers.p2p import measure_p2p_bandwidth
 from bench.peers.plain import run_plain
 from bench.peers.torchft_peer import lost_time_torchft
-from bench.peers.trainmover import AFTER_STEPS, NPROC, JobRun, kill_losses, kill_plan, kill_schedule, run_job
+from bench.peers.trainmover import (
+    AFTER_STEPS,
+    NPROC,
+    JobRun,
+    KillLoss,
+    kill_losses,
+    kill_plan,
+    kill_schedule,
+    run_job,
+)
 from bench.workload import WorkloadSpec
 from runtime.config import KNOBS
 
@@ -44,11 +54,27 @@ KILL_SPACING = 8
 T = TypeVar("T")
 
 
+def timeline(kills: list[KillLoss]) -> dict[str, Any] | None:
+    """One recovery, the median kill's, as moments from its failure (the coordinator's parts: the slowest member's)."""
+    if not kills:
+        return None
+    k = sorted(kills, key=lambda x: x.lost_time_s)[len(kills) // 2]
+    c = k.components
+    model_in = k.recovery_s - c["replay_s"]
+    return {"replay_step": k.replay_step, "lost_time_s": k.lost_time_s, "failure": 0.0, "declared": c["detect_s"],
+            "groups_ready": c["detect_s"] + c["reconfigure_s"], "model_received": model_in,
+            "optimizer_state_received": model_in + c["handoff_overlapped_s"], "replayed_step_committed": k.recovery_s}
+
+
 def summarize_trainmover(
     cleans: list[JobRun], killed: JobRun, kill_steps: list[int], handoff_floor_s: float, floor_s: float
 ) -> dict[str, Any]:
     """TrainMover's figures: each kill's lost time (floors and validity included), and their median and spread."""
-    losses = [k.with_floor(handoff_floor_s) for k in kill_losses(killed.commits, killed.events)]
+    # The model's share of the state: the handoff's first phase, which the replayed step waits for (the optimizer's
+    # state streams beside it).
+    first_phase_s = handoff_floor_s * killed.model_bytes / killed.state_bytes \
+        if killed.model_bytes and killed.state_bytes else None
+    losses = [k.with_floor(handoff_floor_s, first_phase_s) for k in kill_losses(killed.commits, killed.events)]
     if len(losses) != len(kill_steps):
         raise RuntimeError(f"{len(kill_steps)} kills planned, {len(losses)} recoveries reported")
     valid = [k for k in losses if not k.invalid]
@@ -75,8 +101,10 @@ def summarize_trainmover(
         "lost_time_wall_diff_per_kill_s": (killed.loop_wall_s - clean_wall) / len(losses),
         # Medians over the valid kills of each part (the coordinator's, and the in-run decomposition).
         **{key: med([k.components[key] for k in valid])
-           for key in ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+           for key in ("detect_s", "reconfigure_s", "handoff_s", "handoff_overlapped_s", "replay_s",
+                       "warmup_penalty_s")},
         "recovery_s": med([k.recovery_s for k in valid]),
+        "timeline": timeline(valid),
         "redone_s": med([k.redone_s for k in valid]),
         "recovery_bound_gap_min_s": min((k.lost_time_s - k.recovery_bound_s for k in losses), default=None),
         "kills_reconciled": sum(1 for k in losses if k.reconciled),
@@ -135,7 +163,8 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
     state_bytes = cleans[-1].state_bytes
     bandwidth = timed("p2p", measure_p2p_bandwidth, state_bytes)
     handoff_floor_s = state_bytes / bandwidth
-    floor_s = handoff_floor_s + plain["step_s"]
+    model_bytes = cleans[-1].model_bytes or state_bytes
+    floor_s = max(model_bytes / bandwidth, handoff_floor_s - plain["step_s"]) + plain["step_s"]
     tm = summarize_trainmover(cleans, killed, kill_steps, handoff_floor_s, floor_s)
     ckpt = timed("checkpoint_restart", lost_time_checkpoint_restart, spec, quick=quick,
                  fractions=kill_fractions(kills))
@@ -151,9 +180,13 @@ def run_recovery_benchmark(quick: bool, kills: int = KILLS) -> dict[str, Any]:
         "torchft": tft,
         "plain": plain,
         "floor_s": floor_s,
-        "floor_method": "state bytes / point-to-point bandwidth + the plain loop's steady step: the floor of a kill "
-                        "at the very end of a step; a kill's own floor counts only the part of the step it redoes "
-                        "(trainmover.kills[].floor_s)",
+        "floor_sequential_s": handoff_floor_s + plain["step_s"],
+        "model_bytes": model_bytes,
+        "floor_method": "max(model bytes / point-to-point bandwidth, state bytes / bandwidth - step) + the plain "
+                        "loop's steady step: the floor of a kill at the very end of a step, whose replay waits for "
+                        "the model and whose optimizer step for the whole state (the optimizer's state streams beside "
+                        "the replayed passes); a kill's own floor counts only the part of the step it redoes "
+                        "(trainmover.kills[].floor_s). floor_sequential_s: the whole state, then the step",
         "overhead": statistics.median(ratios),
         "overhead_pairs": ratios,
         "overhead_method": f"median over {len(ratios)} alternated pairs of (plain loop's steady step time / "
@@ -205,6 +238,14 @@ def _each(values: list[Any] | None) -> list[float]:
     return [float(v) for v in values or []]
 
 
+def _timeline_line(t: dict[str, Any] | None, f: Callable[[Any], str]) -> str:
+    if not t:
+        return "  timeline of one recovery: no valid kill"
+    marks = ("declared", "groups_ready", "model_received", "optimizer_state_received", "replayed_step_committed")
+    return (f"  timeline of one recovery (the median kill, step {t['replay_step']}, lost {f(t['lost_time_s'])} s), "
+            "seconds after the failure: " + ", ".join(f"{m.replace('_', ' ')} {f(t[m])}" for m in marks))
+
+
 def _verdict(kill: dict[str, Any]) -> str:
     words = ["INVALID (below its floor)" if kill["invalid"] else "valid"]
     if not kill.get("reconciled", True):
@@ -239,6 +280,7 @@ def format_report(r: dict[str, Any]) -> str:
             ck.get("bitwise_identical"), f"checkpoint every {ck.get('interval_steps')} steps, kills at "
             + ", ".join(f"{k.get('fraction_of_interval')}" for k in ck.get("kills", [])) + " of it"),
         row("torchft 0.2", _each(tf.get("lost_time_s_each")), tf.get("lost_time_s"), tf.get("bitwise_identical")),
+        _timeline_line(tm.get("timeline"), f),
         f"  floor_s {f(r['floor_s'])}  (p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; "
         f"{tm['kills_below_step_end_floor']} TrainMover kills below it, which counts a whole step redone)   "
         f"overhead {r['overhead']:.3f}",
@@ -321,6 +363,13 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         report["elastic"] = run_elastic_benchmark(quick, kills)
         print(format_elastic(report["elastic"]))
         mismatch = mismatch or not all(report["elastic"]["bitwise_identical"].values())
+    if "overlap" in sections:
+        from bench.overlap import format_report as format_overlap
+        from bench.overlap import run_overlap_benchmark
+
+        report["overlap"] = run_overlap_benchmark(quick, kills)
+        print(format_overlap(report["overlap"]))
+        mismatch = mismatch or not all(report["overlap"]["bitwise_identical"].values())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))

@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+import torch
+
 import runtime as tm
 from bench.peers.common import state_digest
 from bench.workload import WorkloadSpec, batch, build, loss_fn
@@ -34,7 +36,12 @@ def main() -> None:
     job = tm.init()
     spec = WorkloadSpec.from_env()
     model, optimizer, scheduler = build(spec)
-    trainer = tm.Trainer(model, optimizer, loss_fn, lambda step, rank, world: batch(spec, step, rank),
+    def loss(m: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if spec.device_ms:
+            time.sleep(spec.device_ms / 1000)  # the accelerator's share of the step: the CPU is free meanwhile
+        return loss_fn(m, data)
+
+    trainer = tm.Trainer(model, optimizer, loss, lambda step, rank, world: batch(spec, step, rank),
                          scheduler=scheduler, seed=spec.seed, job=job)
     out = os.environ["TM_BENCH_OUT"]
     start = time.time()
@@ -58,7 +65,9 @@ def main() -> None:
     _write_atomic(f"{out}.{job.proc}.digest", digest)
     if trainer.rank == 0:
         _write_atomic(out, json.dumps({"start": start, "step_times": times, "commits": commits, "digest": digest,
-                                       "state_bytes": trainer.state.state_bytes()}))
+                                       "state_bytes": trainer.state.state_bytes(),
+                                       "model_bytes": sum(t.numel() * t.element_size() for k, t in
+                                                          trainer.state.tensors() if not k.startswith("optim."))}))
     # Every figure is written; skip the interpreter's slow teardown of torch (not part of any measurement).
     job.close()
     sys.stdout.flush()

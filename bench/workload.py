@@ -33,6 +33,9 @@ class WorkloadSpec:
     """Seed of the model's initial weights and of every batch."""
     lr: float = 1e-4
     """AdamW learning rate."""
+    device_ms: float = 0.0
+    """Milliseconds each forward pass spends off the CPU, as on an accelerator (a sleep in TrainMover's loss
+    function, `bench.tm_worker`; numbers unchanged): 0, a step that keeps this machine's cores busy throughout."""
 
     @classmethod
     def full(cls) -> WorkloadSpec:

@@ -74,6 +74,9 @@ class Knobs:
     """Largest message of a state handoff; bigger tensors are streamed in slices of this size."""
     handoff_transport: Transport = "gloo"
     """How the state travels to a new member: over the generation's group, or over mutual-TLS connections."""
+    handoff_overlap: bool = True
+    """Over the group, a data-parallel handoff sends the model first and streams the optimizer's state beside the
+    replayed step's forward and backward passes (runtime.training.handoff); off: the whole state, then the step."""
     host: str = "127.0.0.1"
     """Address the job's store and Gloo listen on (that address only)."""
     fork_server: bool = True
@@ -218,6 +221,7 @@ ENV_HEARTBEAT_S = "TM_HEARTBEAT_S"
 ENV_RECOVERY_TIMEOUT_S = "TM_RECOVERY_TIMEOUT_S"
 ENV_COLLECTIVE_TIMEOUT_S = "TM_COLLECTIVE_TIMEOUT_S"
 ENV_CHUNK_BYTES = "TM_CHUNK_BYTES"
+ENV_HANDOFF_OVERLAP = "TM_HANDOFF_OVERLAP"
 ENV_CONNECT_TIMEOUT_S = "TM_CONNECT_TIMEOUT_S"
 ENV_HANDOFF_TRANSPORT = "TM_HANDOFF_TRANSPORT"
 ENV_TLS_CERT = "TM_TLS_CERT"
@@ -263,6 +267,7 @@ class ProcessConfig:
     chunk_bytes: int = KNOBS.chunk_bytes
     connect_timeout_s: float = KNOBS.connect_timeout_s
     handoff_transport: Transport = KNOBS.handoff_transport
+    handoff_overlap: bool = KNOBS.handoff_overlap
     tls_cert: str = ""
     """The job's TLS certificate (tls transport): what every member presents."""
     tls_key: str = ""
@@ -299,6 +304,7 @@ class ProcessConfig:
             ENV_RECOVERY_TIMEOUT_S: repr(self.recovery_timeout_s),
             ENV_COLLECTIVE_TIMEOUT_S: repr(self.collective_timeout_s),
             ENV_CHUNK_BYTES: str(self.chunk_bytes),
+            ENV_HANDOFF_OVERLAP: "1" if self.handoff_overlap else "0",
             ENV_CONNECT_TIMEOUT_S: repr(self.connect_timeout_s),
             ENV_HANDOFF_TRANSPORT: self.handoff_transport,
             ENV_TLS_CERT: self.tls_cert,
@@ -348,6 +354,7 @@ class ProcessConfig:
                 recovery_timeout_s=float(env.get(ENV_RECOVERY_TIMEOUT_S, KNOBS.recovery_timeout_s)),
                 collective_timeout_s=float(env.get(ENV_COLLECTIVE_TIMEOUT_S, KNOBS.collective_timeout_s)),
                 chunk_bytes=int(env.get(ENV_CHUNK_BYTES, KNOBS.chunk_bytes)),
+                handoff_overlap=env.get(ENV_HANDOFF_OVERLAP, "1" if KNOBS.handoff_overlap else "0") != "0",
                 connect_timeout_s=float(env.get(ENV_CONNECT_TIMEOUT_S, KNOBS.connect_timeout_s)),
                 handoff_transport=transport,  # type: ignore[arg-type]
                 tls_cert=env.get(ENV_TLS_CERT, ""),
@@ -438,6 +445,9 @@ class LaunchConfig:
         "--handoff-transport", "how the state reaches a new member: over the Gloo/NCCL group (gloo: fast, not "
                                "encrypted), or over mutual TLS (tls: encrypted; for standbys across a trust "
                                "boundary); default %(default)s"))
+    handoff_overlap: bool = field(default=KNOBS.handoff_overlap, metadata=flag(
+        "--handoff-overlap", "over the group, send a new member the model first and stream the optimizer's state "
+                             "beside the replayed step (data-parallel jobs; default on)"))
     tls_cert: str | None = field(default=None, metadata=flag(
         "--tls-cert", "with tls: the job's certificate every member presents (default: a fresh one per job)",
         metavar="PEM"))

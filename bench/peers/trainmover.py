@@ -32,10 +32,13 @@ noise of subtracting ``m`` estimated steady steps on a shared machine (this is w
 figure fall below recovery_s's share). ``d`` may be slightly negative: the victim can start step r before rank 0
 commits step r - 1; the identity holds with that value.
 
-The physical floor of one kill is the handoff at the measured point-to-point bandwidth plus the work it must redo,
-``state_bytes / bandwidth + max(d, 0)``: nothing can move the state faster, and the redone work is redone at full
-speed at best. ``floor_s`` of the report (a whole step) is that floor for a failure at the very end of a step, the
-worst case; a kill early in its step can legitimately cost less than it.
+The physical floor of one kill is the work it must redo plus the part of the handoff nothing can hide,
+``max(d, 0) + max(model_bytes / bandwidth, state_bytes / bandwidth - s)``: the new member cannot start the replayed
+step before the model has arrived (the handoff's first phase), nor take its optimizer step before the whole state
+has (the optimizer's state streams beside the step's passes: `runtime.training.handoff`, overlap), and the redone
+work is redone at full speed at best. Without the overlap (before 2026-12-05) the floor was the sum,
+``state_bytes / bandwidth + max(d, 0)`` (``floor_sequential_s``). ``floor_s`` of the report (a whole step) is the
+floor for a failure at the very end of a step, the worst case; a kill early in its step can legitimately cost less.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class JobRun:
     message: str
     proc_commits: dict[str, tuple[Commit, ...]] = dataclasses.field(default_factory=dict)
     """Every member's commits as it logged them, killed members included, by process name."""
+    model_bytes: int = 0
+    """Of `state_bytes`, what is not the optimizer's: the handoff's first phase (0: not reported)."""
 
     @property
     def step_times(self) -> list[float]:
@@ -174,6 +179,7 @@ def collect(out: Path, events: list[dict[str, Any]], exit_code: int, message: st
         runtime_digests=digests,
         proc_commits=proc_commits,
         state_bytes=int(record.get("state_bytes", 0)),
+        model_bytes=int(record.get("model_bytes", 0)),
         events=events,
         exit_code=exit_code,
         message=message,
@@ -243,7 +249,8 @@ class KillLoss:
     """detect_s, reconfigure_s, handoff_s, replay_s, warmup_penalty_s of the coordinator's recovered event."""
     handoff_bytes: int
     floor_s: float | None = None
-    """This kill's floor: state_bytes / bandwidth + max(redone_s, 0) (set once the bandwidth is known)."""
+    """This kill's floor: max(redone_s, 0) + max(model_bytes, state_bytes - step_s x bandwidth) / bandwidth (set once
+    the bandwidth is known; see the module docstring)."""
     invalid: bool = False
     """lost_time_s below floor_s: impossible on this machine, so a measurement disturbed (by load); excluded."""
 
@@ -252,8 +259,12 @@ class KillLoss:
         """lost_time_s is at least recovery_s - (step_s - redone_s), give or take the members' commit skew."""
         return self.lost_time_s >= self.recovery_bound_s - COMMIT_SKEW_S
 
-    def with_floor(self, handoff_floor_s: float) -> KillLoss:
-        floor = handoff_floor_s + max(self.redone_s, 0.0)
+    def with_floor(self, handoff_floor_s: float, first_phase_floor_s: float | None = None) -> KillLoss:
+        """`handoff_floor_s`: the whole state over the bandwidth; `first_phase_floor_s`: the model's part of it (None:
+        the handoff does not overlap the step)."""
+        hidden = handoff_floor_s if first_phase_floor_s is None else \
+            max(first_phase_floor_s, handoff_floor_s - self.step_s)
+        floor = hidden + max(self.redone_s, 0.0)
         return dataclasses.replace(self, floor_s=floor, invalid=self.lost_time_s < floor)
 
     def to_json(self) -> dict[str, Any]:
@@ -346,8 +357,9 @@ def kill_losses(commits: Sequence[Commit], events: Sequence[Mapping[str, Any]]) 
             warmup_penalty_in_run_s=times[end] - times[replay] - AFTER_STEPS * s,
             recovery_s=recovery_s,
             recovery_bound_s=recovery_s - (s - redone),
-            components={k: float(rec[k]) for k in
-                        ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+            components={**{k: float(rec[k]) for k in
+                           ("detect_s", "reconfigure_s", "handoff_s", "replay_s", "warmup_penalty_s")},
+                        "handoff_overlapped_s": float(rec.get("handoff_overlapped_s", 0.0))},
             handoff_bytes=int(rec.get("handoff_bytes", 0)),
         ))
     return out

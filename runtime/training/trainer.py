@@ -752,7 +752,7 @@ class Trainer:
         else:
             # The optimizer's state streams beside the replayed step's passes, unless a receiver keeps an older
             # state of its own until the end (every member reads that in the same statuses: the same phases).
-            overlap = not any(statuses[r].has_state for r in plan.receivers)
+            overlap = cfg.handoff_overlap and not any(statuses[r].has_state for r in plan.receivers)
             handoff = start_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s),
                                     keep_own=behind, on_own_lost=self._lost_own_state, overlap=overlap)
             stats = handoff.stats

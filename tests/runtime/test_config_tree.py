@@ -39,6 +39,7 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "connect_timeout_s": [(ProcessConfig, "connect_timeout_s"), (Communicator.build, "connect_timeout_s")],
     "chunk_bytes": [(LaunchConfig, "chunk_bytes"), (ProcessConfig, "chunk_bytes"), (HandoffSession, "chunk_bytes")],
     "handoff_transport": [(LaunchConfig, "handoff_transport"), (ProcessConfig, "handoff_transport")],
+    "handoff_overlap": [(LaunchConfig, "handoff_overlap"), (ProcessConfig, "handoff_overlap")],
     "host": [(LaunchConfig, "host"), (ProcessConfig, "bind_host")],
     "fork_server": [(LaunchConfig, "fork_server"), (AgentConfig, "fork_server")],
     "agent_heartbeat_s": [(LaunchConfig, "agent_heartbeat_s"), (HostTiming, "heartbeat_s")],

@@ -75,6 +75,23 @@ def test_sender_killed_mid_handoff_another_replica_serves(reference_digest: Refe
 
 
 @pytest.mark.untimed
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_source_killed_while_the_optimizer_state_streams_beside_the_replay(reference_digest: Reference,
+                                                                            overlap: bool) -> None:
+    """The tiny model is 4 tensors and AdamW's state 12, one chunk each, shared by two sources: a source's third
+    chunk is Adam's, sent (with the overlap) while the new member already runs the replayed step on the model it
+    received. The source dies there; the new member's optimizer step never runs on half a state: the recovery goes
+    on in a new generation, bit-exact. Without the overlap the same chunk is sent before the replay starts."""
+    result = run_job(nproc=3, standby=2, steps=20, handoff_overlap=overlap,
+                     faults="kill:rank=1,step=8,phase=exchange;kill:role=sender,phase=handoff_send,chunk=3")
+
+    assert_recovered_exactly(result, reference_digest(3, 20), nproc=3)
+    (recovered,) = events_of(result, Recovered)
+    assert recovered.generations == 2 and len(events_of(result, MemberFailed)) == 2
+    assert (recovered.handoff_overlapped_s > 0) == overlap
+
+
+@pytest.mark.untimed
 def test_a_chunk_corrupted_on_the_way_is_refused_and_fetched_again_from_the_other_source(
     reference_digest: Reference,
 ) -> None:
