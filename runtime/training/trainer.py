@@ -773,8 +773,8 @@ class Trainer:
         handoff = self._handoff
         if handoff is None:
             return
+        stats, _ = handoff.wait(self.job.cfg.recovery_timeout_s)  # on failure `_recover` drops it
         self._handoff = None
-        stats, _ = handoff.wait(self.job.cfg.recovery_timeout_s)
         if self._report is not None:
             self._report = dataclasses.replace(self._report, handoff_rest_s=stats.rest_s,
                                                handoff_bytes=stats.bytes, refetched_chunks=stats.refetched)
@@ -790,10 +790,12 @@ class Trainer:
             return
         try:
             handoff.wait(STALE_HANDOFF_S)
-        except (CommFailure, HandoffError) as exc:
+        except Exception as exc:  # whatever stopped it, the rest did not arrive
             log.info("%s: the rest of the handoff ended with its generation: %s", self.job.proc, exc)
             if handoff.pending:  # still blocked: the group must outlive the thread (never destroyed under it)
                 self.comm.keep_stuck([handoff])
+            return
+        self.has_state = True  # it all arrived, verified, before the step failed: the state of `committed`
 
     def _enter_generation_0(self, rank: int) -> None:
         """Every member starts from the backup `--resume-from` names, else from rank 0's model (as DDP does)."""
