@@ -39,11 +39,10 @@ def _job(spec: WorkloadSpec, steps: int, kill_steps: list[int], overlap: bool | 
 
 
 def _kill(k: KillLoss, state_s: float, model_s: float) -> dict[str, Any]:
-    d = max(k.redone_s, 0.0)
     return {"replay_step": k.replay_step, "lost_time_s": k.lost_time_s, "bound_s": k.recovery_bound_s,
             "recovery_s": k.recovery_s, "step_s": k.step_s, "redone_s": k.redone_s,
-            "floor_sequential_s": state_s + d, "floor_overlapped_s": d + max(model_s, state_s - k.step_s),
-            **k.components}
+            "floor_sequential_s": k.with_floor(state_s).floor_s,
+            "floor_overlapped_s": k.with_floor(state_s, model_s).floor_s, **k.components}
 
 
 def _summary(kills: list[dict[str, Any]]) -> dict[str, Any]:

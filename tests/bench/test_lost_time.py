@@ -106,6 +106,20 @@ def test_a_kill_below_its_floor_is_invalid() -> None:
     assert below.invalid and below.floor_s == pytest.approx(1.1)
 
 
+def test_with_the_overlap_the_floor_counts_the_model_and_what_the_step_cannot_hide() -> None:
+    """The replay waits for the model (the handoff's first phase); the optimizer's state streams beside the step, so
+    only what a whole step cannot cover of it counts."""
+    commits, events = timeline(20, {10: (0.3, 1.5, 0.2)})
+    (kill,) = kill_losses(commits, events)
+
+    assert kill.with_floor(0.8).invalid  # sequential: 0.8 + 0.3 redone = 1.1 > 1.0
+    overlapped = kill.with_floor(0.8, first_phase_floor_s=0.2)
+    assert overlapped.floor_s == pytest.approx(0.3 + max(0.2, 0.8 - kill.step_s))
+    assert not overlapped.invalid
+    slow_link = kill.with_floor(0.8 + kill.step_s, first_phase_floor_s=0.2)  # the rest outlasts the step
+    assert slow_link.floor_s == pytest.approx(0.3 + 0.8)
+
+
 def test_the_schedule_leaves_undisturbed_steps_between_kills() -> None:
     steps, total = kill_schedule(5)
     assert len(steps) == 5 and total == steps[-1] + AFTER_STEPS + 4
