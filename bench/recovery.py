@@ -278,7 +278,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"failure {f(tm['redone_s'])}, recovery_s {f(tm['recovery_s'])})",
         row("checkpoint-restart", _each(ck.get("lost_time_s_each")), ck.get("lost_time_s"),
             ck.get("bitwise_identical"), f"checkpoint every {ck.get('interval_steps')} steps, kills at "
-            + ", ".join(f"{k.get('fraction_of_interval')}" for k in ck.get("kills", [])) + " of it"),
+            + ", ".join(f"{k.get('fraction_of_interval')}" for k in ck.get("kills", [])) + " of it"
+            + "".join(f"; NOT MEASURED at {k['fraction_of_interval']}: {k['error']}"
+                      for k in ck.get("kills_unmeasured", []))),
         row("torchft 0.2", _each(tf.get("lost_time_s_each")), tf.get("lost_time_s"), tf.get("bitwise_identical")),
         _timeline_line(tm.get("timeline"), f),
         f"  floor_s {f(r['floor_s'])}  (p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; "

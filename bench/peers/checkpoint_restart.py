@@ -338,7 +338,15 @@ def _components(run: _Run, attempt: int, kill_step: int) -> dict[str, Any]:
     redo_steps = last_done - resumed_from
     t_back = t_ready
     if redo_steps > 0:
-        t_back = next(t for s, t in run.steps[nxt] if int(s) == last_done)
+        done = [t for s, t in run.steps[nxt] if int(s) == last_done]
+        if not done:
+            # A restarted attempt that failed again on its own before reaching the kill point (its planned kill
+            # then never happens, and the plan's later attempts shift): not this kill's cost, so not measured.
+            reached = max((int(s) for s, _ in run.steps[nxt]), default=resumed_from)
+            said = " | ".join(line for t, line in run.agent_lines if t >= t_ready)[-600:]
+            raise PeerError(f"attempt {nxt}, restarted after the kill at step {kill_step}, stopped at step {reached} "
+                            f"before step {last_done}; torchrun: {said or 'nothing'}")
+        t_back = done[0]
     return {
         "detect_s": t_detect - t_kill,
         "restart_s": t_ready - t_detect,
@@ -418,8 +426,13 @@ def lost_time_checkpoint_restart(
     run = _run(spec, total, save_steps, kill_steps, 1,
                _timeout_for(spec, total * (len(plan) + 1), restarts=len(plan)))
     kills: list[dict[str, Any]] = []
+    unmeasured: list[dict[str, Any]] = []
     for attempt, ((f, offset, measured), kill_step) in enumerate(zip(plan, kill_steps, strict=True)):
-        comp = _components(run, attempt, kill_step)
+        try:
+            comp = _components(run, attempt, kill_step)
+        except PeerError as exc:  # that kill's restart did not go as planned: said, and left out of the medians
+            unmeasured.append({"fraction_of_interval": f, "kill_step": kill_step, "error": str(exc)})
+            continue
         extra = offset - measured
         kills.append(
             {
@@ -432,6 +445,8 @@ def lost_time_checkpoint_restart(
                 "redo_s_method": "measured" if extra == 0 else f"measured {measured} steps + {extra} x step_s",
             }
         )
+    if not kills:
+        raise PeerError("no checkpoint-restart kill could be measured: " + "; ".join(e["error"] for e in unmeasured))
     keys = ("lost_time_s", "detect_s", "restart_s", "redo_s")
     summary = {key: statistics.median(float(e[key]) for e in kills) for key in keys}
     measured_sum = sum(float(e["kill_to_back_s"]) for e in kills)
@@ -448,6 +463,7 @@ def lost_time_checkpoint_restart(
             "ckpt_bytes": cost["ckpt_bytes"],
             "step_s": step_s,
             "kills": kills,
+            "kills_unmeasured": unmeasured,
             "total_steps": total,
             "save_steps": save_steps,
             "clean_wall_s": clean.wall_to(total),
