@@ -794,8 +794,6 @@ class Trainer:
             log.info("%s: the rest of the handoff ended with its generation: %s", self.job.proc, exc)
             if handoff.pending:  # still blocked: the group must outlive the thread (never destroyed under it)
                 self.comm.keep_stuck([handoff])
-            return
-        self.has_state = True  # it all arrived, verified, before the step failed: the state of `committed`
 
     def _enter_generation_0(self, rank: int) -> None:
         """Every member starts from the backup `--resume-from` names, else from rank 0's model (as DDP does)."""
