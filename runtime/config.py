@@ -48,6 +48,9 @@ class Knobs:
     """Workers: logical data-parallel ranks 0..nproc-1."""
     standby: int = 1
     """Warm standby processes kept ready."""
+    hot_standbys: int = 0
+    """Of the standbys, how many mirror a data-parallel job's state every step (runtime.training.hot), so that their
+    takeover moves nothing."""
     backend: Backend = "gloo"
     """Collective backend: gloo (CPU tensors) or nccl (CUDA tensors, one GPU per process)."""
     heartbeat_s: float = 0.25
@@ -233,6 +236,7 @@ ENV_BACKUP_EVERY = "TM_BACKUP_EVERY"
 ENV_BACKUP_KEEP = "TM_BACKUP_KEEP"
 ENV_RESUME_FROM = "TM_RESUME_FROM"
 ENV_SHRINK = "TM_SHRINK"
+ENV_HOT_STANDBYS = "TM_HOT_STANDBYS"
 
 
 class LaunchError(RuntimeError):
@@ -268,6 +272,8 @@ class ProcessConfig:
     connect_timeout_s: float = KNOBS.connect_timeout_s
     handoff_transport: Transport = KNOBS.handoff_transport
     handoff_overlap: bool = KNOBS.handoff_overlap
+    hot_standbys: int = KNOBS.hot_standbys
+    """Hot slots of the job (runtime.training.hot): a standby claims one, the member at rank slot % world serves it."""
     tls_cert: str = ""
     """The job's TLS certificate (tls transport): what every member presents."""
     tls_key: str = ""
@@ -305,6 +311,7 @@ class ProcessConfig:
             ENV_COLLECTIVE_TIMEOUT_S: repr(self.collective_timeout_s),
             ENV_CHUNK_BYTES: str(self.chunk_bytes),
             ENV_HANDOFF_OVERLAP: "1" if self.handoff_overlap else "0",
+            ENV_HOT_STANDBYS: str(self.hot_standbys),
             ENV_CONNECT_TIMEOUT_S: repr(self.connect_timeout_s),
             ENV_HANDOFF_TRANSPORT: self.handoff_transport,
             ENV_TLS_CERT: self.tls_cert,
@@ -355,6 +362,7 @@ class ProcessConfig:
                 collective_timeout_s=float(env.get(ENV_COLLECTIVE_TIMEOUT_S, KNOBS.collective_timeout_s)),
                 chunk_bytes=int(env.get(ENV_CHUNK_BYTES, KNOBS.chunk_bytes)),
                 handoff_overlap=env.get(ENV_HANDOFF_OVERLAP, "1" if KNOBS.handoff_overlap else "0") != "0",
+                hot_standbys=int(env.get(ENV_HOT_STANDBYS, KNOBS.hot_standbys)),
                 connect_timeout_s=float(env.get(ENV_CONNECT_TIMEOUT_S, KNOBS.connect_timeout_s)),
                 handoff_transport=transport,  # type: ignore[arg-type]
                 tls_cert=env.get(ENV_TLS_CERT, ""),
@@ -388,6 +396,9 @@ class LaunchConfig:
         "--nproc", "number of workers (logical data-parallel ranks; default %(default)s)"))
     standby: int = field(default=KNOBS.standby, metadata=flag(
         "--standby", "number of warm standby processes (default %(default)s)"))
+    hot_standbys: int = field(default=KNOBS.hot_standbys, metadata=flag(
+        "--hot-standbys", "of the standbys, how many mirror the state every step, so that their takeover moves "
+                          "nothing (data-parallel jobs; default %(default)s)"))
     backend: Backend = field(default=KNOBS.backend, metadata=flag(
         "--backend", "gloo (CPU) or nccl (one GPU per process: workers and standbys alike; default %(default)s)"))
     events_path: str | None = field(default=None, metadata=flag(
@@ -505,6 +516,9 @@ class LaunchConfig:
             raise ConfigError(f"--job-id must be 1-64 letters, digits, '.', '_' or '-', got {self.job_id!r}")
         if self.standby < 0:
             raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
+        if not 0 <= self.hot_standbys <= max(self.standby, 0):
+            raise ConfigError(f"--hot-standbys must be between 0 and --standby ({self.standby}), got "
+                              f"{self.hot_standbys}: a hot standby is one of the standbys")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
         if self.agents < 0:

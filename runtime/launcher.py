@@ -161,6 +161,7 @@ def _process_env(cfg: LaunchConfig, store_port: int, tls: tuple[str, str, str] |
         backend=cfg.backend, num_threads=cfg.threads(), faults=cfg.faults, heartbeat_s=cfg.heartbeat_s,
         recovery_timeout_s=cfg.recovery_timeout_s, chunk_bytes=cfg.chunk_bytes,
         handoff_transport=cfg.handoff_transport, handoff_overlap=cfg.handoff_overlap,
+        hot_standbys=cfg.hot_standbys,
         tls_cert=tls[0] if tls else "", tls_key=tls[1] if tls else "",
         tls_ca=tls[2] if tls else "",
         backup_dir=_absolute(cfg.backup_dir), backup_every=cfg.backup_every, backup_keep=cfg.backup_keep,

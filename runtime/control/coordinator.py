@@ -86,6 +86,8 @@ from runtime.wire.protocol import (
     Finished,
     Generation,
     HoldsState,
+    HotClaim,
+    HotHeld,
     JobConfig,
     JobOver,
     Joined,
@@ -752,6 +754,7 @@ class Coordinator:
                                          failure_at=failure, declared_at=now_wall, detect_s=now_wall - failure))
             log.warning("standby %s (pid %d) %s", name, m.handle.pid, cause)
             self.standbys.lost(name, cause, m.ready)
+            self._free_hot_slot(name)
             if self.s.replenish:
                 self.standbys.top_up("replace a lost standby")
             return
@@ -1326,7 +1329,7 @@ class Coordinator:
             unit = record.replica_size
             every = [[r % unit + k * unit for k in range(world // unit) if k != r // unit] for r in range(world)]
         lost = {d.rank for d in deaths}
-        free = list(ready)
+        free = self._most_current_first(ready)
         out: dict[int, str] = {}
         for d in deaths:
             homes = every[d.rank] if every else []
@@ -1335,6 +1338,24 @@ class Coordinator:
             free.remove(pick)
             out[d.rank] = pick
         return out
+
+    def _most_current_first(self, ready: list[str]) -> list[str]:
+        """Hot standbys (runtime.training.hot) by the newest step they hold, then the others in their order: the
+        most current one's takeover moves the least."""
+        step = {p: r.step for p in ready if (r := self.records.get_record(keys.k_hot_held(p), HotHeld)) is not None}
+        return sorted(ready, key=lambda p: -step.get(p, -1))
+
+    def _free_hot_slot(self, name: str) -> None:
+        """A standby died: the hot slot it held (if any) is free for another."""
+        slot = self.records.get_int(keys.k_hot_of(name))
+        if slot < 0:
+            return
+        key = keys.k_hot_slot(slot)
+        raw = self.records.store.get(key) if self.records.store.check([key]) else b""
+        claim = self.records.open_record(key, raw, HotClaim) if raw else None
+        if claim is not None and claim.proc == name:
+            self.records.store.compare_set(key, raw.decode(), "")
+            log.info("hot slot %d of %s freed", slot, name)
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:
         if self.lease is None:

@@ -473,6 +473,10 @@ class ShardedTrainer(Trainer):
         self._leave_groups()
         self.groups.close()
 
+    def _hot_capable(self) -> bool:
+        """Hot standbys mirror a replica that holds the whole state: not a shard (docs/sharded.md)."""
+        return False
+
     def _reconfigure_figures(self) -> tuple[float, int, int, int]:
         return self.groups.last_teardown_s, len(self.groups.rebuilt), self.groups.total, self.groups.for_new_members
 

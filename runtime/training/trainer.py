@@ -67,8 +67,9 @@ from runtime.training.handoff import (
     run_handoff,
     start_handoff,
 )
+from runtime.training.hot import HotMirror, HotSource, Message
 from runtime.training.job import Job, init
-from runtime.training.state import Stateful, TrainingState, spec_difference
+from runtime.training.state import Stateful, StateMeta, StateMismatchError, TrainingState, spec_difference
 from runtime.wire import store as keys
 from runtime.wire.auth import prove
 from runtime.wire.protocol import (
@@ -295,6 +296,10 @@ class Trainer:
         """A planned generation the members switch to, and the step after which they do."""
         self._handoff: Handoff | None = None
         """A handoff whose optimizer state still streams beside the replayed step (`_settle_handoff`)."""
+        self._hot_source: HotSource | None = None
+        """The hot standbys this member serves (runtime.training.hot), with `--hot-standbys`."""
+        self._hot_mirror: HotMirror | None = None
+        """A standby's mirror of the state while it waits, with `--hot-standbys`."""
         self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
@@ -322,7 +327,13 @@ class Trainer:
 
     def _close_groups(self) -> None:
         """Leave every group for good: the job is over, or stopped, for this process."""
+        self._close_hot()
         self.comm.teardown()
+
+    def _close_hot(self) -> None:
+        if self._hot_source is not None:
+            self._hot_source.close()
+            self._hot_source = None
 
     def _reconfigure_figures(self) -> tuple[float, int, int, int]:
         """(seconds spent leaving the old groups, groups rebuilt, groups in the job, groups rebuilt because a member
@@ -350,7 +361,9 @@ class Trainer:
             self._check_spec()
             if self.job.is_standby:
                 self._warm_up()
+                self._start_mirror()
                 promoted = self._await_promotion()
+                self._stop_mirror()
                 if promoted is None:
                     # The job ended without needing this standby. What follows fit() in the script (saving,
                     # printing results) is the workers' business: leave the process here.
@@ -370,12 +383,15 @@ class Trainer:
         while True:
             try:
                 self._enter(g, failure_seen)
+                self._serve_hot()
                 failure_seen = None
                 switch: int | None = None
                 while self.committed < steps and switch is None:
                     yield self._step(self.committed + 1)
                     # The script's loop body ran (an EMA updated after the commit is part of the step's state).
                     self._backup(self.committed)
+                    if self._hot_source is not None:
+                        self._hot_source.boundary(self.committed, self.state, self.buckets.flats, self._buffers)
                     if self.committed < steps:
                         switch = self._planned_switch()
                 if switch is not None:
@@ -470,6 +486,8 @@ class Trainer:
                 global_loss = units_loss / n_units
         faults.at("after_exchange", step=step, rank=self.rank, gen=self.gen)
         self._settle_handoff()  # the optimizer's state streamed beside this step's passes, or changes once sent
+        if self._hot_source is not None:  # the gradients as exchanged, before clipping or unscaling touch them
+            self._hot_source.gradients(step, self.buckets.flats, layout.lr_factor())
         self._optimizer_step(layout.lr_factor())
         if self.cursor is not None:
             self.cursor.units += n_units
@@ -895,6 +913,73 @@ class Trainer:
         self._close_groups()
         sys.stderr.write(f"[trainmover] {self.job.proc}: the coordinator stopped the job\n")
         raise SystemExit(1)
+
+    # -- hot standbys (runtime.training.hot) -------------------------------------------------------------
+    def _hot_capable(self) -> bool:
+        """Whether this trainer's state can be mirrored by a hot standby (every member holds the whole state)."""
+        return self.job.cfg.hot_standbys > 0
+
+    def _serve_hot(self) -> None:
+        """In a generation now: serve the hot slots of this member's rank."""
+        if self._hot_source is None and self._hot_capable():
+            self._hot_source = HotSource(self.job.cfg, self.job.sealer, self.job.cfg.hot_standbys)
+        if self._hot_source is not None:
+            assert self.rank is not None
+            self._hot_source.place(self.rank, self.world_size)
+
+    def _start_mirror(self) -> None:
+        if self._hot_capable():
+            self._hot_mirror = HotMirror(self.job.cfg, self.job.sealer, self.job.cfg.hot_standbys,
+                                         self._hot_apply_sync, self._hot_apply_step)
+
+    def _stop_mirror(self) -> None:
+        """Promoted (or not needed): the mirror ends between two messages; the step it holds is this member's."""
+        mirror, self._hot_mirror = self._hot_mirror, None
+        if mirror is None:
+            return
+        held = mirror.stop()
+        if held is not None:
+            self.committed = held
+            self.has_state = True
+            self.job.heartbeat.committed_step = held
+            log.info("%s: stopped mirroring, holding the state of step %d (%d mirror messages applied)",
+                     self.job.proc, held, mirror.applied)
+
+    def _hot_apply_sync(self, msg: Message) -> None:
+        """A mirror's `sync`: the whole state of a step, as a handoff would bring it."""
+        meta = StateMeta.from_json(msg.meta)
+        receiving = self.state.prepare_receive(meta)
+        self._copy_parts(receiving, msg.parts)
+        self.state.apply_meta(meta)
+
+    def _hot_apply_step(self, msg: Message) -> None:
+        """A mirror's `step`: the optimizer step of the sent gradients, then the buffers and the registered state."""
+        grads = [t for k, t in msg.parts if k.startswith("grad.")]
+        buffers = [t for k, t in msg.parts if k.startswith("buffer.")]
+        self._copy_parts(list(zip((f"grad.{i}" for i in range(len(self.buckets.flats))), self.buckets.flats,
+                                  strict=True)), [(f"grad.{i}", g) for i, g in enumerate(grads)])
+        self._warming_up = True  # no fault of a member's optimizer phase fires in a standby
+        try:
+            self._optimizer_step(msg.lr_factor)
+        finally:
+            self._warming_up = False
+        self._copy_parts([(f"buffer.{i}", b) for i, b in enumerate(self._buffers)],
+                         [(f"buffer.{i}", b) for i, b in enumerate(buffers)])
+        meta = StateMeta.from_json(msg.meta)
+        extras = [(k, t) for k, t in self.state.prepare_receive(meta) if k.startswith("extra.")]
+        self._copy_parts(extras, [(k, t) for k, t in msg.parts if k.startswith("extra.")])
+        self.state.apply_meta(meta)
+
+    @staticmethod
+    def _copy_parts(into: list[tuple[str, torch.Tensor]], parts: list[tuple[str, torch.Tensor]]) -> None:
+        if [k for k, _ in into] != [k for k, _ in parts]:
+            raise StateMismatchError("the mirror's message does not name this replica's tensors; start standbys "
+                                     "with the same script and arguments as the workers")
+        for (key, dst), (_, src) in zip(into, parts, strict=True):
+            if dst.numel() != src.numel() or dst.dtype != src.dtype:
+                raise StateMismatchError(f"the mirror's {key} is {tuple(src.shape)} {src.dtype}, this replica's "
+                                         f"{tuple(dst.shape)} {dst.dtype}")
+            dst.copy_(src.view(dst.shape))
 
     # -- standby -------------------------------------------------------------------------------------
     def _warm_up(self) -> None:

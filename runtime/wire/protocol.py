@@ -461,6 +461,8 @@ class Link:
 #   Finished          gen/<g>/done/<rank>                   member                  members, coordinator
 #   FinalDigest       proc/<name>/digest                    member                  coordinator
 #   TlsAddress        gen/<g>/tls/<rank>                    handoff source (TLS)    that handoff's receivers
+#   HotClaim          hot/slot/<i> (compare_set)            hot standby             the member serving slot i
+#   HotHeld           proc/<name>/hot_held                  hot standby             coordinator
 #
 # Plain counters kept with `add` (fault claims, failure counts, the control sequence dispenser) are not records:
 # none of them is believed without a sealed record.
@@ -861,6 +863,23 @@ class StandbyReady(StoreRecord):
 
 
 @dataclass(frozen=True, slots=True)
+class HotClaim(StoreRecord):
+    """A standby mirrors the job's state through a hot slot (runtime.training.hot): who, and where its source
+    connects."""
+
+    proc: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class HotHeld(StoreRecord):
+    """The newest step whose whole state a hot standby holds (the coordinator promotes the most current first)."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class Joined(StoreRecord):
     """A member entered generation g's rendezvous. A sharded member says which mesh groups it holds
     (`runtime.training.groups`): the generation that built each, and the collectives issued on it (-1: cut)."""
@@ -985,5 +1004,5 @@ class TlsAddress(StoreRecord):
 RECORDS: tuple[type[StoreRecord], ...] = (
     JobConfig, Generation, CurrentGeneration, Assignment, StopOrder, JobOver, ChaosDone, ControlCommand,
     MoveResult, ProcessHello, Heartbeat, Progress, FatalError, FaultFired, ModelSpec, StandbyReady, Joined,
-    StepStatus, HoldsState, FailureReport, RecoveryReport, Finished, FinalDigest, TlsAddress,
+    StepStatus, HoldsState, FailureReport, RecoveryReport, Finished, FinalDigest, TlsAddress, HotClaim, HotHeld,
 )

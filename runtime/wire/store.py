@@ -169,6 +169,21 @@ def k_switch_at(g: int) -> str:
     return f"gen/{g}/switch_at"
 
 
+def k_hot_slot(slot: int) -> str:
+    """A hot slot: a sealed `HotClaim` of the standby that mirrors through it (compare_set), empty when free."""
+    return f"hot/slot/{slot}"
+
+
+def k_hot_of(proc: str) -> str:
+    """The hot slot a standby claimed (a bare integer), for the coordinator to free when the standby dies."""
+    return f"proc/{proc}/hot_slot"
+
+
+def k_hot_held(proc: str) -> str:
+    """The newest step whose whole state a hot standby holds (`HotHeld`), after each message it applied."""
+    return f"proc/{proc}/hot_held"
+
+
 def k_fault(index: int) -> str:
     return f"fault/{index}/fired"
 

@@ -40,6 +40,7 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "chunk_bytes": [(LaunchConfig, "chunk_bytes"), (ProcessConfig, "chunk_bytes"), (HandoffSession, "chunk_bytes")],
     "handoff_transport": [(LaunchConfig, "handoff_transport"), (ProcessConfig, "handoff_transport")],
     "handoff_overlap": [(LaunchConfig, "handoff_overlap"), (ProcessConfig, "handoff_overlap")],
+    "hot_standbys": [(LaunchConfig, "hot_standbys"), (ProcessConfig, "hot_standbys")],
     "host": [(LaunchConfig, "host"), (ProcessConfig, "bind_host")],
     "fork_server": [(LaunchConfig, "fork_server"), (AgentConfig, "fork_server")],
     "agent_heartbeat_s": [(LaunchConfig, "agent_heartbeat_s"), (HostTiming, "heartbeat_s")],

@@ -31,6 +31,7 @@ def main() -> None:
     images, labels = make_images(n=1024, size=IMAGE_SIZE, seed=1)
     data = tm.ShardedLoader(AugmentedImages(images, labels, pad=1), batch_size=16, seed=3)
 
+    data = scenario.hot_hooks(args, job, data, accumulation=args.accumulation_steps)
     trainer = tm.Trainer(model, optimizer, loss_fn, data, scheduler=scheduler, seed=7, clip_grad_norm=1.0,
                          amp=args.amp, broadcast_buffers=not args.per_rank_buffers,
                          accumulation_steps=args.accumulation_steps)

@@ -30,6 +30,7 @@ def main() -> None:
     ema = build_ema(model, decay=0.9)
     data = tm.ShardedLoader(make_dataset(n=1024, seq_len=SEQ_LEN, vocab=VOCAB, seed=1), batch_size=8, seed=3)
 
+    data = scenario.hot_hooks(args, job, data, accumulation=2)
     trainer = tm.Trainer(model, optimizer, loss_fn, data, scheduler=scheduler, seed=7, accumulation_steps=2)
     trainer.register_state("ema", ema)  # part of the handoff and of trainer.digest
     for result in trainer.fit(args.steps):

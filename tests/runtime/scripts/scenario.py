@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 from runtime.training.job import Job
 from runtime.training.trainer import StepResult
-from runtime.wire.store import k_chaos_done
+from runtime.wire.protocol import HotClaim, HotHeld, ProcessHello
+from runtime.wire.store import k_chaos_done, k_hello, k_hot_held, k_hot_slot
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,9 +43,71 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="comma-separated steps: once the step after each is committed, wait (bounded) until its backup "
                         "is complete in the job's --backup-dir (so that the next one is not skipped, and a fault "
                         "planned after it finds it, whatever the machine's pace)")
+    p.add_argument("--hot-wait", type=lambda text: [int(x) for x in text.split(",")], default=[],
+                   help="comma-separated steps S: in generation 0, each member waits (bounded) after step S - 2 until the "
+                        "hot standby of slot 0 is linked, and before fetching the batch of S until it holds step "
+                        "S - 1, so that a fault planned in step S finds the mirror current (its last message cannot "
+                        "race the fault)")
+    p.add_argument("--hot-kill", type=int, default=0,
+                   help="in generation 0, after the --hot-wait of this step, rank 0 SIGKILLs the hot standby of slot 0 "
+                        "(a standby lost while it mirrors)")
     p.add_argument("--say", action="store_true",
                    help="print each committed step with this process's name to stdout, and its rank to stderr")
     return p
+
+
+def _hot_holder(job: Job) -> str | None:
+    """The standby that holds hot slot 0 (runtime.training.hot), if one does."""
+    key = k_hot_slot(0)
+    raw = job.store.get(key) if job.store.check([key]) else b""
+    claim = job.records.open_record(key, raw, HotClaim) if raw else None
+    return None if claim is None else claim.proc
+
+
+def _await_hot(job: Job, step: int, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc = _hot_holder(job)
+        held = job.records.get_record(k_hot_held(proc), HotHeld) if proc else None
+        if proc is not None and held is not None and held.step >= step:
+            return proc
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no hot standby held step {step} within {timeout_s:.0f} s ({proc} holds {held})")
+        time.sleep(0.01)
+
+
+class HotHooks:
+    """The batches of a script, with --hot-wait and --hot-kill applied where each step's batch is fetched."""
+
+    def __init__(self, args: argparse.Namespace, job: Job, data: Any, accumulation: int) -> None:
+        self.args, self.job, self.data, self.accumulation = args, job, data, accumulation
+        self.done: set[int] = set()
+
+    def batch_at(self, step: int, rank: int, world_size: int) -> Any:
+        self._hooks(step, rank)
+        return self.data.batch_at(step, rank, world_size)
+
+    def micro_batch_at(self, step: int, micro: int, rank: int, world_size: int) -> Any:
+        """With accumulation: micro-batch `micro` of training step `step` (the data's own numbering below)."""
+        if micro == 0:
+            self._hooks(step, rank)
+        return self.data.batch_at((step - 1) * self.accumulation + micro + 1, rank, world_size)
+
+    def _hooks(self, step: int, rank: int) -> None:
+        job = self.job
+        if step in self.args.hot_wait and step not in self.done and not job.is_standby \
+                and job.heartbeat.latest_gen <= 0:
+            self.done.add(step)
+            proc = _await_hot(job, step - 1)
+            if step == self.args.hot_kill and rank == 0:
+                hello = job.records.get_record(k_hello(proc), ProcessHello)
+                assert hello is not None
+                os.kill(hello.pid, signal.SIGKILL)
+
+
+def hot_hooks(args: argparse.Namespace, job: Job, data: Any, accumulation: int = 1) -> Any:
+    """`data` with the scenario's hot-standby hooks, when any is asked for (`accumulation`: the trainer's)."""
+    return HotHooks(args, job, data, accumulation) if args.hot_wait else data
 
 
 def _await_backup(job: Job, step: int, timeout_s: float = 120.0) -> None:
@@ -68,5 +133,7 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
         time.sleep(args.step_ms / 1000)
     if result.step - 1 in args.await_backup:
         _await_backup(job, result.step - 1)
+    if result.step + 2 in args.hot_wait and not job.is_standby and job.heartbeat.latest_gen <= 0:
+        _await_hot(job, -1)  # linked: the next boundary sends the state, the one after a step (see HotHooks)
     if result.step == args.raise_at:
         raise ValueError(f"a bug in the training script at step {result.step}")
