@@ -27,7 +27,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "alone; data-parallel runs it too), backups (persistent backups' cost by period, and a "
                         "restore after every copy is lost), elastic (a shrink when no standby is left and the grow "
                         "back, against a takeover and torchft), overlap (the handoff beside the replayed step, against "
-                        "the handoff before it) (default: %(default)s)")
+                        "the handoff before it), hot (a hot standby's takeover against a warm one's, and the cost of "
+                        "mirroring) (default: %(default)s)")
     c = kinds.add_parser("chaos", help="a soak: a worker SIGKILLed every ~1.5 s, many times, in one TrainMover job")
     c.add_argument("--interruptions", type=_positive, default=100,
                    help="signals the chaos monkey sends (default: %(default)s, about 15 minutes)")
@@ -116,9 +117,9 @@ def bench_command(ns: argparse.Namespace) -> int:
                           targets=targets)
     sections = [x for x in ns.sections.split(",") if x]
     if not sections or any(x not in ("data-parallel", "sharded", "reconfiguration", "coordinator-loss", "backups",
-                                     "elastic", "overlap") for x in sections):
+                                     "elastic", "overlap", "hot") for x in sections):
         print("trainmover bench recovery: --sections takes data-parallel, sharded, reconfiguration, coordinator-loss, "
-              "backups, elastic, overlap, comma-separated; "
+              "backups, elastic, overlap, hot, comma-separated; "
               f"got {ns.sections!r}")
         return 2
     from bench.recovery import main

@@ -372,6 +372,13 @@ def main(quick: bool, json_path: str | None, kills: int = KILLS,
         report["overlap"] = run_overlap_benchmark(quick, kills)
         print(format_overlap(report["overlap"]))
         mismatch = mismatch or not all(report["overlap"]["bitwise_identical"].values())
+    if "hot" in sections:
+        from bench.hot import format_report as format_hot
+        from bench.hot import run_hot_benchmark
+
+        report["hot"] = run_hot_benchmark(quick, kills)
+        print(format_hot(report["hot"]))
+        mismatch = mismatch or not all(report["hot"]["bitwise_identical"].values())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2, default=str))
