@@ -401,9 +401,11 @@ class Supervisor:
     def spec(self, script: Path) -> JobSpec:
         """The job as the runtime runs it."""
         run = self.run
+        # The policy's hot tier: up to max_hot of the standby processes mirror the state (hot slots are fixed when the
+        # job starts); the policy's hot and warm standbys are both standby processes of the pool.
         return JobSpec(script=script, workers=run.workers, standby=self.warm_target * self.slots,
-                       script_args=tuple(run.script_args),
-                       backend=run.backend, faults=run.faults, steps=run.steps)
+                       script_args=tuple(run.script_args), backend=run.backend, faults=run.faults, steps=run.steps,
+                       hot_standbys=run.standby.max_hot * self.slots)
 
     def start(self, script: Path) -> None:
         """Start the job: on this machine the runtime's launcher hosts the coordinator and every process; on

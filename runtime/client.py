@@ -58,6 +58,8 @@ class JobSpec:
     threads: int = 1
     shrink: ShrinkMode = KNOBS.shrink
     """With no standby ready within the standby wait: continue with fewer members (runtime.training.elastic)."""
+    hot_standbys: int = KNOBS.hot_standbys
+    """Of the standbys, how many mirror the state every step (runtime.training.hot): the policy's hot tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,8 @@ def _script_tail(spec: JobSpec) -> list[str]:
             "--threads", str(spec.threads), "--shrink", spec.shrink, "--quiet"]
     if spec.faults:
         argv += ["--faults", spec.faults]
+    if spec.hot_standbys:
+        argv += ["--hot-standbys", str(spec.hot_standbys)]
     argv += [str(spec.script.resolve()), *spec.script_args]
     if spec.steps is not None:
         argv += ["--steps", str(spec.steps)]

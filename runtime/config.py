@@ -398,7 +398,7 @@ class LaunchConfig:
         "--standby", "number of warm standby processes (default %(default)s)"))
     hot_standbys: int = field(default=KNOBS.hot_standbys, metadata=flag(
         "--hot-standbys", "of the standbys, how many mirror the state every step, so that their takeover moves "
-                          "nothing (data-parallel jobs; default %(default)s)"))
+                          "nothing (data-parallel jobs; at most the standbys there are; default %(default)s)"))
     backend: Backend = field(default=KNOBS.backend, metadata=flag(
         "--backend", "gloo (CPU) or nccl (one GPU per process: workers and standbys alike; default %(default)s)"))
     events_path: str | None = field(default=None, metadata=flag(
@@ -516,9 +516,9 @@ class LaunchConfig:
             raise ConfigError(f"--job-id must be 1-64 letters, digits, '.', '_' or '-', got {self.job_id!r}")
         if self.standby < 0:
             raise ConfigError(f"--standby must be 0 or more, got {self.standby}")
-        if not 0 <= self.hot_standbys <= max(self.standby, 0):
-            raise ConfigError(f"--hot-standbys must be between 0 and --standby ({self.standby}), got "
-                              f"{self.hot_standbys}: a hot standby is one of the standbys")
+        if self.hot_standbys < 0:
+            raise ConfigError(f"--hot-standbys must be 0 or more (of the standbys there are, how many mirror the "
+                              f"state), got {self.hot_standbys}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
         if self.agents < 0:

@@ -40,7 +40,7 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "chunk_bytes": [(LaunchConfig, "chunk_bytes"), (ProcessConfig, "chunk_bytes"), (HandoffSession, "chunk_bytes")],
     "handoff_transport": [(LaunchConfig, "handoff_transport"), (ProcessConfig, "handoff_transport")],
     "handoff_overlap": [(LaunchConfig, "handoff_overlap"), (ProcessConfig, "handoff_overlap")],
-    "hot_standbys": [(LaunchConfig, "hot_standbys"), (ProcessConfig, "hot_standbys")],
+    "hot_standbys": [(LaunchConfig, "hot_standbys"), (ProcessConfig, "hot_standbys"), (JobSpec, "hot_standbys")],
     "host": [(LaunchConfig, "host"), (ProcessConfig, "bind_host")],
     "fork_server": [(LaunchConfig, "fork_server"), (AgentConfig, "fork_server")],
     "agent_heartbeat_s": [(LaunchConfig, "agent_heartbeat_s"), (HostTiming, "heartbeat_s")],
@@ -157,11 +157,11 @@ def test_the_same_knob_has_the_same_flag_and_polarity_in_every_command() -> None
 
 def test_the_clients_command_lines_say_what_the_spec_and_the_placement_say(tmp_path: Path) -> None:
     spec = JobSpec(script=Path("examples/train_mlp.py"), workers=3, standby=2, script_args=("--lr", "0.1"),
-                   backend="gloo", faults="kill:rank=1,step=5", steps=40, threads=2)
+                   backend="gloo", faults="kill:rank=1,step=5", steps=40, threads=2, hot_standbys=1)
     parsers = _parsers()
     cfg = from_namespace(LaunchConfig, parsers["run"].parse_args(run_argv(spec, tmp_path / "ev", 7)[4:]))
-    assert (cfg.nproc, cfg.standby, cfg.backend, cfg.num_threads, cfg.faults, cfg.port, cfg.events_path) == (
-        3, 2, "gloo", 2, spec.faults, 7, str(tmp_path / "ev"))
+    assert (cfg.nproc, cfg.standby, cfg.backend, cfg.num_threads, cfg.faults, cfg.port, cfg.events_path,
+            cfg.hot_standbys) == (3, 2, "gloo", 2, spec.faults, 7, str(tmp_path / "ev"), 1)
     assert (cfg.script, cfg.args) == (str(spec.script.resolve()), ("--lr", "0.1", "--steps", "40"))
     placement = Placement("job-a", 3, "10.0.0.1", 7000, 7001, 30.0)
     cfg = from_namespace(LaunchConfig, parsers["coordinator"].parse_args(

@@ -121,7 +121,7 @@ def test_a_source_sends_nothing_to_a_listener_that_cannot_prove_it_is_the_standb
 
 
 def test_a_tampered_byte_or_a_foreign_key_ends_the_link_before_anything_is_applied() -> None:
-    state, buckets, _ = replica()
+    state, _, _ = replica()
     msg = Message("sync", 4, state.meta(4).to_json(), list(state.tensors()))
     key = bytes(range(32))
 

@@ -26,6 +26,8 @@ from runtime.wire.protocol import (
     Generation,
     Heartbeat,
     HoldsState,
+    HotClaim,
+    HotHeld,
     JobConfig,
     JobOver,
     Joined,
@@ -71,6 +73,8 @@ SAMPLES: list[StoreRecord] = [
     Finished(20),
     FinalDigest("ab" * 16),
     TlsAddress("10.0.0.2", 40123),
+    HotClaim("s0", "10.0.0.3", 40124),
+    HotHeld(41),
 ]
 
 

@@ -44,10 +44,10 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "is complete in the job's --backup-dir (so that the next one is not skipped, and a fault "
                         "planned after it finds it, whatever the machine's pace)")
     p.add_argument("--hot-wait", type=lambda text: [int(x) for x in text.split(",")], default=[],
-                   help="comma-separated steps S: in generation 0, each member waits (bounded) after step S - 2 until the "
-                        "hot standby of slot 0 is linked, and before fetching the batch of S until it holds step "
-                        "S - 1, so that a fault planned in step S finds the mirror current (its last message cannot "
-                        "race the fault)")
+                   help="comma-separated steps S: in generation 0, each member waits (bounded) after step S - 2 "
+                        "until the hot standby of slot 0 is linked, and before fetching the batch of S until it holds "
+                        "step S - 1, so that a fault planned in step S finds the mirror current (its last message "
+                        "cannot race the fault)")
     p.add_argument("--hot-kill", type=int, default=0,
                    help="in generation 0, after the --hot-wait of this step, rank 0 SIGKILLs the hot standby of slot 0 "
                         "(a standby lost while it mirrors)")
