@@ -46,6 +46,8 @@ from runtime.wire.protocol import (
     Finished,
     Generation,
     Heartbeat,
+    HotClaim,
+    HotHeld,
     ProcessHello,
     RecoveryReport,
     StandbyReady,
@@ -469,3 +471,27 @@ def test_a_lost_rank_gets_a_standby_away_from_the_hosts_that_hold_its_states_oth
     scene.c.start()
     scene.until(lambda: scene.c.gen.gen == 1, 5.0)
     assert scene.c.gen.members[1] == ("s1" if homes else "s0")
+
+
+@pytest.mark.timeout(20)
+def test_a_lost_rank_goes_to_the_hot_standby_that_holds_the_newest_step() -> None:
+    """s0 became ready first but is warm; s1 mirrors the state (runtime.training.hot) and holds step 7: rank 1 goes
+    to s1, whose takeover sends nothing."""
+    scene = Scene(lambda name, role: Script(exit_at=2.0) if name == "w1" else
+                  Script(ready_at=0.3 if name == "s0" else 0.6) if role == "standby" else Script(), standby=2)
+    scene.member.put(keys.k_hot_held("s1"), HotHeld(7))
+    scene.c.start()
+    scene.until(lambda: scene.c.gen.gen == 1, 5.0)
+    assert scene.c.gen.members[1] == "s1"
+
+
+@pytest.mark.timeout(20)
+def test_the_hot_slot_of_a_standby_that_dies_is_freed_for_another() -> None:
+    scene = Scene(lambda name, role: Script(ready_at=0.3, exit_at=1.0) if name == "s0" else Script())
+    slot = keys.k_hot_slot(0)
+    claim = scene.member.sealer.seal(slot, HotClaim("s0", "127.0.0.1", 40000).to_json())
+    scene.store.compare_set(slot, "", claim)
+    scene.member.put(keys.k_hot_of("s0"), 0)
+    scene.c.start()
+    scene.until(lambda: bool(scene.events(StandbyLost)), 5.0)
+    assert scene.store.get(slot) == b"", "free: the next standby's compare_set from empty claims it"
