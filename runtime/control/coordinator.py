@@ -38,7 +38,7 @@ from runtime.config import KNOBS, ShrinkMode
 from runtime.control.chaos import Candidate, ChaosMonkey, parse_chaos
 from runtime.control.decisions import MoveContext, move_refusal
 from runtime.control.elastic import PlannedChange, change_figures, cover_plan, resize_plan
-from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, describe_exit, exit_cause
+from runtime.control.health import HealthWatch, JobFailed, Member, ProcessHandle, Warm, describe_exit, exit_cause
 from runtime.control.hosts import NoSlot
 from runtime.control.lease import Deposed, Lease
 from runtime.control.recoveries import Death, Recoveries
@@ -818,7 +818,10 @@ class Coordinator:
         for fencing in verdicts.fence:
             if not self.procs[fencing.proc].dead:  # fencing one may have ended another (a standby not needed)
                 self._fence(fencing.proc, fencing.cause, fencing.failure_at)
-        for warm in verdicts.warm:
+        self._became_warm(verdicts.warm)
+
+    def _became_warm(self, warms: list[Warm]) -> None:
+        for warm in warms:
             m = self.procs[warm.proc]
             self.standbys.became_warm(warm.proc)
             self.events.emit(StandbyWarm(proc=warm.proc, pid=m.handle.pid, warmup_s=warm.warmup_s,
@@ -1137,6 +1140,7 @@ class Coordinator:
             self._emit_generation(new)
 
     def _replace(self, now: float) -> None:
+        self._became_warm(self.health.warm_now(self.procs, now))
         ready = self.standbys.ready()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
         settle_s = self.pool.settle_s

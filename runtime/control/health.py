@@ -180,6 +180,15 @@ class HealthWatch:
             self._check_warm(name, m, now, out)
         return out
 
+    def warm_now(self, procs: dict[str, Member], now: float) -> list[Warm]:
+        """Standbys whose warm-up record arrived since the last tick: read when a loss is being covered, so that a
+        standby warm (or hot) for less than a tick is not passed over for an older one."""
+        out = Verdicts()
+        for name, m in procs.items():
+            if not m.dead and m.handle.role == "standby" and m.assigned_gen is None:
+                self._check_warm(name, m, now, out)
+        return out.warm
+
     def _check_warm(self, name: str, m: Member, now: float, out: Verdicts) -> None:
         if m.handle.role == "standby" and not m.ready and m.hello_ok and (
             warm := self.records.get_record(keys.k_ready(name), StandbyReady)

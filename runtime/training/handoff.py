@@ -96,6 +96,15 @@ class MemberStatus:
     """Steps of its own buddy-copy snapshots (`runtime.training.buddy`)."""
     copies: tuple[int, ...] = ()
     """Steps of the copies it keeps of its buddy's state."""
+    mirrored: bool = False
+    """A hot standby just promoted (runtime.training.hot): behind the newest step, it does not keep its own state."""
+
+    @property
+    def keeps_own(self) -> bool:
+        """Behind the newest step, whether it keeps its own state whole until the handoff completes: a survivor does
+        (it may hold the last copy left if the sources die); a standby promoted from its mirror is sent the state as
+        a new member is, in the handoff's faster overlapped form."""
+        return self.has_state and not self.mirrored
 
 
 @dataclass(frozen=True, slots=True)

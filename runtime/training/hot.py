@@ -21,8 +21,11 @@ is applied). The link is one-way: the source never reads from it after the proof
 
 **What travels** (`HotSource.boundary`, after the script's loop body ran for step s):
 
-* `sync`: the whole state of step s (the handoff's tensors, cloned at the boundary, and its metadata), when the
-  standby holds another step (it is new, or it fell behind);
+* `sync`: the whole state of step s (the handoff's tensors and its metadata), when the standby holds another step
+  (it is new, or it fell behind). The parameters and the optimizer's state are sent as they are, beside the next
+  step's forward and backward passes, which only read them; the optimizer step waits until they are sent
+  (`HotSource.settle`). The buffers and the registered state, which a forward pass or a loop body may change, are
+  cloned;
 * `step`: what turns the state of step s - 1 into that of step s: the step's averaged gradients (cloned right after
   the exchange, before clipping or a GradScaler touch them), its learning-rate factor (a shrunk job), the model's
   buffers (BatchNorm statistics) and the registered state's tensors after the loop body (EMA weights, the
@@ -194,7 +197,8 @@ class _Link:
     key: bytes
     step: int | None
     """The step the standby will hold once every queued message is applied (None: it needs a `sync`)."""
-    queue: queue.Queue[Message | None] = field(default_factory=lambda: queue.Queue())
+    queue: queue.Queue[tuple[Message, threading.Event] | None] = field(default_factory=lambda: queue.Queue())
+    """Messages to send, each with the event set once it is sent (or the link ended)."""
     seq: int = 0
     dead: bool = False
     thread: threading.Thread | None = None
@@ -203,26 +207,43 @@ class _Link:
     def send_loop(self) -> None:
         try:
             while True:
-                msg = self.queue.get()
-                if msg is None:
+                item = self.queue.get()
+                if item is None:
                     return
-                self.bytes_sent += send_message(self.sock, self.key, self.slot, self.seq, msg)
+                msg, sent = item
+                try:
+                    self.bytes_sent += send_message(self.sock, self.key, self.slot, self.seq, msg)
+                finally:
+                    sent.set()
                 self.seq += 1
         except (OSError, MirrorError) as exc:
             log.info("hot standby %s: its link ended (%s)", self.standby, exc)
         finally:
             self.dead = True
             _close(self.sock)
+            while True:  # whoever waits for a message that will not be sent now
+                try:
+                    left = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not None:
+                    left[1].set()
 
     def close(self) -> None:
+        """End the link: its thread's send fails at once and the thread closes the socket (never closed under it,
+        whose descriptor another connection could take)."""
         self.dead = True
         self.queue.put(None)
-        _close(self.sock)
+        _shut(self.sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+    _shut(sock)
     sock.close()
 
 
@@ -238,6 +259,8 @@ class HotSource:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._grads: tuple[int, float, list[torch.Tensor]] | None = None
+        self._live: list[tuple[_Link, threading.Event]] = []
+        """`sync` messages that read the live parameters and optimizer state: sent before the next optimizer step."""
         self._refused: dict[str, float] = {}
         self._thread = threading.Thread(target=self._discover, name="tm-hot-source", daemon=True)
         self._thread.start()
@@ -276,15 +299,28 @@ class HotSource:
             if link.step == step - 1 and grads is not None and grads[0] == step:
                 if stepped is None:
                     stepped = self._step_message(step, state, grads, buffers)
-                link.queue.put(stepped)
+                link.queue.put((stepped, threading.Event()))
             elif link.queue.qsize() == 0:
                 if sync is None:
-                    meta = state.meta(step)
-                    sync = Message("sync", step, meta.to_json(), [(k, t.detach().clone()) for k, t in state.tensors()])
-                link.queue.put(sync)
+                    sync = self._sync_message(step, state, buffers)
+                sent = threading.Event()
+                link.queue.put((sync, sent))
+                self._live.append((link, sent))
             else:
                 continue
             link.step = step
+
+    def settle(self, timeout_s: float = LINK_TIMEOUT_S) -> None:
+        """Before anything changes the parameters or the optimizer's state (the optimizer step, a handoff received):
+        the `sync` messages that read them live are sent; a link that does not send its in `timeout_s` is ended
+        (its socket shut first, so that nothing read after this point can reach its standby)."""
+        live, self._live = self._live, []
+        deadline = time.monotonic() + timeout_s
+        for link, sent in live:
+            if not sent.wait(max(0.0, deadline - time.monotonic())):
+                log.info("hot standby %s: the state was not sent within %.0f s; its link ended", link.standby,
+                         timeout_s)
+                link.close()
 
     def close(self) -> None:
         self._closed.set()
@@ -292,6 +328,18 @@ class HotSource:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        self._live = []
+
+    @staticmethod
+    def _sync_message(step: int, state: TrainingState, buffers: list[torch.Tensor]) -> Message:
+        """The whole state of step `step`: the parameters and the optimizer's state as they are (only the next
+        optimizer step changes them: `settle` waits for the message before it), the buffers (a forward pass changes
+        them) and the registered state (the next loop body may) cloned."""
+        meta = state.meta(step)
+        moving = {b.data_ptr() for b in buffers}
+        parts = [(k, t.detach().clone() if k.startswith("extra.") or t.data_ptr() in moving else t.detach())
+                 for k, t in state.tensors()]
+        return Message("sync", step, meta.to_json(), parts)
 
     @staticmethod
     def _step_message(step: int, state: TrainingState, grads: tuple[int, float, list[torch.Tensor]],
@@ -409,7 +457,7 @@ class HotMirror:
             conn, self._conn = self._conn, None
             held = self.held
         if conn is not None:
-            _close(conn)
+            _shut(conn)  # its thread closes it
         self._thread.join(timeout_s)
         self.listener.close()
         return held

@@ -300,6 +300,8 @@ class Trainer:
         """The hot standbys this member serves (runtime.training.hot), with `--hot-standbys`."""
         self._hot_mirror: HotMirror | None = None
         """A standby's mirror of the state while it waits, with `--hot-standbys`."""
+        self._mirrored = False
+        """Promoted holding a mirrored state, until it joined its first generation (`StepStatus.mirrored`)."""
         self.job.heartbeat.on_new_generation.append(self._on_newer_generation)
 
     def _on_newer_generation(self, latest_gen: int, records: keys.Records) -> None:
@@ -488,6 +490,7 @@ class Trainer:
         self._settle_handoff()  # the optimizer's state streamed beside this step's passes, or changes once sent
         if self._hot_source is not None:  # the gradients as exchanged, before clipping or unscaling touch them
             self._hot_source.gradients(step, self.buckets.flats, layout.lr_factor())
+            self._hot_source.settle()  # a hot standby's sync read the parameters and the optimizer's state
         self._optimizer_step(layout.lr_factor())
         if self.cursor is not None:
             self.cursor.units += n_units
@@ -726,10 +729,13 @@ class Trainer:
         self.layout = Layout(record.logical_width, world, rank, cfg.shrink)
         self._switch_to = None
         group_ready = time.time()
-        records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state, pending, own, copies))
+        records.put(keys.k_status(g, rank), StepStatus(self.committed, self.has_state, pending, own, copies,
+                                                       mirrored=self._mirrored))
+        self._mirrored = False
         found = records.wait_records([keys.k_status(g, r) for r in range(world)], StepStatus, cfg.recovery_timeout_s,
                                      interrupt, what=f"every member's status in generation {g}")
-        statuses = [MemberStatus(r, status.step, status.has_state, status.pending, status.own, status.copies)
+        statuses = [MemberStatus(r, status.step, status.has_state, status.pending, status.own, status.copies,
+                                 status.mirrored)
                     for r, status in enumerate(found[keys.k_status(g, r)] for r in range(world))]
         return Joining(record, rank, world, interrupt, statuses, gen_seen, t_joined, t_all_joined, group_ready)
 
@@ -760,7 +766,7 @@ class Trainer:
                 "continue exactly. Use broadcast_buffers=True (DDP's default) to make them recoverable.")
         # A survivor behind the newest step keeps its own state whole until the handoff completes (it may be the
         # last copy left if the sources die); any other receiver's half-received state is garbage until then.
-        behind = rank in plan.receivers and self.has_state
+        behind = rank in plan.receivers and statuses[rank].keeps_own
         if rank in plan.receivers and not behind:
             self.has_state = False
         session = HandoffSession(g, record.members, cfg.job_id, cfg.job_token, cfg.chunk_bytes,
@@ -770,7 +776,7 @@ class Trainer:
         else:
             # The optimizer's state streams beside the replayed step's passes, unless a receiver keeps an older
             # state of its own until the end (every member reads that in the same statuses: the same phases).
-            overlap = cfg.handoff_overlap and not any(statuses[r].has_state for r in plan.receivers)
+            overlap = cfg.handoff_overlap and not any(statuses[r].keeps_own for r in plan.receivers)
             handoff = start_handoff(plan, session, rank, self.state, links=GlooLinks(cfg.recovery_timeout_s),
                                     keep_own=behind, on_own_lost=self._lost_own_state, overlap=overlap)
             stats = handoff.stats
@@ -875,6 +881,8 @@ class Trainer:
         """Leave the broken group, undo the interrupted step, tell the coordinator, wait for the next generation."""
         records, cfg = self.job.records, self.job.cfg
         self._drop_handoff()
+        if self._hot_source is not None:  # before a handoff of the next generation writes the state
+            self._hot_source.settle(STALE_HANDOFF_S)
         self._leave_groups()
         self._restore_uncommitted()
         records.put(keys.k_failed(g, cfg.proc), FailureReport(
@@ -941,9 +949,10 @@ class Trainer:
         if held is not None:
             self.committed = held
             self.has_state = True
+            self._mirrored = True
             self.job.heartbeat.committed_step = held
-            log.info("%s: stopped mirroring, holding the state of step %d (%d mirror messages applied)",
-                     self.job.proc, held, mirror.applied)
+            sys.stderr.write(f"[trainmover] {self.job.proc} stopped mirroring, holding the state of step {held} "
+                             f"({mirror.applied} mirror messages applied)\n")
 
     def _hot_apply_sync(self, msg: Message) -> None:
         """A mirror's `sync`: the whole state of a step, as a handoff would bring it."""

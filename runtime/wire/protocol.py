@@ -903,6 +903,9 @@ class StepStatus(StoreRecord):
     """Steps of this member's own complete buddy-copy snapshots (`runtime.training.buddy`)."""
     copies: tuple[int, ...] = ()
     """Steps of the complete copies it keeps of its buddy's state."""
+    mirrored: bool = False
+    """A hot standby promoted into this generation: its state came from a mirror (runtime.training.hot). Behind the
+    newest step it is sent the state as a new member is, and does not keep its own meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)

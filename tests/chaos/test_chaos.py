@@ -35,13 +35,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # of the steps ten times slower while the monkey is still at work, so that a short run (a cheap reference run,
 # few steps after the last fault) still leaves the monkey 100 s or more on a slow machine.
 # Two jobs hit every kind of process with both signals; two hit workers only, so that each fault is a recovery.
+# The last job's standbys are hot (one slot, runtime.training.hot): the monkey hits mirroring standbys, their
+# sources and standbys being synced, and a takeover may find its hot standby current, one step behind or cold.
 PACE = ("--pace-ms", "100", "--pace-end-factor", "10")
-JOBS: list[tuple[Path, tuple[str, ...], int, int, str, str]] = [
-    (SCRIPTS / "tiny_job.py", PACE, 400, 50, "kill|stop", "worker|standby"),
-    (SCRIPTS / "bn_aug_job.py", PACE, 350, 55, "kill", "worker"),
-    (SCRIPTS / "ema_job.py", PACE, 300, 55, "kill", "worker"),
+JOBS: list[tuple[Path, tuple[str, ...], int, int, str, str, int]] = [
+    (SCRIPTS / "tiny_job.py", PACE, 400, 50, "kill|stop", "worker|standby", 0),
+    (SCRIPTS / "bn_aug_job.py", PACE, 350, 55, "kill", "worker", 0),
+    (SCRIPTS / "ema_job.py", PACE, 300, 55, "kill", "worker", 0),
     (SCRIPTS / "bn_aug_job.py", ("--amp", "bf16", "--accumulation-steps", "2", *PACE), 300, 45,
-     "kill|stop", "worker|standby"),
+     "kill|stop", "worker|standby", 1),
 ]
 EVERY_S = 0.2
 MIN_FAULTS = 200
@@ -95,16 +97,16 @@ def _check_accounting(result: JobResult) -> dict[str, Any]:
     return {"injected": len(injected), "members_lost": len(events_of(result, MemberFailed))}
 
 
-@pytest.mark.parametrize(("script", "args", "steps", "faults", "signals", "targets"), JOBS,
-                         ids=[f"{j[0].stem}-{j[4]}-{j[5]}" for j in JOBS])
+@pytest.mark.parametrize(("script", "args", "steps", "faults", "signals", "targets", "hot"), JOBS,
+                         ids=[f"{j[0].stem}-{j[4]}-{j[5]}" + ("-hot" if j[6] else "") for j in JOBS])
 def test_random_faults_leave_the_job_exact_and_accounted(
-    script: Path, args: tuple[str, ...], steps: int, faults: int, signals: str, targets: str
+    script: Path, args: tuple[str, ...], steps: int, faults: int, signals: str, targets: str, hot: int
 ) -> None:
     # The seeds the jobs always had (their arguments then ended with `--pace-ms 100`: two, not len(PACE)).
     seed = sum(map(ord, script.stem)) + len(_without_pace(args)) + 2
     chaos = f"seed={seed},every_s={EVERY_S},max={faults},signals={signals},targets={targets},burst=2,covered=1"
     result = run_job(nproc=2, standby=2, steps=steps, script=script, script_args=args, chaos=chaos,
-                     wait_for_standbys=True, recovery_timeout_s=90.0, hang_timeout_s=1.0)
+                     wait_for_standbys=True, recovery_timeout_s=90.0, hang_timeout_s=1.0, hot_standbys=hot)
 
     assert result.exit_code == 0, result.message
     counts = _check_accounting(result)

@@ -68,6 +68,8 @@ def test_a_mirror_gets_the_state_then_each_step_and_a_stranger_gets_nothing(stor
         source.place(0, 1)
         until(lambda: source._links.get(0) is not None, "the source links to the standby")
         source.boundary(1, state, buckets.flats, list(model.buffers()))
+        source.settle(WAIT_S)  # the parameters and the optimizer's state went as they are: sent before they change
+        assert not source._live
         first = got.get(timeout=WAIT_S)
         assert (first.kind, first.step) == ("sync", 1)
         assert [k for k, _ in first.parts] == [k for k, _ in state.tensors()]
