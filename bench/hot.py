@@ -45,7 +45,8 @@ def _kills(run: JobRun, state_s: float, hot: bool) -> list[dict[str, Any]]:
         sent = k.handoff_bytes
         floored = k.with_floor(0.0 if hot and sent == 0 else state_s)
         out.append({"replay_step": k.replay_step, "lost_time_s": k.lost_time_s, "step_s": k.step_s,
-                    "stall_steps": k.lost_time_s / k.step_s, "redone_s": k.redone_s, "handoff_bytes": sent,
+                    "stall_steps": k.lost_time_s / k.step_s, "bound_s": k.recovery_bound_s,
+                    "takeover_steps": k.recovery_bound_s / k.step_s, "redone_s": k.redone_s, "handoff_bytes": sent,
                     "floor_s": floored.floor_s, "recovery_s": k.recovery_s, **k.components})
     return out
 
@@ -55,8 +56,8 @@ def _summary(kills: list[dict[str, Any]]) -> dict[str, Any]:
     return {"kills": len(kills), "nothing_sent": sum(k["handoff_bytes"] == 0 for k in kills),
             "lost_time_s": lost["median"], "lost_time_min_s": lost["min"], "lost_time_max_s": lost["max"],
             **{key: statistics.median(k[key] for k in kills)
-               for key in ("stall_steps", "step_s", "floor_s", "handoff_s", "replay_s", "detect_s", "reconfigure_s",
-                           "handoff_bytes")}}
+               for key in ("stall_steps", "bound_s", "takeover_steps", "step_s", "floor_s", "handoff_s", "replay_s",
+                           "detect_s", "reconfigure_s", "warmup_penalty_s", "handoff_bytes")}}
 
 
 def run_hot_benchmark(quick: bool, kills: int, rounds: int = 2) -> dict[str, Any]:
@@ -103,20 +104,25 @@ def format_report(r: dict[str, Any]) -> str:
     def f(x: float) -> str:
         return f"{x:.3f}"
 
-    lines = [f"hot standbys ({r['mode']}): {r['state_bytes'] / 1e6:.0f} MB of state, of which the model "
+    lines = ["takeover: the recovery's stall without the steps after it (recovery_s - (step - redone)); after: the "
+             "warm-up penalty, the 3 steps after the replay (a replacement standby warms up, and a hot one is sent "
+             "the state, then)",
+             f"hot standbys ({r['mode']}): {r['state_bytes'] / 1e6:.0f} MB of state, of which the model "
              f"{r['model_bytes'] / 1e6:.0f} MB; {r['kills_per_job']} kills per job, {r['rounds']} rounds alternated; "
              f"p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; device kind: {r['device_ms']:.0f} ms of each "
              "forward pass off the CPU",
              f"  {'step':<8}{'standby':<9}{'steady step':>12}{'lost median':>12}{'min':>8}{'max':>8}{'stall':>7}"
-             f"{'floor':>8}{'handoff':>9}{'replay':>8}{'sent MB':>9}{'nothing sent':>14}"]
+             f"{'takeover':>9}{'(steps)':>8}{'after':>7}{'floor':>8}{'handoff':>9}{'replay':>8}{'sent MB':>9}"
+             f"{'nothing sent':>14}"]
     for kind, row in r["by_kind"].items():
         for tier in ("warm", "hot"):
             s = row[tier]
             lines.append(f"  {kind:<8}{tier:<9}{f(row['steady_step_s'][tier]):>12}{f(s['lost_time_s']):>12}"
                          f"{f(s['lost_time_min_s']):>8}{f(s['lost_time_max_s']):>8}{s['stall_steps']:>6.2f}x"
-                         f"{f(s['floor_s']):>8}{f(s['handoff_s']):>9}{f(s['replay_s']):>8}"
+                         f"{f(s['bound_s']):>9}{s['takeover_steps']:>7.2f}x{f(s['warmup_penalty_s']):>7}{f(s['floor_s']):>8}{f(s['handoff_s']):>9}{f(s['replay_s']):>8}"
                          f"{s['handoff_bytes'] / 1e6:>9.0f}{s['nothing_sent']:>9} of {s['kills']}")
-        lines.append(f"  {kind}: hot / warm lost {row['lost_time_hot_vs_warm']:.2f}x, hot / its floor "
+        lines.append(f"  {kind}: hot / warm lost {row['lost_time_hot_vs_warm']:.2f}x (the takeover alone "
+                     f"{row['hot']['bound_s'] / row['warm']['bound_s']:.2f}x), hot / its floor "
                      f"{row['hot_vs_its_floor']:.2f}x; throughput with a hot standby "
                      f"{row['throughput_hot_vs_warm']:.3f} of the job with a warm one")
     exact = r["bitwise_identical"]

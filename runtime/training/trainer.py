@@ -365,7 +365,7 @@ class Trainer:
                 self._warm_up()
                 self._start_mirror()
                 promoted = self._await_promotion()
-                self._stop_mirror()
+                self._stop_mirror(promoted is not None)
                 if promoted is None:
                     # The job ended without needing this standby. What follows fit() in the script (saving,
                     # printing results) is the workers' business: leave the process here.
@@ -940,13 +940,13 @@ class Trainer:
             self._hot_mirror = HotMirror(self.job.cfg, self.job.sealer, self.job.cfg.hot_standbys,
                                          self._hot_apply_sync, self._hot_apply_step)
 
-    def _stop_mirror(self) -> None:
+    def _stop_mirror(self, promoted: bool) -> None:
         """Promoted (or not needed): the mirror ends between two messages; the step it holds is this member's."""
         mirror, self._hot_mirror = self._hot_mirror, None
         if mirror is None:
             return
         held = mirror.stop()
-        if held is not None:
+        if held is not None and promoted:
             self.committed = held
             self.has_state = True
             self._mirrored = True
