@@ -23,6 +23,7 @@ import dataclasses
 import statistics
 from typing import Any
 
+from bench.overlap import kinds_header
 from bench.peers.common import spread
 from bench.peers.p2p import measure_p2p_bandwidth
 from bench.peers.trainmover import JobRun, kill_losses, kill_plan, kill_schedule, run_job, steady_step_of
@@ -107,10 +108,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = ["takeover: the recovery's stall without the steps after it (recovery_s - (step - redone)); after: the "
              "warm-up penalty, the 3 steps after the replay (a replacement standby warms up, and a hot one is sent "
              "the state, then)",
-             f"hot standbys ({r['mode']}): {r['state_bytes'] / 1e6:.0f} MB of state, of which the model "
-             f"{r['model_bytes'] / 1e6:.0f} MB; {r['kills_per_job']} kills per job, {r['rounds']} rounds alternated; "
-             f"p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; device kind: {r['device_ms']:.0f} ms of each "
-             "forward pass off the CPU",
+             kinds_header("hot standbys", r),
              f"  {'step':<8}{'standby':<9}{'steady step':>12}{'lost median':>12}{'min':>8}{'max':>8}{'stall':>7}"
              f"{'takeover':>9}{'(steps)':>8}{'after':>7}{'floor':>8}{'handoff':>9}{'replay':>8}{'sent MB':>9}"
              f"{'nothing sent':>14}"]

@@ -95,14 +95,19 @@ def _timeline(k: dict[str, Any]) -> dict[str, float]:
             "replayed_step_committed": k["recovery_s"], "lost_time_s": k["lost_time_s"]}
 
 
+def kinds_header(title: str, r: dict[str, Any]) -> str:
+    """The first line of a report that runs the cpu and device kinds of step (this section's and `bench.hot`'s)."""
+    return (f"{title} ({r['mode']}): {r['state_bytes'] / 1e6:.0f} MB of state, of which the model "
+            f"{r['model_bytes'] / 1e6:.0f} MB; {r['kills_per_job']} kills per job, {r['rounds']} rounds alternated; "
+            f"p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; device kind: {r['device_ms']:.0f} ms of each "
+            "forward pass off the CPU")
+
+
 def format_report(r: dict[str, Any]) -> str:
     def f(x: float) -> str:
         return f"{x:.3f}"
 
-    lines = [f"handoff overlap ({r['mode']}): {r['state_bytes'] / 1e6:.0f} MB of state, of which the model "
-             f"{r['model_bytes'] / 1e6:.0f} MB; {r['kills_per_job']} kills per job, {r['rounds']} rounds alternated; "
-             f"p2p {r['p2p_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; device kind: {r['device_ms']:.0f} ms of each "
-             "forward pass off the CPU",
+    lines = [kinds_header("handoff overlap", r),
              f"  {'step':<8}{'overlap':<9}{'lost median':>12}{'min':>8}{'max':>8}{'bound':>8}{'handoff':>9}"
              f"{'beside':>8}{'replay':>8}{'floor seq':>10}{'floor ovl':>10}{'step':>7}"]
     for kind, row in r["by_kind"].items():
