@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import selectors
 import signal
@@ -107,6 +108,8 @@ log = logging.getLogger("trainmover.coordinator")
 
 LOOP_S = 0.005
 HEALTH_EVERY_S = 0.2
+WARM_READ_S = 0.02
+"""While a loss waits to be covered, the warming standbys' warm-up records are read at most this often."""
 
 
 class ProcessPool(Protocol):
@@ -315,6 +318,8 @@ class Coordinator:
                                     pool.free_slots, lambda: store.add(keys.k_standby_names(), 1) - 1)
         self.pending_deaths: dict[int, Death] = {}
         self.waiting_since: float | None = None
+        self._warm_read_at = -math.inf
+        """When `_replace` last read the warming standbys' records (not only at the health tick)."""
         self._state_homes: StateHomes | None = None
         """`StateHomes` once read (None: none yet; a data-parallel job has none: every rank holds every state)."""
         self.recoveries = Recoveries(self.records, events)
@@ -1140,7 +1145,9 @@ class Coordinator:
             self._emit_generation(new)
 
     def _replace(self, now: float) -> None:
-        self._became_warm(self.health.warm_now(self.procs, now))
+        if now - self._warm_read_at >= WARM_READ_S:  # bounded: a long wait for standbys reads them at this pace
+            self._warm_read_at = now
+            self._became_warm(self.health.warm_now(self.procs, now))
         ready = self.standbys.ready()
         deaths = sorted(self.pending_deaths.values(), key=lambda d: d.rank)
         settle_s = self.pool.settle_s
