@@ -21,6 +21,7 @@ on a fake clock.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -1353,19 +1354,32 @@ class Coordinator:
     def _most_current_first(self, ready: list[str]) -> list[str]:
         """Hot standbys (runtime.training.hot) by the newest step they hold, then the others in their order: the
         most current one's takeover moves the least."""
-        step = {p: r.step for p in ready if (r := self.records.get_record(keys.k_hot_held(p), HotHeld)) is not None}
+        hot = self._hot_claimants()
+        step = {p: r.step for p in ready
+                if p in hot and (r := self.records.get_record(keys.k_hot_held(p), HotHeld)) is not None}
         return sorted(ready, key=lambda p: -step.get(p, -1))
+
+    def _hot_claimants(self) -> set[str]:
+        """The standbys holding a hot slot. Standbys claim slots from 0 up, so the first slot never written ends the
+        look: a job without hot standbys costs one store round trip."""
+        out: set[str] = set()
+        for slot in itertools.count():
+            key = keys.k_hot_slot(slot)
+            if not self.records.store.check([key]):
+                return out
+            _, claim = self.records.get_slot(key, HotClaim)
+            if claim is not None:
+                out.add(claim.proc)
+        return out
 
     def _free_hot_slot(self, name: str) -> None:
         """A standby died: the hot slot it held (if any) is free for another."""
         slot = self.records.get_int(keys.k_hot_of(name))
         if slot < 0:
             return
-        key = keys.k_hot_slot(slot)
-        raw = self.records.store.get(key) if self.records.store.check([key]) else b""
-        claim = self.records.open_record(key, raw, HotClaim) if raw else None
+        raw, claim = self.records.get_slot(keys.k_hot_slot(slot), HotClaim)
         if claim is not None and claim.proc == name:
-            self.records.store.compare_set(key, raw.decode(), "")
+            self.records.store.compare_set(keys.k_hot_slot(slot), raw.decode(), "")
             log.info("hot slot %d of %s freed", slot, name)
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:

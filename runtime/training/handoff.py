@@ -212,7 +212,7 @@ class _Bounded:
         return self.work.wait(self.timeout)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy for a contiguous CPU tensor (a GPU one is copied to the host)."""
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":
@@ -507,7 +507,7 @@ def _send_chunks(session: HandoffSession, key: bytes, target_step: int, tensors:
             raise HandoffError(f"the receiver asked for chunk {j}, which does not exist")
         c = layout[j]
         piece = _slice(tensors[c.tensor].contiguous(), c)
-        macs.append(_mac_later(key, receiver, target_step, j, _bytes_of(piece)))  # read-only, beside the send
+        macs.append(_mac_later(key, receiver, target_step, j, tensor_bytes(piece)))  # read-only, beside the send
         if not repair and session.fault("handoff_send", role="sender", chunk=first + n + 1):
             piece = piece.clone()
             piece.view(torch.uint8)[0] ^= 1  # one bit flipped on the way, after the MAC was taken
@@ -564,7 +564,7 @@ class _Receiving:
         checks = []
         for j, w in zip(indices, works, strict=True):
             w.wait()  # in order: each chunk is checked while the later ones are still arriving
-            piece = _bytes_of(_slice(targets[layout[j].tensor], layout[j]))
+            piece = tensor_bytes(_slice(targets[layout[j].tensor], layout[j]))
             checks.append((j, _mac_later(self.key, self.rank, plan.target_step, j, piece)))
         bad = []
         for j, f in checks:
@@ -592,7 +592,7 @@ class _Receiving:
             for i, (j, w) in enumerate(zip(again[share], redo, strict=True)):
                 w.wait()
                 c = layout[j]
-                got = chunk_mac(self.key, self.rank, plan.target_step, j, _bytes_of(_slice(targets[c.tensor], c)))
+                got = chunk_mac(self.key, self.rank, plan.target_step, j, tensor_bytes(_slice(targets[c.tensor], c)))
                 if not (hmac.compare_digest(got, raw_macs[i * TAG_BYTES : (i + 1) * TAG_BYTES])
                         and hmac.compare_digest(got, expected[j])):
                     name = self.meta.tensors[c.tensor].key

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ProcessConfig
-from runtime.training.handoff import chunk_mac
+from runtime.training.handoff import chunk_mac, tensor_bytes
 from runtime.training.state import TrainingState, _dtype_from_name, _dtype_name
 from runtime.wire import store as keys
 from runtime.wire.auth import Sealer, derive, prove
@@ -104,16 +104,6 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous()
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data
-
-
 def _link_key(token: str, job_id: str, slot: int, nonce_c: bytes, nonce_s: bytes) -> bytes:
     return hmac.new(derive(token, "hot-mirror"), b"\x1f".join([job_id.encode(), str(slot).encode(), nonce_c, nonce_s]),
                     "sha256").digest()
@@ -151,7 +141,7 @@ def send_message(sock: socket.socket, key: bytes, slot: int, seq: int, msg: Mess
     sock.sendall(struct.pack("<q", len(header)) + header + chunk_mac(key, slot, seq, HEADER_INDEX, header))
     sent = len(header) + 8 + TAG_BYTES
     for j, (_, t) in enumerate(msg.parts):
-        data = _tensor_bytes(t)
+        data = tensor_bytes(t)
         sock.sendall(data)
         sock.sendall(chunk_mac(key, slot, seq, j, data))
         sent += len(data) + TAG_BYTES
@@ -180,7 +170,7 @@ def recv_message(sock: socket.socket, key: bytes, slot: int, seq: int) -> Messag
     parts = []
     for j, (name, shape, dtype) in enumerate(shapes):
         t = torch.empty(shape, dtype=dtype)
-        view = _tensor_bytes(t)
+        view = tensor_bytes(t)
         _recv_into(sock, view)
         if not hmac.compare_digest(_recv_exact(sock, TAG_BYTES), chunk_mac(key, slot, seq, j, view)):
             raise MirrorError(f"part {name!r} of the mirror message of step {step} failed its tag")
@@ -379,9 +369,7 @@ class HotSource:
                 continue
             if link is not None and not link.dead:
                 continue
-            key = keys.k_hot_slot(slot)
-            raw = records.store.get(key) if records.store.check([key]) else b""
-            claim = records.open_record(key, raw, HotClaim) if raw else None  # empty: a free slot
+            _, claim = records.get_slot(keys.k_hot_slot(slot), HotClaim)
             if claim is None or time.monotonic() < self._refused.get(claim.proc, 0.0):
                 continue
             try:

@@ -479,6 +479,8 @@ def test_a_lost_rank_goes_to_the_hot_standby_that_holds_the_newest_step() -> Non
     to s1, whose takeover sends nothing."""
     scene = Scene(lambda name, role: Script(exit_at=2.0) if name == "w1" else
                   Script(ready_at=0.3 if name == "s0" else 0.6) if role == "standby" else Script(), standby=2)
+    slot = keys.k_hot_slot(0)  # s1 holds the job's hot slot (runtime.training.hot), and step 7
+    scene.store.compare_set(slot, "", scene.member.sealer.seal(slot, HotClaim("s1", "127.0.0.1", 40001).to_json()))
     scene.member.put(keys.k_hot_held("s1"), HotHeld(7))
     scene.c.start()
     scene.until(lambda: scene.c.gen.gen == 1, 5.0)

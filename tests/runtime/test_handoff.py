@@ -170,21 +170,21 @@ def test_chunks_cover_every_element_once() -> None:
 
 
 def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_receiver_step_and_index() -> None:
-    from runtime.training.handoff import TAG_BYTES, _bytes_of
+    from runtime.training.handoff import TAG_BYTES, tensor_bytes
 
     key = b"k" * 32
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
         t = (torch.arange(1000) % 7).to(dtype)
         damaged = t.clone()
         damaged.view(torch.uint8)[13] ^= 4
-        tag = chunk_mac(key, 1, 5, 0, _bytes_of(t))
+        tag = chunk_mac(key, 1, 5, 0, tensor_bytes(t))
         assert len(tag) == TAG_BYTES
-        assert chunk_mac(key, 1, 5, 0, _bytes_of(t.clone())) == tag
-        assert chunk_mac(key, 1, 5, 0, _bytes_of(damaged)) != tag
-        assert chunk_mac(key, 1, 5, 1, _bytes_of(t)) != tag, "index is bound"
-        assert chunk_mac(key, 1, 6, 0, _bytes_of(t)) != tag, "step is bound"
-        assert chunk_mac(key, 2, 5, 0, _bytes_of(t)) != tag, "receiver is bound (a one-time key per message)"
-        assert chunk_mac(b"x" * 32, 1, 5, 0, _bytes_of(t)) != tag, "keyed"
+        assert chunk_mac(key, 1, 5, 0, tensor_bytes(t.clone())) == tag
+        assert chunk_mac(key, 1, 5, 0, tensor_bytes(damaged)) != tag
+        assert chunk_mac(key, 1, 5, 1, tensor_bytes(t)) != tag, "index is bound"
+        assert chunk_mac(key, 1, 6, 0, tensor_bytes(t)) != tag, "step is bound"
+        assert chunk_mac(key, 2, 5, 0, tensor_bytes(t)) != tag, "receiver is bound (a one-time key per message)"
+        assert chunk_mac(b"x" * 32, 1, 5, 0, tensor_bytes(t)) != tag, "keyed"
 
 
 @pytest.mark.untimed

@@ -58,9 +58,7 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _hot_holder(job: Job) -> str | None:
     """The standby that holds hot slot 0 (runtime.training.hot), if one does."""
-    key = k_hot_slot(0)
-    raw = job.store.get(key) if job.store.check([key]) else b""
-    claim = job.records.open_record(key, raw, HotClaim) if raw else None
+    _, claim = job.records.get_slot(k_hot_slot(0), HotClaim)
     return None if claim is None else claim.proc
 
 
