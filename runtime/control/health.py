@@ -185,7 +185,9 @@ class HealthWatch:
         standby warm (or hot) for less than a tick is not passed over for an older one."""
         out = Verdicts()
         for name, m in procs.items():
-            if not m.dead and m.handle.role == "standby" and m.assigned_gen is None:
+            if not m.dead and m.handle.role == "standby" and m.assigned_gen is None and not m.ready:
+                if not m.hello_ok:  # it said hello since the last tick: warm and hot since, too, perhaps
+                    m.hello_ok = self.hello_ok(name, m)
                 self._check_warm(name, m, now, out)
         return out.warm
 

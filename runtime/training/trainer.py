@@ -375,9 +375,13 @@ class Trainer:
             else:
                 # The coordinator may hold generation 0 until the standbys are warm (or replaced, up to its startup
                 # timeout): a worker waits longer than that, so that the coordinator's message is the one given.
-                self.job.records.wait_records([keys.k_gen(0)], Generation,
-                                              KNOBS.startup_timeout_s + self.job.cfg.recovery_timeout_s,
-                                              what="generation 0")
+                try:
+                    self.job.records.wait_records([keys.k_gen(0)], Generation,
+                                                  KNOBS.startup_timeout_s + self.job.cfg.recovery_timeout_s,
+                                                  interrupt=lambda: "stop" if self.job.heartbeat.stopping else None,
+                                                  what="generation 0")
+                except keys.Interrupted:  # the job failed before it started (a standby's script, a placement)
+                    self._stop_requested()
                 g = 0
         else:
             g = self.gen

@@ -488,6 +488,28 @@ def test_a_lost_rank_goes_to_the_hot_standby_that_holds_the_newest_step() -> Non
 
 
 @pytest.mark.timeout(20)
+def test_a_standby_that_said_hello_and_became_hot_since_the_last_health_tick_still_takes_the_lost_rank() -> None:
+    """s1 says hello, finishes its warm-up and holds the hot slot at step 7 just after a health tick; w1 dies before
+    the next: the loss is covered by s1 (read when the loss is covered), not by the older, warm s0."""
+    scene = Scene(lambda name, role: Script(hello=False) if name == "s1" else
+                  Script(ready_at=0.1) if role == "standby" else Script(), standby=2, hang_timeout_s=4.0)
+    scene.c.start()
+    scene.until(lambda: scene.c.gen.gen == 0 and bool(scene.c.standbys.ready()), 2.0)  # s0 is warm
+    tick = scene.c._next_health
+    scene.until(lambda: scene.now > tick, 1.0)  # a health tick just ran: the next is HEALTH_EVERY_S away
+    s1 = scene.pool.procs["s1"]
+    scene.member.put(keys.k_hello("s1"), ProcessHello(s1.pid, "standby"))
+    scene.member.put(keys.k_ready("s1"), StandbyReady(0.1))
+    slot = keys.k_hot_slot(0)
+    scene.store.compare_set(slot, "", scene.member.sealer.seal(slot, HotClaim("s1", "127.0.0.1", 40001).to_json()))
+    scene.member.put(keys.k_hot_held("s1"), HotHeld(7))
+    scene.pool.procs["w1"].killed = True
+    scene.until(lambda: scene.c.gen.gen == 1, 1.0)
+    assert scene.now < tick + HEALTH_EVERY_S, "covered before the next health tick"
+    assert scene.c.gen.members[1] == "s1"
+
+
+@pytest.mark.timeout(20)
 def test_the_hot_slot_of_a_standby_that_dies_is_freed_for_another() -> None:
     scene = Scene(lambda name, role: Script(ready_at=0.3, exit_at=1.0) if name == "s0" else Script())
     slot = keys.k_hot_slot(0)

@@ -45,9 +45,9 @@ def test_a_hot_standby_takes_a_killed_rank_with_nothing_sent_and_the_run_stays_b
 
 @pytest.mark.untimed
 def test_a_hot_standby_killed_while_it_mirrors_is_replaced_by_one_that_mirrors_in_its_turn() -> None:
-    """Rank 0 SIGKILLs the mirroring standby at step 5; the coordinator frees its slot, another standby (the warm one,
-    or the replacement) claims it and is synced; at step 12 a worker dies and that standby takes it with nothing
-    sent."""
+    """Rank 0 SIGKILLs the mirroring standby as step 6 starts; the coordinator frees its slot, another standby (the
+    warm one, or the replacement) claims it and is synced; at step 12 a worker dies and that standby takes it with
+    nothing sent."""
     steps = 20
     result = run_job(nproc=2, standby=2, hot_standbys=1, steps=steps, script=EMA,
                      script_args=("--hot-wait", "5,12", "--hot-kill", "5"),

@@ -49,8 +49,10 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "step S - 1, so that a fault planned in step S finds the mirror current (its last message "
                         "cannot race the fault)")
     p.add_argument("--hot-kill", type=int, default=0,
-                   help="in generation 0, after the --hot-wait of this step, rank 0 SIGKILLs the hot standby of slot 0 "
-                        "(a standby lost while it mirrors)")
+                   help="in generation 0, the hot standby of slot 0 that this step's --hot-wait waited on is SIGKILLed "
+                        "by rank 0 as it fetches the next step's batch (a standby lost while it mirrors; every rank "
+                        "has passed the wait, so all of them know which one, and later waits ignore it)")
+    p.set_defaults(hot_killed=None)
     p.add_argument("--say", action="store_true",
                    help="print each committed step with this process's name to stdout, and its rank to stderr")
     return p
@@ -62,10 +64,13 @@ def _hot_holder(job: Job) -> str | None:
     return None if claim is None else claim.proc
 
 
-def _await_hot(job: Job, step: int, timeout_s: float = 60.0) -> str:
+def _await_hot(job: Job, step: int, killed: str | None, timeout_s: float = 60.0) -> str:
+    """The standby that holds hot slot 0 once it holds `step` (-1: linked), ignoring `killed`, which the hooks
+    SIGKILLed: its claim stays until the coordinator frees the slot."""
     deadline = time.monotonic() + timeout_s
     while True:
         proc = _hot_holder(job)
+        proc = None if proc == killed else proc
         held = job.records.get_record(k_hot_held(proc), HotHeld) if proc else None
         if proc is not None and held is not None and held.step >= step:
             return proc
@@ -93,14 +98,17 @@ class HotHooks:
 
     def _hooks(self, step: int, rank: int) -> None:
         job = self.job
-        if step in self.args.hot_wait and step not in self.done and not job.is_standby \
-                and job.heartbeat.latest_gen <= 0:
-            self.done.add(step)
-            proc = _await_hot(job, step - 1)
-            if step == self.args.hot_kill and rank == 0:
-                hello = job.records.get_record(k_hello(proc), ProcessHello)
-                assert hello is not None
-                os.kill(hello.pid, signal.SIGKILL)
+        if job.is_standby or job.heartbeat.latest_gen > 0 or step in self.done:
+            return
+        self.done.add(step)
+        if step in self.args.hot_wait:
+            proc = _await_hot(job, step - 1, self.args.hot_killed)
+            if step == self.args.hot_kill:
+                self.args.hot_killed = proc  # every rank waited on this holder: none dies before the next step
+        if step == self.args.hot_kill + 1 and rank == 0 and self.args.hot_killed:
+            hello = job.records.get_record(k_hello(self.args.hot_killed), ProcessHello)
+            assert hello is not None
+            os.kill(hello.pid, signal.SIGKILL)
 
 
 def hot_hooks(args: argparse.Namespace, job: Job, data: Any, accumulation: int = 1) -> Any:
@@ -132,6 +140,6 @@ def after_step(args: argparse.Namespace, job: Job, result: StepResult) -> None:
     if result.step - 1 in args.await_backup:
         _await_backup(job, result.step - 1)
     if result.step + 2 in args.hot_wait and not job.is_standby and job.heartbeat.latest_gen <= 0:
-        _await_hot(job, -1)  # linked: the next boundary sends the state, the one after a step (see HotHooks)
+        _await_hot(job, -1, args.hot_killed)  # linked: the next boundary sends the state, the next a step (HotHooks)
     if result.step == args.raise_at:
         raise ValueError(f"a bug in the training script at step {result.step}")
