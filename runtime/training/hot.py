@@ -367,9 +367,17 @@ class HotSource:
                         self._links.pop(slot, None)
                     link.close()
                 continue
-            if link is not None and not link.dead:
-                continue
             _, claim = records.get_slot(keys.k_hot_slot(slot), HotClaim)
+            if link is not None and not link.dead:
+                if claim is not None and claim.proc == link.standby:
+                    continue
+                # The slot changed hands (its standby died and the coordinator freed it): without a step to send,
+                # this link would not notice by itself, and the new claimant would wait for it.
+                log.info("hot standby %s (slot %d) no longer holds the slot: unlinked", link.standby, slot)
+                with self._lock:
+                    if self._links.get(slot) is link:
+                        self._links.pop(slot)
+                link.close()
             if claim is None or time.monotonic() < self._refused.get(claim.proc, 0.0):
                 continue
             try:

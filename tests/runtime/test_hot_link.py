@@ -94,6 +94,26 @@ def test_a_mirror_gets_the_state_then_each_step_and_a_stranger_gets_nothing(stor
     assert not store.check([keys.k_hot_slot(0)]) or store.get(keys.k_hot_slot(0)) == b"", "the slot was given back"
 
 
+def test_a_slot_that_changes_hands_between_two_steps_is_relinked_to_its_new_standby(store: dist.TCPStore) -> None:
+    """s0 is linked; its slot is freed (as the coordinator frees a dead standby's) and s1 claims it while no step is
+    sent, so the old link cannot notice by a failed send: the source drops it and links s1 by itself."""
+    mirrors = [HotMirror(config(store, "s0"), Sealer(TOKEN, "s0"), 1, lambda _: None, lambda _: None)]
+    source = HotSource(config(store, "w0"), Sealer(TOKEN, "w0"), 1)
+    try:
+        source.place(0, 1)
+        until(lambda: (link := source._links.get(0)) is not None and link.standby == "s0", "the source links s0")
+        assert mirrors[0]._claim_raw is not None
+        store.compare_set(keys.k_hot_slot(0), mirrors[0]._claim_raw, "")
+        mirrors.append(HotMirror(config(store, "s1"), Sealer(TOKEN, "s1"), 1, lambda _: None, lambda _: None))
+        until(lambda: mirrors[1].slot == 0, "s1 claims the freed slot")
+        until(lambda: (link := source._links.get(0)) is not None and link.standby == "s1", "the source links s1")
+        until(lambda: store.check([keys.k_hot_held("s1")]), "s1 says it is linked")
+    finally:
+        source.close()
+        for m in mirrors:
+            m.stop()
+
+
 def test_a_source_sends_nothing_to_a_listener_that_cannot_prove_it_is_the_standby(store: dist.TCPStore) -> None:
     """The claim is genuine (sealed by the job) but another process listens at its address now."""
     listener = socket.socket()
