@@ -393,6 +393,8 @@ class Trainer:
                 failure_seen = None
                 switch: int | None = None
                 while self.committed < steps and switch is None:
+                    if self.job.heartbeat.stopping:  # the job was stopped (a signal to its launcher, a failure)
+                        self._stop_requested()  # a peer already in the next collective fails on the closed group
                     yield self._step(self.committed + 1)
                     # The script's loop body ran (an EMA updated after the commit is part of the step's state).
                     self._backup(self.committed)

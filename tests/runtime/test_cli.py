@@ -92,6 +92,8 @@ def test_a_job_stopped_with_sigterm_ends_every_process_without_a_stack_dump(tmp_
     assert "interrupted; every process was stopped" in err
     assert_no_stack_dump(err)
     for member in generation["members"]:  # type: ignore[attr-defined]
+        # It left at the stop order (a step boundary, or its peer's closed group), not killed after the grace.
+        assert f"{member['proc']}: the coordinator stopped the job" in err, err
         with pytest.raises(ProcessLookupError):
             os.kill(member["pid"], 0)
 
