@@ -117,16 +117,46 @@ def test_a_launcher_killed_outright_takes_every_process_of_its_machine_with_it(t
         records = [json.loads(line) for line in events.read_text().splitlines()]
         started = next(e for e in records if e["event"] == "job_started")
         placed = [e for e in records if e["event"] == "placed"]
+        pids = [e["pid"] for e in placed] + list(started["helpers"].values())
         job.kill()
-        job.communicate(timeout=30)
+        deadline = time.monotonic() + 30  # one heartbeat (0.5 s) each, with room for a loaded machine
+        while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes outlived their launcher: {[_describe(p) for p in left]}"
+        try:  # the launcher's output pipe: held open by whatever it started that still runs
+            job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            holders = _holders(job.stderr.fileno()) if job.stderr is not None else []
+            raise AssertionError(f"the launcher's output is still held open by {[_describe(p) for p in holders]}") \
+                from None
     assert [h["slots"] for h in started["hosts"]] == [1024], started  # one host: this machine's agent
     assert {e["role"] for e in placed} == {"worker", "standby"} and all(e["pid"] > 0 for e in placed), placed
-    pids = [e["pid"] for e in placed] + list(started["helpers"].values())
     assert len(pids) == 4, started  # two workers, the standby, the zygote
-    deadline = time.monotonic() + 20  # one heartbeat (0.5 s) each, with room for a loaded machine
-    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"processes outlived their launcher: {left}"
+
+
+def _describe(pid: int) -> str:
+    """A process as a failure message names it: pid, state, what it waits in, its command line."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+        wchan = (proc / "wchan").read_text()
+        argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, StopIteration):
+        return f"{pid} (gone)"
+    return f"{pid} {state.split(':', 1)[1].strip()} in {wchan or '?'}: {argv[:160]}"
+
+
+def _holders(fd: int) -> list[int]:
+    """The other processes that hold the pipe this process reads at `fd`."""
+    pipe = os.readlink(f"/proc/self/fd/{fd}")
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f) == pipe for f in (proc / "fd").iterdir()):
+                out.append(int(proc.name))
+    return out
 
 
 def test_a_missing_script_is_one_clear_line_without_a_traceback() -> None:
