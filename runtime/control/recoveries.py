@@ -116,6 +116,14 @@ class Recoveries:
                 if rec.reports:
                     self._emit(rec)
 
+    @staticmethod
+    def _tier(rec: PendingRecovery) -> str:
+        """"hot" when every standby that took a rank already held that rank's state (a hot standby, runtime.training.
+        hot: its report is not a receiver's, nothing was sent to it); else "warm"."""
+        taken = [d.rank for d in rec.deaths if d.proc not in rec.left_out]
+        hot = bool(taken) and all((r := rec.reports.get(rank)) is not None and r.role != "receiver" for rank in taken)
+        return "hot" if hot else "warm"
+
     def _emit(self, rec: PendingRecovery) -> None:
         m = recovery_metrics([(d.failure_at, d.declared_at) for d in rec.deaths], list(rec.reports.values()))
         def new_of(d: Death) -> str | None:
@@ -128,7 +136,7 @@ class Recoveries:
             handoff_bytes=m["handoff_bytes"], sources=m["sources"],
             detect_s=m["detect_s"], reconfigure_s=m["reconfigure_s"], handoff_s=m["handoff_s"],
             replay_s=m["replay_s"], warmup_penalty_s=m["warmup_penalty_s"],
-            reconfigure_split=m["reconfigure_split"], tier="warm", generations=len(rec.attempts) + 1,
+            reconfigure_split=m["reconfigure_split"], tier=self._tier(rec), generations=len(rec.attempts) + 1,
             failed_attempts=rec.attempts, refetched_chunks=m["refetched_chunks"],
             handoff_overlapped_s=m["handoff_overlapped_s"],
         ))

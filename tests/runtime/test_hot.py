@@ -38,6 +38,7 @@ def test_a_hot_standby_takes_a_killed_rank_with_nothing_sent_and_the_run_stays_b
     assert set(result.digests.values()) == {clean_digest(2, steps, script, args)}
     (recovered,) = events_of(result, Recovered)
     assert recovered.handoff_bytes == 0, "the hot standby held the survivors' step: nothing to send"
+    assert recovered.tier == "hot"
     (moved,) = recovered.ranks
     assert moved["rank"] == victim and moved["old"] == f"w{victim}"
     assert recovered.generations == 1
@@ -60,6 +61,6 @@ def test_a_hot_standby_killed_while_it_mirrors_is_replaced_by_one_that_mirrors_i
     (failed,) = events_of(result, MemberFailed)
     assert failed.rank == 1
     (recovered,) = events_of(result, Recovered)
-    assert recovered.handoff_bytes == 0
+    assert recovered.handoff_bytes == 0 and recovered.tier == "hot"
     (moved,) = recovered.ranks
     assert moved["new"] not in (lost.proc, "w0", "w1")

@@ -222,19 +222,22 @@ def test_host_killed_mid_exchange_then_an_agent_killed_alone(hosts: Cluster, tmp
 
 def test_partitioned_host_fences_itself_and_comes_back_as_a_new_host(hosts: Cluster, tmp_path: Path) -> None:
     """Host 1's link goes down with its worker alive: its agent fences it after its lease, the coordinator loses the
-    host after the host timeout and gives its rank to the standby host. When the link comes back the agent joins
-    as a new incarnation and is given standbys only; the job ends exactly."""
+    host after the host timeout and gives its rank to the standby host. The standby is hot (runtime.training.hot):
+    it mirrors rank 0, on the other worker host, over the hosts' network, so its takeover sends nothing. When the
+    link comes back the agent joins as a new incarnation and is given standbys only; the job ends exactly."""
     for _ in range(3):
         hosts.add_host()
     steps = 200
-    job = Job(hosts, tmp_path, agents=3, nproc=2, standby=1, steps=steps, step_ms=50)
+    # --hot-wait 3: the workers wait (bounded) at step 3 until the hot standby holds step 2: it mirrors before the cut
+    job = Job(hosts, tmp_path, agents=3, nproc=2, standby=1, steps=steps, step_ms=50, extra=("--hot-standbys", "1"),
+              script_args=("--hot-wait", "3"))
     try:
         agents = [job.agent(i, 1) for i in range(3)]
         job.wait("generation 0", _gen(0))
         joined = {e["host"]: e["incarnation"] for e in job.events.of("host_joined")}
         victim = next(i for i in range(3) if any(e["host"] == f"h{i}" and e["proc"] == "w1"
                                                   for e in _placements(job)))
-        _wait_for_training(job, hosts)  # a host cut while generation 0 still connects is another case (below)
+        _wait_for_training(job, hosts, 3)  # a host cut while generation 0 still connects is another case (below)
         hosts.cut(victim)
         lost = job.wait("the host lost", lambda ev: [e for e in ev if e["event"] == "host_lost"])[0]
         assert lost["host"] == f"h{victim}" and lost["cause"].startswith("no heartbeat")
@@ -251,6 +254,7 @@ def test_partitioned_host_fences_itself_and_comes_back_as_a_new_host(hosts: Clus
         assert job.finish() == 0, job.log.read_text()
         rec = job.events.of("recovered")
         assert [r["rank"] for r in rec[0]["ranks"]] == [1]
+        assert rec[0]["tier"] == "hot" and rec[0]["handoff_bytes"] == 0, rec[0]
         _exact(job, 2, steps)
         assert "fencing this host" in hosts.logs[f"h{victim}"].read_text()
         _no_process_left(hosts)

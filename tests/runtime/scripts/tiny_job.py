@@ -36,7 +36,7 @@ def main() -> None:
     def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return nn.functional.cross_entropy(m(batch[0]), batch[1])
 
-    trainer = tm.Trainer(model, optimizer, loss_fn, data, scheduler=scheduler, seed=7)
+    trainer = tm.Trainer(model, optimizer, loss_fn, scenario.hot_hooks(args, job, data), scheduler=scheduler, seed=7)
     for result in trainer.fit(args.steps):
         scenario.after_step(args, job, result)
 
