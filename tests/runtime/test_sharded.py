@@ -176,6 +176,7 @@ def test_hsdp_with_tied_embeddings_bf16_and_accumulation_two_ranks_of_different_
 
 
 @pytest.mark.slow
+@pytest.mark.untimed
 def test_dp_x_tp_a_tensor_parallel_rank_killed_twice_is_replaced_bit_exactly() -> None:
     result = _run("dp-tp", "kill:rank=1,step=4,phase=exchange;kill:rank=2,step=9,phase=optimizer")
     _assert_exact(result, "dp-tp", 16)
@@ -190,6 +191,7 @@ def test_hsdp_a_standby_killed_while_receiving_its_shard_the_next_standby_takes_
 
 
 @pytest.mark.slow
+@pytest.mark.untimed
 def test_fsdp_without_replicas_a_lost_rank_comes_back_from_its_buddy_copy_and_replays_exactly() -> None:
     # Copies every 4 steps: the kill at step 11 restores step 8 (rank 3's copy of rank 1) and replays 3 steps.
     result = _run("fsdp", "kill:rank=1,step=11,phase=before_exchange", "--buddy-every", "4")
