@@ -255,14 +255,15 @@ class Communicator:
     """Owns this process's membership in one generation's process group."""
 
     def __init__(self, backend: str, store: dist.Store, timeout_s: float, device: torch.device,
-                 newest_gen: Callable[[], int] | None = None) -> None:
+                 newest_gen: Callable[[], int] | None = None, stopping: Callable[[], bool] | None = None) -> None:
         """`newest_gen()`: the newest generation this process has seen (its heartbeat's), read while a Gloo
-        collective waits (`wait`)."""
+        collective waits (`wait`); `stopping()`: whether the coordinator stopped the job, read there too."""
         self.backend = backend
         self.store = store
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.newest_gen = newest_gen
+        self.stopping = stopping
         self.gen: int | None = None
         self.last_teardown_s = 0.0
         self._stuck: list[object] = []
@@ -374,7 +375,8 @@ class Communicator:
         waited for in slices, and abandoned once a newer generation has been seen for `STALE_GRACE_S`: the
         message returned says so, the step was not committed, and the member recovers into the new generation
         from its last committed state, as after any lost peer. The abandoned work's group is never destroyed
-        (`teardown`), since destroying it would wait for the stuck thread."""
+        (`teardown`), since destroying it would wait for the stuck thread. Work is abandoned at once when the
+        job is stopped (`stopping`): the member then leaves through its recovery path, which obeys the stop."""
         if self.backend != "gloo" or self.newest_gen is None:
             for work in works:
                 work.wait()
@@ -389,6 +391,11 @@ class Communicator:
                     if work.is_completed():
                         raise  # it failed: the usual lost peer
                 assert self.gen is not None
+                if self.stopping is not None and self.stopping():
+                    # The job was stopped: a peer that left at its step boundary never enters this collective.
+                    self._stuck = list(works)
+                    self.abandoned += 1
+                    return f"the job was stopped while a collective of generation {self.gen} waited: abandoned"
                 if self.newest_gen() <= self.gen:
                     newer_since = None
                     continue  # a slow step, nothing newer: keep waiting (the collective timeout still holds)

@@ -273,7 +273,8 @@ class Trainer:
         """What every trainer keeps about its place in the job: its group, generation, rank and progress."""
         cfg = self.job.cfg
         self.comm = Communicator(cfg.backend, self.job.store, cfg.collective_timeout_s, device,
-                                 newest_gen=lambda: self.job.heartbeat.latest_gen)
+                                 newest_gen=lambda: self.job.heartbeat.latest_gen,
+                                 stopping=lambda: self.job.heartbeat.stopping)
         self.gen: int | None = None
         self.rank: int | None = None
         self.world_size = 0
