@@ -21,7 +21,6 @@ on a fake clock.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -1363,23 +1362,24 @@ class Coordinator:
         """The standbys holding a hot slot. Standbys claim slots from 0 up, so the first slot never written ends the
         look: a job without hot standbys costs one store round trip."""
         out: set[str] = set()
-        for slot in itertools.count():
-            key = keys.k_hot_slot(slot)
-            if not self.records.store.check([key]):
+        slot = 0
+        while True:
+            raw, claim = self.records.get_slot(keys.k_hot_slot(slot), HotClaim)
+            if raw is None:
                 return out
-            _, claim = self.records.get_slot(key, HotClaim)
             if claim is not None:
                 out.add(claim.proc)
-        return out
+            slot += 1
 
     def _free_hot_slot(self, name: str) -> None:
         """A standby died: the hot slot it held (if any) is free for another."""
         slot = self.records.get_int(keys.k_hot_of(name))
         if slot < 0:
             return
-        raw, claim = self.records.get_slot(keys.k_hot_slot(slot), HotClaim)
-        if claim is not None and claim.proc == name:
-            self.records.store.compare_set(keys.k_hot_slot(slot), raw.decode(), "")
+        key = keys.k_hot_slot(slot)
+        raw, claim = self.records.get_slot(key, HotClaim)
+        if raw and claim is not None and claim.proc == name:
+            self.records.store.compare_set(key, raw.decode(), "")
             log.info("hot slot %d of %s freed", slot, name)
 
     def _publish(self, gen: Generation, assign: list[str] | None = None) -> None:

@@ -255,10 +255,10 @@ class Records:
         raw = self._raw(key)
         return None if raw is None else self.open_record(key, raw, kind)
 
-    def get_slot(self, key: str, kind: type[R]) -> tuple[bytes, R | None]:
-        """A key that compare_set fills and empties (a hot slot): its raw value (b"" when missing or empty: free) and
-        its record (None when free, or refused); an empty value is no refusal."""
-        raw = self._raw(key) or b""
+    def get_slot(self, key: str, kind: type[R]) -> tuple[bytes | None, R | None]:
+        """A key that compare_set fills and empties (a hot slot): its raw value (None when never written, b"" when
+        emptied: both free) and its record (None when free, or refused); an empty value is no refusal."""
+        raw = self._raw(key)
         return raw, self.open_record(key, raw, kind) if raw else None
 
     def open_record(self, key: str, raw: bytes, kind: type[R]) -> R | None:
