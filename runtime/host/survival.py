@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.wire.auth import Sealer
-from runtime.wire.store import read_lease
 from runtime.wire.tunnel import Doors
 
 
@@ -77,6 +76,8 @@ class LeaseWatch:
                 try:
                     if self._client is None:
                         self._client = self._connect()
+                    from runtime.wire.store import read_lease  # torch, with `_connect`: only where a lease is read
+
                     found = read_lease(self._client, self.sealer)
                 except Exception:  # unreachable, reset, timed out: the answer is "no answer"
                     self._client = None
