@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,38 +15,59 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from runtime.host.zygote import ForkedProcess, ZygoteClient
 from runtime.training.handoff import HandoffError, MemberStatus, chunk_layout, chunk_mac, plan_handoff
 from tests.runtime.conftest import SCRIPTS
 
 
-def run_group(tmp_path: Path, world: int, receivers: str, token: str, chunk_bytes: int,
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[ZygoteClient]:
+    """The project's fork server (runtime.host.zygote), shared by this module's groups: each rank is forked from one
+    process that imported torch once, instead of a new interpreter importing it again (1.4 s of CPU a rank)."""
+    client = ZygoteClient(dict(os.environ))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def run_group(zygote: ZygoteClient, tmp_path: Path, world: int, receivers: str, token: str, chunk_bytes: int,
               **options: object) -> list[dict[str, object]]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
-    return run_ranks(world, lambda r: [
+    return run_ranks(zygote, world, lambda r: [
         "handoff_group.py", str(r), str(world), str(server.port), token, receivers, str(chunk_bytes),
         str(tmp_path / f"r{r}.json"), json.dumps(options)], lambda r: tmp_path / f"r{r}.json")
 
 
-def run_ranks(world: int, argv: Callable[[int], list[str]], result: Callable[[int], Path],
+def run_ranks(zygote: ZygoteClient, world: int, argv: Callable[[int], list[str]], result: Callable[[int], Path],
               timeout_s: float = 120) -> list[Any]:
     """Run one test script per rank (`argv(rank)`: script name and arguments; it writes JSON to `result(rank)`),
-    each bounded; returns the results in rank order."""
-    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / argv(r)[0]), *argv(r)[1:]]) for r in range(world)]
+    forked by `zygote` (started the ordinary way where it cannot serve), each bounded; returns the results in rank
+    order."""
+    procs: list[ForkedProcess | subprocess.Popen[bytes]] = []
     try:
+        for r in range(world):
+            args = [str(SCRIPTS / argv(r)[0]), *argv(r)[1:]]
+            pid = zygote.spawn(dict(os.environ), args) if zygote.wait_ready(60.0) else None
+            procs.append(ForkedProcess(f"r{r}", "rank", pid) if pid is not None
+                         else subprocess.Popen([sys.executable, *args]))
         for p in procs:
-            p.wait(timeout=timeout_s)
+            code = p.wait(timeout_s) if isinstance(p, ForkedProcess) else p.wait(timeout=timeout_s)
+            assert code is not None, f"a rank did not finish within {timeout_s:.0f} s"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+                p.wait(10) if isinstance(p, ForkedProcess) else p.wait()
+            if isinstance(p, ForkedProcess):
+                p.close()
     return [json.loads(result(r).read_text()) for r in range(world)]
 
 
 @pytest.mark.untimed
-def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(tmp_path: Path) -> None:
-    results = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000)
+def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(zygote: ZygoteClient, tmp_path: Path) -> None:
+    results = run_group(zygote, tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000)
 
     src0, src1, recv = results
     assert src0["role"] == "source" and src1["role"] == "source" and recv["role"] == "receiver"
@@ -57,8 +79,8 @@ def test_two_sources_each_send_a_share_and_the_receiver_ends_identical(tmp_path:
 
 
 @pytest.mark.untimed
-def test_a_receiver_without_the_job_secret_gets_nothing(tmp_path: Path) -> None:
-    sender, receiver = run_group(tmp_path, world=2, receivers="1", token="a-guess", chunk_bytes=1 << 20)
+def test_a_receiver_without_the_job_secret_gets_nothing(zygote: ZygoteClient, tmp_path: Path) -> None:
+    sender, receiver = run_group(zygote, tmp_path, world=2, receivers="1", token="a-guess", chunk_bytes=1 << 20)
 
     assert not sender["ok"] and "failed to prove it belongs to the job" in str(sender["error"])
     assert not receiver["ok"]
@@ -66,8 +88,8 @@ def test_a_receiver_without_the_job_secret_gets_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.untimed
-def test_a_source_without_the_job_secret_gives_nothing(tmp_path: Path) -> None:
-    sender, receiver = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1 << 20,
+def test_a_source_without_the_job_secret_gives_nothing(zygote: ZygoteClient, tmp_path: Path) -> None:
+    sender, receiver = run_group(zygote, tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1 << 20,
                                  source_token="an-outsider")
 
     assert not receiver["ok"] and "sending rank 0 failed to prove it belongs to the job" in str(receiver["error"])
@@ -76,8 +98,8 @@ def test_a_source_without_the_job_secret_gives_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.untimed
-def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path) -> None:
-    src0, src1, recv = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
+def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(zygote: ZygoteClient, tmp_path: Path) -> None:
+    src0, src1, recv = run_group(zygote, tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
                                  corrupt=[0, 2])
 
     assert recv["ok"] and recv["refetched"] == 1
@@ -88,13 +110,13 @@ def test_a_corrupted_chunk_is_fetched_again_from_the_other_source(tmp_path: Path
 @pytest.mark.untimed
 @pytest.mark.parametrize("keep_own", [True, False])
 def test_a_receiver_behind_keeps_its_own_state_when_its_only_source_dies_mid_handoff(
-    tmp_path: Path, keep_own: bool
+    zygote: ZygoteClient, tmp_path: Path, keep_own: bool
 ) -> None:
     """A survivor one step behind when a peer died receives the newest step from the only rank that holds it. A
     chunk arrives corrupted, and the source dies when asked to send it again (every other chunk has landed). Kept
     (`keep_own`, what the trainer does for a survivor that holds a state), its own older state is whole and the
     job can replay from it; received in place, most of it is the dead source's."""
-    source, receiver = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
+    source, receiver = run_group(zygote, tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
                                  corrupt=[0, 5], die_on_repair=0, keep_own=keep_own)
     assert source.get("died") and not receiver["ok"], receiver
     if keep_own:
@@ -104,18 +126,19 @@ def test_a_receiver_behind_keeps_its_own_state_when_its_only_source_dies_mid_han
 
 
 @pytest.mark.untimed
-def test_a_chunk_corrupted_by_the_only_source_is_sent_again(tmp_path: Path) -> None:
-    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 1])
+def test_a_chunk_corrupted_by_the_only_source_is_sent_again(zygote: ZygoteClient, tmp_path: Path) -> None:
+    src, recv = run_group(zygote, tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
+                          corrupt=[0, 1])
 
     assert recv["ok"] and recv["refetched"] == 1
     assert recv["after"] == src["after"]
 
 
 @pytest.mark.untimed
-def test_overlapped_the_model_arrives_first_and_the_optimizer_state_after(tmp_path: Path) -> None:
+def test_overlapped_the_model_arrives_first_and_the_optimizer_state_after(zygote: ZygoteClient, tmp_path: Path) -> None:
     """`start_handoff(overlap=True)` returns once the model (what a forward pass reads) is in place; the optimizer's
     state follows on a thread; both sources' shares end in the same bits as without the overlap."""
-    src0, src1, recv = run_group(tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
+    src0, src1, recv = run_group(zygote, tmp_path, world=3, receivers="2", token="the-secret", chunk_bytes=1000,
                                  overlap=True)
 
     assert recv["ok"] and recv["step"] == 3 and recv["refetched"] == 0
@@ -125,21 +148,25 @@ def test_overlapped_the_model_arrives_first_and_the_optimizer_state_after(tmp_pa
 
 
 @pytest.mark.untimed
-def test_overlapped_a_chunk_of_the_optimizer_state_corrupted_is_sent_again(tmp_path: Path) -> None:
+def test_overlapped_a_chunk_of_the_optimizer_state_corrupted_is_sent_again(
+    zygote: ZygoteClient, tmp_path: Path
+) -> None:
     # The model is 36 chunks of 1000 bytes: the source's 40th chunk is Adam's, in the second phase.
-    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 40],
-                          overlap=True)
+    src, recv = run_group(zygote, tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
+                          corrupt=[0, 40], overlap=True)
 
     assert recv["ok"] and recv["refetched"] == 1
     assert recv["after"] == src["after"]
 
 
 @pytest.mark.untimed
-def test_overlapped_a_source_lost_while_the_optimizer_state_streams_fails_the_wait(tmp_path: Path) -> None:
+def test_overlapped_a_source_lost_while_the_optimizer_state_streams_fails_the_wait(
+    zygote: ZygoteClient, tmp_path: Path
+) -> None:
     """The source dies in the second phase (asked to resend a corrupted chunk of Adam's state): the receiver already
     has the model, but its wait fails, so the trainer never counts it as holding the state."""
-    src, recv = run_group(tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000, corrupt=[0, 40],
-                          die_on_repair=0, die_on_repair_phase=1, overlap=True)
+    src, recv = run_group(zygote, tmp_path, world=2, receivers="1", token="the-secret", chunk_bytes=1000,
+                          corrupt=[0, 40], die_on_repair=0, die_on_repair_phase=1, overlap=True)
 
     assert src.get("died") and not recv["ok"], recv
     assert "handoff interrupted" in str(recv["error"])
@@ -188,11 +215,13 @@ def test_chunk_mac_sees_a_single_flipped_bit_whatever_the_dtype_and_binds_receiv
 
 
 @pytest.mark.untimed
-def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_member(tmp_path: Path) -> None:
+def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_member(
+    zygote: ZygoteClient, tmp_path: Path
+) -> None:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     tokens = ["the-secret", "an-impostor", "the-secret"]
-    results = run_ranks(3, lambda r: [
+    results = run_ranks(zygote, 3, lambda r: [
         "group_proof.py", str(r), "3", str(server.port), tokens[r], str(tmp_path / f"g{r}.json")],
         lambda r: tmp_path / f"g{r}.json", timeout_s=60)
     assert not results[0]["ok"] and not results[2]["ok"]
@@ -200,10 +229,10 @@ def test_a_group_with_a_peer_that_cannot_prove_its_rank_is_refused_by_every_memb
 
 
 
-def test_a_peer_that_never_sends_fails_the_receive_within_its_bound(tmp_path: Path) -> None:
+def test_a_peer_that_never_sends_fails_the_receive_within_its_bound(zygote: ZygoteClient, tmp_path: Path) -> None:
     """Every blocking receive of a transfer is bounded (GlooLinks' timeout), not held for the group's 600 s."""
     init, out = tmp_path / "init", tmp_path / "result"
-    first, _ = run_ranks(2, lambda r: ["silent_peer.py", str(r), str(init), str(out)],
+    first, _ = run_ranks(zygote, 2, lambda r: ["silent_peer.py", str(r), str(init), str(out)],
                          lambda r: Path(f"{out}.{r}"), timeout_s=90)
     assert first["error"] is not None, "the receive from a silent peer must fail"
     assert first["waited_s"] < 30, first
