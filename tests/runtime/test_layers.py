@@ -4,11 +4,11 @@ the source: every `runtime` import of every module, at module level or inside a 
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.runtime.fresh import loaded_by
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 SHARED = {"runtime.config", "runtime.faults", "runtime.fault_grammar"}
@@ -70,9 +70,5 @@ def test_a_hosts_agent_and_its_fork_server_load_no_torch_until_they_need_it() ->
     """The agent starts before its zygote has imported torch (runtime.host.zygote): an agent that imported torch
     itself cost each host start 1.4 s of CPU beside the zygote's (the lease watch reads a separate store with torch's
     client only once it must)."""
-    probe = ("import sys, runtime.host.agent, runtime.host.zygote, runtime.host.survival\n"
-             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'sklearn'}))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                            cwd=RUNTIME.parent)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert loaded_by("import runtime.host.agent, runtime.host.zygote, runtime.host.survival",
+                     ["torch", "numpy", "sklearn"]) == []
