@@ -19,6 +19,7 @@ import pytest
 import urllib3  # noqa: F401
 from threadpoolctl import threadpool_limits
 
+from tests.diagnostics import take_job_events
 from tests.tiers import GROUPS, MARKERS, OBSERVER, TIERS_FILE, Tiers, observed_part, read_part, xdist_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +126,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
     report = yield
     assert isinstance(report, pytest.TestReport)
+    if call.when == "setup":
+        take_job_events()  # a new test: no job of an earlier one is reported with it
+    elif call.when == "call" and report.failed:
+        for n, tail in enumerate(take_job_events(), 1):  # what the test's last jobs did (`run_job`)
+            report.sections.append((f"the test's job events ({n})", tail))
     if call.when == "teardown" and report.passed and not item.config.getoption("--record-tiers"):
         recorded = _tiers.marks(_test_id(item), getattr(item, "fixturenames", ()))
         started = _observer.seen.get(_test_id(item), [])

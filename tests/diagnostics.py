@@ -31,6 +31,24 @@ def events_tail(path: Path, n: int = 80) -> str:
     return f"last {len(out)} of {len(lines)} events in {path}:\n" + "\n".join(out)
 
 
+JOBS_KEPT = 3
+_jobs: list[str] = []
+"""The events of the current test's last jobs (`keep_job_events`), for its report if it fails (tests/conftest.py)."""
+
+
+def keep_job_events(path: Path) -> None:
+    """A job of the current test ended: keep its events' tail (its events file may be deleted right after)."""
+    _jobs.append(events_tail(path))
+    del _jobs[:-JOBS_KEPT]
+
+
+def take_job_events() -> list[str]:
+    """The kept tails, oldest first, and forget them (a new test starts with none)."""
+    kept = list(_jobs)
+    _jobs.clear()
+    return kept
+
+
 def text_tail(path: Path, chars: int = 4000) -> str:
     try:
         return f"tail of {path}:\n{path.read_text(errors='replace')[-chars:]}"

@@ -470,6 +470,10 @@ class ShardedTrainer(Trainer):
         self.groups.leave(abandoned=bool(self.comm.take_stuck()))
 
     def _close_groups(self) -> None:
+        # A refresh started at the last step may still be sending over the buddy group: destroying a Gloo group
+        # under a transfer in flight aborts the process (std::terminate), after the job's training had completed.
+        if self.buddies is not None and not self.buddies.cancel():
+            sys.stderr.write("[trainmover] a buddy-copy refresh did not end with the job; left behind\n")
         self._leave_groups()
         self.groups.close()
 

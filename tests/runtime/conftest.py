@@ -17,7 +17,7 @@ from runtime.launcher import LaunchConfig, launch
 from runtime.wire.auth import new_token
 from runtime.wire.event_records import Event
 from runtime.wire.events import of_type
-from tests.diagnostics import explained
+from tests.diagnostics import explained, keep_job_events
 from tests.tiers import OBSERVER
 
 E = TypeVar("E", bound=Event)
@@ -56,7 +56,9 @@ def run_job(*, nproc: int = 2, standby: int = 1, steps: int = 20, faults: str = 
             faults=faults, num_threads=1, quiet=True, **settings,
         )
         with explained(Path(cfg.events_path or "")):
-            return launch(cfg)
+            result = launch(cfg)
+        keep_job_events(Path(cfg.events_path or ""))  # in the test's report if an assertion on the result fails
+        return result
 
 
 def events_of(result: JobResult, kind: type[E]) -> list[E]:
