@@ -470,8 +470,8 @@ class ShardedTrainer(Trainer):
         self.groups.leave(abandoned=bool(self.comm.take_stuck()))
 
     def _close_groups(self) -> None:
-        # A refresh started at the last step may still be sending over the buddy group: destroying a Gloo group
-        # under a transfer in flight aborts the process (std::terminate), after the job's training had completed.
+        # A refresh started at the last step may still be sending: it ends (bounded) before its group is destroyed,
+        # so no thread is left inside a Gloo transfer while the process exits.
         if self.buddies is not None and not self.buddies.cancel():
             sys.stderr.write("[trainmover] a buddy-copy refresh did not end with the job; left behind\n")
         self._leave_groups()
