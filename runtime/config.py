@@ -90,6 +90,10 @@ class Knobs:
     """Beats each way on every agent link."""
     host_timeout_s: float = 3.0
     """A host whose agent is silent this long is lost, with every process on it."""
+    host_settle_s: float = 0.05
+    """Across hosts, after a process is lost, how long the coordinator waits for more losses before it replaces them:
+    hosts failing together (a rack, a switch) are seen within milliseconds, and their ranks then move in one
+    generation."""
     agents_wait_s: float = 120.0
     """How long the coordinator waits for its agents to join."""
     agent_connect_timeout_s: float = 60.0
@@ -492,6 +496,9 @@ class LaunchConfig:
     host_timeout_s: float = field(default=KNOBS.host_timeout_s, metadata=flag(
         "--host-timeout", "an agent silent this long loses its host and every process on it (default %(default)s s)",
         group="hosts", metavar="S"))
+    host_settle_s: float = field(default=KNOBS.host_settle_s, metadata=flag(
+        "--host-settle", "after a loss, wait this long for more before replacing: hosts lost within it move in one "
+        "generation (default %(default)s s)", group="hosts", metavar="S"))
     agent_heartbeat_s: float = KNOBS.agent_heartbeat_s
     """With --agents: an agent's lease is host_timeout - 2 beats."""
     agents_wait_s: float = field(default=KNOBS.agents_wait_s, metadata=flag(
@@ -627,7 +634,8 @@ class LaunchConfig:
         from runtime.control.hosts import HostTiming
 
         beat = self.agent_heartbeat_s
-        return HostTiming(heartbeat_s=beat, lease_s=self.host_timeout_s - 2 * beat, host_timeout_s=self.host_timeout_s)
+        return HostTiming(heartbeat_s=beat, lease_s=self.host_timeout_s - 2 * beat, host_timeout_s=self.host_timeout_s,
+                          settle_s=self.host_settle_s)
 
     def threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.nproc)

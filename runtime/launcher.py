@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainmover.launcher")
 
 
-LOCAL_TIMING = HostTiming(heartbeat_s=0.5, lease_s=30.0, host_timeout_s=60.0)
-"""The one local agent shares this process: it cannot be cut off, so its lease and timeout only catch a stall."""
+LOCAL_TIMING = HostTiming(heartbeat_s=0.5, lease_s=30.0, host_timeout_s=60.0, settle_s=0.0)
+"""The one local agent shares this process: it cannot be cut off, so its lease and timeout only catch a stall; and
+one host has no other host to wait for before its lost processes are replaced."""
 LOCAL_GLOO_SLOTS = 1024
 """On CPU one machine runs as many processes as the job asks for; on NCCL, one per GPU."""
 
@@ -112,8 +113,6 @@ class LocalHostPool(HostPool):
     fencing), so the demo and every single-machine test exercise it. Processes started by the agent are this
     process's children, exactly as before; the zygote (runtime.host.zygote) belongs to the agent.
     """
-
-    settle_s = 0.0  # one host: nothing to wait for before replacing its lost processes
 
     def __init__(self, listen: socket.socket, token: str, cfg: LaunchConfig, argv: list[str], env: dict[str, str],
                  zygote_env: dict[str, str]) -> None:

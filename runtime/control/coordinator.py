@@ -117,9 +117,10 @@ class ProcessPool(Protocol):
     hosts (and `runtime.launcher.LocalHostPool`, its one-machine form); `SimplePool` gives the answers of a pool with no
     hosts behind it (tests' simulated pools)."""
 
-    settle_s: float
-    """After a declared death, how long to wait for more before publishing the new generation: across hosts, losses
-    seen together move together (0: replace at once)."""
+    @property
+    def settle_s(self) -> float:
+        """After a declared death, how long to wait for more before publishing the new generation: across hosts,
+        losses seen together move together (0: replace at once)."""
 
     def spawn(self, name: str, role: str) -> ProcessHandle:
         """Start process `name` in `role` ("worker" or "standby"); NoSlot when there is no room for it."""

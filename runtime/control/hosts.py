@@ -62,15 +62,19 @@ class NoSlot(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HostTiming:
-    """The agent links' timing (defaults: runtime.config.KNOBS's agent_heartbeat_s, agent_lease_s and
-    host_timeout_s). The host timeout is longer than the lease plus a beat: a lost host's processes are fenced by
+    """The agent links' timing (defaults: runtime.config.KNOBS's agent_heartbeat_s, agent_lease_s, host_timeout_s and
+    host_settle_s). The host timeout is longer than the lease plus a beat: a lost host's processes are fenced by
     then."""
 
     heartbeat_s: float = KNOBS.agent_heartbeat_s
     lease_s: float = KNOBS.agent_lease_s
     host_timeout_s: float = KNOBS.host_timeout_s
+    settle_s: float = KNOBS.host_settle_s
 
     def validate(self) -> None:
+        if not 0 <= self.settle_s < self.host_timeout_s:
+            raise ValueError(f"--host-settle ({self.settle_s} s) must be at least 0 and shorter than the host timeout "
+                             f"({self.host_timeout_s} s)")
         if self.heartbeat_s <= 0:
             raise ValueError(f"the agents' heartbeat must be positive, got {self.heartbeat_s}")
         if self.lease_s < 2 * self.heartbeat_s:
@@ -148,9 +152,11 @@ class RemoteProcess:
 class HostPool:
     """Places processes on the agents' hosts; see the module's docstring."""
 
-    settle_s: float = 0.05
-    """After a process is lost, how long the coordinator waits for more losses before replacing: hosts failing
-    together (a rack, a switch) are seen within milliseconds, and their ranks then move in one generation."""
+    @property
+    def settle_s(self) -> float:
+        """After a process is lost, how long the coordinator waits for more losses before replacing
+        (`HostTiming.settle_s`, `--host-settle`)."""
+        return self.timing.settle_s
 
     def __init__(self, listen: socket.socket, token: str, job_id: str, argv: list[str],
                  env: dict[str, str], timing: HostTiming, rank_logs: RankLogs | None = None, *,

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.cli import add_agent_parser, add_coordinator_parser, add_run_parser
 from runtime.client import JobSpec, Placement, coordinator_argv, run_argv
-from runtime.config import KNOBS, LaunchConfig, ProcessConfig, flags_of, from_namespace
+from runtime.config import KNOBS, ConfigError, LaunchConfig, ProcessConfig, flags_of, from_namespace
 from runtime.control.coordinator import CoordinatorSettings
 from runtime.control.hosts import HostTiming
 from runtime.host.agent import AgentConfig
@@ -46,6 +46,7 @@ KNOB_FIELDS: dict[str, list[tuple[Any, str]]] = {
     "agent_heartbeat_s": [(LaunchConfig, "agent_heartbeat_s"), (HostTiming, "heartbeat_s")],
     "agent_lease_s": [(HostTiming, "lease_s")],
     "host_timeout_s": [(LaunchConfig, "host_timeout_s"), (HostTiming, "host_timeout_s")],
+    "host_settle_s": [(LaunchConfig, "host_settle_s"), (HostTiming, "settle_s")],
     "agents_wait_s": [(LaunchConfig, "agents_wait_s")],
     "agent_connect_timeout_s": [(AgentConfig, "connect_timeout_s")],
     "backup_every": [(LaunchConfig, "backup_every"), (ProcessConfig, "backup_every")],
@@ -168,3 +169,11 @@ def test_the_clients_command_lines_say_what_the_spec_and_the_placement_say(tmp_p
         coordinator_argv(spec, tmp_path / "ev", placement)[4:]))
     assert (cfg.job_id, cfg.agents, cfg.host, cfg.port, cfg.agent_port, cfg.agents_wait_s) == (
         "job-a", 3, "10.0.0.1", 7000, 7001, 30.0)
+
+
+@pytest.mark.parametrize("settle", [-0.1, 3.0])
+def test_a_host_settle_outside_zero_to_the_host_timeout_is_one_clear_error(settle: float) -> None:
+    cfg = LaunchConfig(script="train.py", agents=2, host_settle_s=settle)
+    with pytest.raises(ConfigError, match=r"--host-settle .* shorter than the host timeout \(3.0 s\)"):
+        cfg.validate()
+    assert LaunchConfig(script="train.py", agents=2, host_settle_s=0.5).host_timing().settle_s == 0.5
