@@ -472,10 +472,14 @@ class ShardedTrainer(Trainer):
     def _close_groups(self) -> None:
         # A refresh started at the last step may still be sending: it ends (bounded) before its group is destroyed,
         # so no thread is left inside a Gloo transfer while the process exits.
-        if self.buddies is not None and not self.buddies.cancel():
-            sys.stderr.write("[trainmover] a buddy-copy refresh did not end with the job; left behind\n")
+        self._end_refresh("with the job")
         self._leave_groups()
         self.groups.close()
+
+    def _end_refresh(self, when: str) -> None:
+        """Wait (bounded) for a buddy refresh still running; say so if it outlives the wait."""
+        if self.buddies is not None and not self.buddies.cancel():
+            sys.stderr.write(f"[trainmover] a buddy-copy refresh did not end {when}; left behind\n")
 
     def _hot_capable(self) -> bool:
         """Hot standbys mirror a replica that holds the whole state: not a shard (docs/sharded.md)."""
@@ -767,8 +771,7 @@ class ShardedTrainer(Trainer):
 
     def _recover(self, g: int, message: str, untrusted: int | None = None,
                  kind: Literal["comm", "state_lost"] = "comm") -> int:
-        if self.buddies is not None and not self.buddies.cancel():
-            sys.stderr.write("[trainmover] a buddy-copy refresh did not end when its generation did; left behind\n")
+        self._end_refresh("when its generation did")
         release_groups(self.model, self.device_mesh)
         self.device_mesh = None
         self._buddy_group = None
